@@ -1,0 +1,21 @@
+"""axonn_jax: AxoNN's 4D hybrid parallelism for JAX and Flax.
+
+Public names are re-exported here; everything else is internal.
+
+Example:
+    >>> import axonn_jax
+    >>> grid = axonn_jax.Grid(x=2, z=2, data=2)
+    >>> grid.size
+    8
+"""
+
+from axonn_jax.grid import Grid
+from axonn_jax.runtime.launch import ProcessInfo, init, process_info
+
+__all__ = ["Grid", "ProcessInfo", "init", "process_info"]
+__version__ = "0.1.0"
+
+from axonn_jax.runtime import launch as _launch
+
+_launch.auto_init()
+del _launch

@@ -1,0 +1,1 @@
+"""Reference models written in this repository (used by tests, examples, benchmarks)."""

@@ -1,0 +1,1 @@
+"""The runtime: meshes and launch, 4D kernels, per-stage programs, transports."""

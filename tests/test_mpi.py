@@ -1,0 +1,44 @@
+"""Real multi-process launches: ``mpiexec -n 2`` (2×4 devices) and ``-n 4`` (4×2)."""
+
+import re
+
+import pytest
+from conftest import grid_id, grids_of
+from mpi_util import run_mpi
+
+pytestmark = pytest.mark.mpi
+
+
+def _grid_args(grids):
+    return [grid_id(g) for g in grids]
+
+
+def _check(result, grids, cases=("block", "mlp")):
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    ok = re.findall(r"^OK (\w+) (\S+) ", result.stdout, flags=re.M)
+    assert sorted(ok) == sorted((c, g) for c in cases for g in grids), output[-4000:]
+
+
+@pytest.mark.slow
+def test_kernels_two_processes_all_grids():
+    grids = _grid_args(grids_of(8))
+    result = run_mpi(2, "kernel_equivalence.py", *grids, devices_per_process=4, timeout=600)
+    _check(result, grids)
+
+
+def test_kernels_four_processes():
+    grids = ["x=2,y=2,z=2", "x=4,z=2", "y=2,z=2,data=2", "z=8", "data=8"]
+    result = run_mpi(4, "kernel_equivalence.py", *grids, devices_per_process=2, timeout=600)
+    _check(result, grids)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_failing_rank_aborts_the_whole_job(n):
+    """One rank raises while the others wait in a collective: the job ends, no hang."""
+    result = run_mpi(n, "fail_on_rank.py", str(n - 1), timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"[axonn_jax rank {n - 1}] uncaught exception" in output
+    assert f"deliberate failure on rank {n - 1}" in output
+    assert "unexpectedly finished" not in output
