@@ -1,0 +1,126 @@
+"""The immutable result of partitioning: layouts, layers, fallbacks, memory. Pure.
+
+Example:
+    >>> print(pm.plan)                                   # doctest: +SKIP
+    Plan for Grid(x=2, y=2, z=2, data=1, pipeline=1): 6 parameters ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from axonn_jax.grid import Grid
+from axonn_jax.partitioner.layout import Layout, describe, factor, to_spec
+from axonn_jax.partitioner.planner import Fallback, PlannedLayouts
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamPlan:
+    """Where one parameter lives."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    storage: Layout  # stored layout (what PartitionSpec says)
+    use: Layout  # layout after the depth (z) gather, where it is consumed
+    role: str  # "normal", "transposed", "follows activation", "replicated", ...
+
+    @property
+    def spec(self) -> jax.sharding.PartitionSpec:
+        return to_spec(self.storage)
+
+    def local_shape(self, grid: Grid) -> tuple[int, ...]:
+        return tuple(s // factor(a, grid) for s, a in zip(self.shape, self.storage))
+
+    def bytes_per_device(self, grid: Grid) -> int:
+        return math.prod(self.local_shape(grid)) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a model is laid out on a :class:`~axonn_jax.Grid`."""
+
+    grid: Grid
+    params: tuple[ParamPlan, ...]
+    param_tree: Any
+    arg_layouts: tuple[Layout, ...]
+    out_layouts: tuple[Layout, ...]
+    fallbacks: tuple[Fallback, ...]
+    notes: tuple[str, ...]
+
+    @classmethod
+    def build(cls, traced, grid: Grid, layouts: PlannedLayouts) -> Plan:
+        params = []
+        for path, aval in zip(traced.param_paths, traced.param_avals):
+            use = layouts.use[path]
+            if path in layouts.layers:
+                role = "normal" if layouts.layers[path][0] == "y" else "transposed"
+            elif any(use):
+                role = "follows activation"
+            else:
+                role = "replicated"
+            params.append(
+                ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)),
+                          layouts.storage[path], use, role)  # fmt: skip
+            )
+        return cls(
+            grid=grid,
+            params=tuple(params),
+            param_tree=traced.param_tree,
+            arg_layouts=layouts.args,
+            out_layouts=layouts.outs,
+            fallbacks=layouts.fallbacks,
+            notes=layouts.notes,
+        )
+
+    # --- views ------------------------------------------------------------
+    @property
+    def param_specs(self):
+        """PartitionSpec pytree matching the params pytree."""
+        return jax.tree.unflatten(self.param_tree, [p.spec for p in self.params])
+
+    def param(self, path: str) -> ParamPlan:
+        for p in self.params:
+            if p.path == path:
+                return p
+        raise KeyError(f"no parameter '{path}'; parameters are {[p.path for p in self.params]}")
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(math.prod(p.shape) * np.dtype(p.dtype).itemsize for p in self.params)
+
+    @property
+    def param_bytes_per_device(self) -> int:
+        return sum(p.bytes_per_device(self.grid) for p in self.params)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        out = [f"replicated {f.primitive} at {f.where}: {f.reason}" for f in self.fallbacks]
+        return tuple(out) + self.notes
+
+    def __str__(self) -> str:
+        g = self.grid
+        rows = [("parameter", "shape", "stored as", "role", "bytes/device")]
+        for p in self.params:
+            rows.append((p.path, "×".join(map(str, p.shape)) or "scalar", describe(p.storage),
+                         p.role, f"{p.bytes_per_device(g):,}"))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = [
+            f"Plan for {g}: {len(self.params)} parameters, "
+            f"{self.total_param_bytes:,} bytes total, "
+            f"{self.param_bytes_per_device:,} bytes per device "
+            f"({self.total_param_bytes / max(self.param_bytes_per_device, 1):.2f}× less)"
+        ]
+        for i, row in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        if self.warnings:
+            lines.append("warnings:")
+            lines.extend(f"  - {w}" for w in self.warnings)
+        return "\n".join(lines)

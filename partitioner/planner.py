@@ -1,0 +1,353 @@
+"""The planning pass: walk the model's jaxpr with layouts only and decide them.
+
+Pure: works on abstract shapes, needs no devices. Parameters start
+*undecided*; they flow through layout-preserving ops (casts, reshapes that only
+add or drop unit dims, broadcasts, transposes) and are decided by the first
+equation that asks for a layout (a matmul makes its weight a 4D layer weight,
+an elementwise op with an activation makes a bias or a norm scale follow the
+activation, a lookup makes a table an embedding). Matmul and embedding
+weights are then additionally split over z (depth, FSDP-like) on their
+largest divisible dim.
+
+Decisions are iterated to a fixpoint: when a later equation has to *slice* a
+replicated value that derives from an undecided-then-replicated parameter,
+that parameter is re-planned with the sliced layout (so e.g. a LayerNorm scale
+ends up split like the hidden dim it scales, instead of its gradient being
+all-reduced at activation size).
+
+Example:
+    >>> import flax.linen as nn, jax.numpy as jnp
+    >>> from axonn_jax import Grid
+    >>> from axonn_jax.partitioner.trace import trace_model
+    >>> result = plan_layouts(trace_model(nn.Dense(8), jnp.zeros((4, 8))), Grid(x=2, y=2))
+    >>> result.storage["kernel"]
+    (('y',), ('x',))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+
+from axonn_jax.grid import BATCH_AXES, Z, Grid
+from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes
+from axonn_jax.partitioner.trace import TracedModel, inline_calls
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """An equation that could not be partitioned and runs replicated."""
+
+    primitive: str
+    reason: str
+    where: str
+    params: tuple[str, ...]  # parameter paths that feed it directly
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedLayouts:
+    """Result of :func:`plan_layouts`, keyed by parameter path."""
+
+    use: dict[str, Layout]  # layout of each parameter where it is used
+    storage: dict[str, Layout]  # layout it is stored in (use + depth split over z)
+    args: tuple[Layout, ...]
+    outs: tuple[Layout, ...]
+    fallbacks: tuple[Fallback, ...]
+    layers: dict[str, tuple[str, str]]  # weight path -> (in_axis, out_axis)
+    notes: tuple[str, ...]  # parameters left replicated or not depth-split, and why
+
+
+_PENDING_PASS = {"convert_element_type", "copy", "copy_p", "reduce_precision", "transpose",
+                 "broadcast_in_dim", "squeeze", "reshape"}  # fmt: skip
+
+
+def batch_layout(shape, grid: Grid) -> Layout:
+    """Dim 0 split over (data, z) when divisible; everything else replicated."""
+    if not shape:
+        return ()
+    lay = replicated(len(shape))
+    if divides(shape[0], BATCH_AXES, grid):
+        lay = (BATCH_AXES,) + lay[1:]
+    return lay
+
+
+def plan_layouts(
+    traced: TracedModel,
+    grid: Grid,
+    *,
+    strict: bool = False,
+    rules: Mapping[str, Sequence] | None = None,
+    replicate: Sequence[str] = (),
+    jaxpr=None,
+) -> PlannedLayouts:
+    """Decide the layout of every parameter, argument and output of ``traced``.
+
+    Args:
+        rules: ``{regex: PartitionSpec-like}`` forcing the *use* layout of matching
+            parameter paths (e.g. ``{"head/kernel": (("y",), ())}``).
+        replicate: regexes of parameter paths to keep fully replicated.
+        strict: raise ``ValueError`` instead of falling back to replication.
+        jaxpr: the already inlined ClosedJaxpr of ``traced`` (computed if omitted).
+    """
+    jaxpr = (jaxpr if jaxpr is not None else inline_calls(traced.jaxpr)).jaxpr
+    forced = _forced_layouts(traced, grid, rules or {}, replicate)
+    hints: dict[int, Layout] = {}
+    for _ in range(4):
+        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced})
+        walk.run()
+        new_hints = {p: h for p, h in walk.hints.items() if p not in forced and p not in hints}
+        if not new_hints:
+            break
+        hints.update(new_hints)
+    return walk.result(forced)
+
+
+def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:
+    forced: dict[int, Layout] = {}
+    for i, (path, aval) in enumerate(zip(traced.param_paths, traced.param_avals)):
+        if any(re.search(p, path) for p in replicate):
+            forced[i] = replicated(len(aval.shape))
+            continue
+        for pattern, layout in rules.items():
+            if re.search(pattern, path):
+                lay = tuple(
+                    () if a is None else (a,) if isinstance(a, str) else tuple(a) for a in layout
+                )
+                lay = lay + ((),) * (len(aval.shape) - len(lay))
+                for d, axes in enumerate(lay):
+                    grid.check_divides(f"parameter '{path}' dim {d}", aval.shape[d], axes)
+                forced[i] = lay
+                break
+    return forced
+
+
+class _Walk:
+    """One pass over the jaxpr with layouts only."""
+
+    def __init__(self, traced, jaxpr, grid, strict, predecided):
+        self.traced, self.jaxpr, self.grid, self.strict = traced, jaxpr, grid, strict
+        self.ctx = R.Context(grid, strict=strict)
+        self.decided: dict[int, Layout] = dict(predecided)
+        self.layout: dict = {}
+        self.pending: dict = {}  # var -> (param index, dim map)
+        self.lineage: dict = {}  # var -> {param index: dim map} through elementwise ops
+        self.fallbacks: list[Fallback] = []
+        self.layers: dict[int, tuple[str, str]] = {}
+        self.hints: dict[int, Layout] = {}
+        self.deciders: dict[int, str] = {}
+
+    # --- reading ----------------------------------------------------------
+    def layout_of(self, var) -> Layout | None:
+        if R.is_literal(var):
+            return replicated(len(R.shape_of(var)))
+        if var in self.pending:
+            p, dim_map = self.pending[var]
+            if p not in self.decided:
+                return None
+            return tuple(self.decided[p][m] if m is not None else () for m in dim_map)
+        return self.layout[var]
+
+    def run(self) -> None:
+        n = self.traced.num_params
+        invars = self.jaxpr.invars
+        for i, var in enumerate(invars[:n]):
+            self.pending[var] = (i, tuple(range(len(R.shape_of(var)))))
+            self.lineage[var] = {i: tuple(range(len(R.shape_of(var))))}
+        self.arg_layouts = []
+        for var in invars[n:]:
+            lay = batch_layout(R.shape_of(var), self.grid)
+            self.layout[var] = lay
+            self.arg_layouts.append(lay)
+        for var in self.jaxpr.constvars:
+            self.layout[var] = replicated(len(R.shape_of(var)))
+        for eqn in self.jaxpr.eqns:
+            self.step(eqn)
+        self.out_layouts = [self.layout_of(v) for v in self.jaxpr.outvars]
+        for k, var in enumerate(self.jaxpr.outvars):
+            if self.out_layouts[k] is None:  # a parameter returned as is
+                self.decide(var, replicated(len(R.shape_of(var))), "returned as an output")
+                self.out_layouts[k] = self.layout_of(var)
+
+    # --- one equation -----------------------------------------------------
+    def step(self, eqn) -> None:
+        name = eqn.primitive.name
+        layouts = [self.layout_of(v) for v in eqn.invars]
+        live = [v for v in eqn.invars if not R.is_literal(v)]
+        if (
+            name in _PENDING_PASS
+            and len(live) == 1
+            and live[0] in self.pending
+            and layouts[eqn.invars.index(live[0])] is None
+        ):
+            new_map = _pass_map(eqn, self.pending[live[0]][1])
+            if new_map is not None:
+                self.pending[eqn.outvars[0]] = (self.pending[live[0]][0], new_map)
+                self.lineage[eqn.outvars[0]] = {self.pending[live[0]][0]: new_map}
+                return
+        step = R.rule(eqn, layouts, self.ctx)
+        if step.fallback:
+            self._fallback(eqn, step.fallback)
+        for var, lay, target in zip(eqn.invars, layouts, step.targets):
+            if R.is_literal(var) or target is None:
+                continue
+            if lay is None:
+                self.decide(var, target, f"{name} at {_where(eqn)}")
+                if step.layer is not None:
+                    self.layers[self.pending[var][0]] = step.layer
+            else:
+                self._note_slices(var, lay, target)
+        for k, var in enumerate(eqn.outvars):
+            self.layout[var] = step.outs[k]
+        self._propagate_lineage(eqn)
+
+    def decide(self, var, target: Layout, why: str) -> None:
+        p, dim_map = self.pending[var]
+        shape = self.traced.param_avals[p].shape
+        lay: list[tuple[str, ...]] = [()] * len(shape)
+        for vdim, pdim in enumerate(dim_map):
+            if pdim is not None and target[vdim] and divides(shape[pdim], target[vdim], self.grid):
+                if not (set(target[vdim]) & used_axes(tuple(lay))):
+                    lay[pdim] = target[vdim]
+        self.decided[p] = tuple(lay)
+        self.deciders[p] = why
+
+    def _fallback(self, eqn, reason: str) -> None:
+        feeding = sorted(
+            {self.traced.param_paths[self.pending[v][0]] for v in eqn.invars if v in self.pending}
+        )
+        fb = Fallback(eqn.primitive.name, reason, _where(eqn), tuple(feeding))
+        if self.strict:
+            raise ValueError(
+                f"cannot partition '{fb.primitive}' at {fb.where}: {reason}"
+                + (f" (parameters {', '.join(feeding)})" if feeding else "")
+                + f" on {self.grid}. Remedy: pass strict=False to run it replicated, or "
+                "replace the operation."
+            )
+        self.fallbacks.append(fb)
+
+    # --- hints: re-plan params whose derived values had to be sliced ------
+    def _propagate_lineage(self, eqn) -> None:
+        name = eqn.primitive.name
+        merged: dict[int, tuple] = {}
+        if name in R.ELEMENTWISE:
+            out_shape = R.shape_of(eqn.outvars[0])
+            for v in eqn.invars:
+                if R.is_literal(v):
+                    continue
+                shape = R.shape_of(v)
+                for p, m in self.lineage.get(v, {}).items():
+                    if len(m) == len(out_shape):
+                        m = tuple(None if s == 1 and o != 1 else d
+                                  for d, s, o in zip(m, shape, out_shape))  # fmt: skip
+                        merged.setdefault(p, m)
+        elif name in _PENDING_PASS and eqn.invars and not R.is_literal(eqn.invars[0]):
+            for p, m in self.lineage.get(eqn.invars[0], {}).items():
+                new = _pass_map(eqn, m)
+                if new is not None:
+                    merged[p] = new
+        if merged:
+            for var in eqn.outvars:
+                self.lineage[var] = merged
+
+    def _note_slices(self, var, lay: Layout, target: Layout) -> None:
+        for p, dim_map in self.lineage.get(var, {}).items():
+            if p not in self.decided:
+                continue
+            shape = self.traced.param_avals[p].shape
+            hint = list(self.decided[p])
+            changed = False
+            for vdim, pdim in enumerate(dim_map):
+                if pdim is None or hint[pdim] or not target[vdim] or lay[vdim]:
+                    continue
+                if divides(shape[pdim], target[vdim], self.grid) and not (
+                    set(target[vdim]) & used_axes(tuple(hint))
+                ):
+                    hint[pdim] = target[vdim]
+                    changed = True
+            if changed:
+                self.hints.setdefault(p, tuple(hint))
+
+    # --- result -----------------------------------------------------------
+    def result(self, forced) -> PlannedLayouts:
+        paths, avals = self.traced.param_paths, self.traced.param_avals
+        use, storage, notes = {}, {}, []
+        for i, (path, aval) in enumerate(zip(paths, avals)):
+            lay = self.decided.get(i, replicated(len(aval.shape)))
+            use[path] = lay
+            storage[path] = self._depth_split(i, path, aval.shape, lay, notes)
+            if i not in self.decided:
+                notes.append(f"{path}: never used by the model; kept replicated")
+        return PlannedLayouts(
+            use=use,
+            storage=storage,
+            args=tuple(self.arg_layouts),
+            outs=tuple(self.out_layouts),
+            fallbacks=tuple(self.fallbacks),
+            layers={paths[p]: v for p, v in self.layers.items()},
+            notes=tuple(notes),
+        )
+
+    def _depth_split(self, p, path, shape, lay: Layout, notes) -> Layout:
+        """Add z to the largest divisible dim of a matmul or embedding weight."""
+        weight = self.deciders.get(p, "").split(" ")[0] in ("dot_general", "gather")
+        if not weight or len(shape) < 2 or self.grid.z == 1 or Z in used_axes(lay):
+            return lay
+        candidates = [
+            d for d in range(len(shape)) if divides(shape[d], lay[d] + (Z,), self.grid)
+        ]
+        if not candidates:
+            notes.append(
+                f"{path} {tuple(shape)}: no dim divisible by its tensor split × z={self.grid.z};"
+                " not depth-split (replicated over z)"
+            )
+            return lay
+        best = max(candidates, key=lambda d: (shape[d] // factor(lay[d], self.grid), -d))
+        return tuple(axes + (Z,) if d == best else axes for d, axes in enumerate(lay))
+
+
+def _pass_map(eqn, dim_map):
+    """Dim map of a layout-preserving op's output, or None if not preserving."""
+    name = eqn.primitive.name
+    in_shape = R.shape_of(eqn.invars[0])
+    out_shape = R.shape_of(eqn.outvars[0])
+    if name in ("convert_element_type", "copy", "copy_p", "reduce_precision"):
+        return dim_map
+    if name == "transpose":
+        return tuple(dim_map[p] for p in eqn.params["permutation"])
+    if name == "squeeze":
+        drop = {d % len(in_shape) for d in eqn.params["dimensions"]}
+        return tuple(m for d, m in enumerate(dim_map) if d not in drop)
+    if name == "broadcast_in_dim":
+        out = [None] * len(out_shape)
+        for src, dst in enumerate(eqn.params["broadcast_dimensions"]):
+            if in_shape[src] == out_shape[dst]:
+                out[dst] = dim_map[src]
+        return tuple(out)
+    if name == "reshape" and eqn.params.get("dimensions") is None:
+        groups = R.reshape_groups(in_shape, out_shape)
+        if groups is None or any(len(gi) != 1 or len(go) != 1 for gi, go in groups):
+            return None
+        out = [None] * len(out_shape)
+        for gi, go in groups:
+            out[go[0]] = dim_map[gi[0]]
+        return tuple(out)
+    return None
+
+
+def _where(eqn) -> str:
+    """Best-effort source location / module path of an equation."""
+    info = getattr(eqn, "source_info", None)
+    stack = getattr(info, "name_stack", None)
+    text = str(stack) if stack else ""
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(info.traceback) if info is not None else None
+        if frame is not None:
+            loc = f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
+            text = f"{text} ({loc})" if text else loc
+    except Exception:  # pragma: no cover - diagnostics only
+        pass
+    return text or "<unknown>"

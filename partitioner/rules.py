@@ -1,0 +1,470 @@
+"""Sharding rules, one per primitive. Pure: layouts in, decisions out.
+
+A rule sees one jaxpr equation and the layouts of its operands (``None`` for
+an operand that comes from a parameter whose layout is not decided yet) and
+returns a :class:`Step`: the layout each operand must have (the executor
+relayouts operands that differ: slicing a replicated dim is free, un-sharding
+a dim is an all-gather), the layout of each output, the cross-device
+reductions to apply to each output, and the equation's parameters rewritten
+for local shapes.
+
+The same rules drive the planner (which decides parameter layouts from the
+targets it is asked for) and the executor (which runs them inside
+``shard_map``), so the plan and the program cannot disagree.
+
+Any primitive without a rule falls back to full replication of its operands:
+always exact, possibly slow, and listed as a warning in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from axonn_jax.grid import X, Y, Grid
+from axonn_jax.partitioner.layout import (
+    Layout,
+    divides,
+    local_shape,
+    merge,
+    replicated,
+    used_axes,
+    without,
+)
+
+
+@dataclasses.dataclass
+class Step:
+    """What to do for one equation."""
+
+    targets: list[Layout | None]  # per operand; None for literals
+    outs: list[Layout]
+    reduce: list[tuple[str, tuple[str, ...]] | None]  # per output: ("sum"|"max"|"min", axes)
+    params: dict[str, Any]
+    fallback: str = ""  # non-empty: why this equation was replicated
+    layer: tuple[str, str] | None = None  # (in_axis, out_axis) for a matmul with a weight
+
+
+ELEMENTWISE = frozenset(
+    """add sub mul div rem pow max min atan2 nextafter and or xor not neg sign floor ceil
+    round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan sinh
+    cosh asinh acosh atanh sqrt rsqrt cbrt abs integer_pow square erf erfc erf_inv lgamma
+    digamma convert_element_type select_n clamp eq ne lt le gt ge copy copy_p
+    reduce_precision real imag conj shift_left shift_right_logical shift_right_arithmetic
+    population_count clz imag stop_gradient optimization_barrier""".split()
+)
+PASS_THROUGH = frozenset(["sharding_constraint", "mesh_cast", "pvary", "pcast"])
+REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
+NEEDS_WHOLE_AXIS = {
+    "argmax": "axes",
+    "argmin": "axes",
+    "reduce_prod": "axes",
+    "reduce_and": "axes",
+    "reduce_or": "axes",
+    "reduce_xor": "axes",
+    "cumsum": "axis",
+    "cumprod": "axis",
+    "cummax": "axis",
+    "cummin": "axis",
+    "cumlogsumexp": "axis",
+    "sort": "dimension",
+    "split": "axis",
+    "rev": "dimensions",
+}
+
+
+class Context:
+    """Grid and options the rules consult."""
+
+    def __init__(self, grid: Grid, *, strict: bool = False):
+        self.grid = grid
+        self.strict = strict
+
+    def local(self, shape, layout: Layout) -> tuple[int, ...]:
+        return local_shape(shape, layout, self.grid)
+
+
+def shape_of(var) -> tuple[int, ...]:
+    return tuple(getattr(var.aval, "shape", ()))
+
+
+def is_literal(var) -> bool:
+    return not hasattr(var, "count") and hasattr(var, "val")
+
+
+def rule(eqn, layouts: list[Layout | None], ctx: Context) -> Step:
+    """Dispatch to the rule of ``eqn.primitive`` (or the replicate fallback)."""
+    name = eqn.primitive.name
+    if name in ELEMENTWISE or name in PASS_THROUGH:
+        return elementwise(eqn, layouts, ctx)
+    handler = _RULES.get(name)
+    if handler is not None:
+        return handler(eqn, layouts, ctx)
+    if name in REDUCTIONS:
+        return reduction(eqn, layouts, ctx)
+    if name in NEEDS_WHOLE_AXIS:
+        return whole_axis(eqn, layouts, ctx, NEEDS_WHOLE_AXIS[name])
+    return replicate(eqn, f"no sharding rule for primitive '{name}'")
+
+
+def replicate(eqn, why: str) -> Step:
+    """Fallback: every operand and output fully replicated. Always exact."""
+    return Step(
+        targets=[None if is_literal(v) else replicated(len(shape_of(v))) for v in eqn.invars],
+        outs=[replicated(len(shape_of(v))) for v in eqn.outvars],
+        reduce=[None] * len(eqn.outvars),
+        params=dict(eqn.params),
+        fallback=why,
+    )
+
+
+def _operands(eqn, layouts):
+    """(index, layout) of non-literal operands with rank > 0."""
+    return [
+        (i, lay)
+        for i, (v, lay) in enumerate(zip(eqn.invars, layouts))
+        if not is_literal(v) and shape_of(v)
+    ]
+
+
+def elementwise(eqn, layouts, ctx) -> Step:
+    """Operands share one layout; dims an operand broadcasts (size 1) stay unsharded."""
+    out_shape = shape_of(eqn.outvars[0])
+    out_ndim = len(out_shape)
+    full = [
+        _unbroadcast(lay, shape_of(eqn.invars[i]), out_shape)
+        for i, lay in _operands(eqn, layouts)
+        if lay is not None and len(lay) == out_ndim
+    ]
+    target = merge(full) if full else replicated(out_ndim)
+    targets = []
+    for v in eqn.invars:
+        if is_literal(v):
+            targets.append(None)
+        elif len(shape_of(v)) == out_ndim:
+            targets.append(_unbroadcast(target, shape_of(v), out_shape))
+        else:  # scalar operand (e.g. the predicate or a bound of clamp)
+            targets.append(replicated(len(shape_of(v))))
+    return Step(targets, [target] * len(eqn.outvars), [None] * len(eqn.outvars), dict(eqn.params))
+
+
+def _unbroadcast(layout: Layout, shape, out_shape) -> Layout:
+    """``layout`` with the dims that ``shape`` broadcasts (1 → n) unsharded."""
+    return tuple(() if s == 1 and o != 1 else a for a, s, o in zip(layout, shape, out_shape))
+
+
+def broadcast_in_dim(eqn, layouts, ctx) -> Step:
+    (operand,) = eqn.invars[:1]
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(operand)))
+    out_shape = eqn.params["shape"]
+    dims = eqn.params["broadcast_dimensions"]
+    in_shape = shape_of(operand)
+    out: list[tuple[str, ...]] = [()] * len(out_shape)
+    for src, dst in enumerate(dims):
+        if in_shape[src] == out_shape[dst]:
+            out[dst] = lay[src]
+    out_layout = tuple(out)
+    params = dict(eqn.params, shape=ctx.local(out_shape, out_layout), sharding=None)
+    targets = [lay] + [replicated(len(shape_of(v))) for v in eqn.invars[1:]]
+    return Step(targets, [out_layout], [None], params)
+
+
+def reshape_groups(in_shape, out_shape):
+    """Pair up dims of equal product: [(in_dims, out_dims), ...], size-1 dims dropped."""
+    ins = [i for i, s in enumerate(in_shape) if s != 1]
+    outs = [o for o, s in enumerate(out_shape) if s != 1]
+    groups, i, o = [], 0, 0
+    while i < len(ins) or o < len(outs):
+        gi, go = [ins[i]] if i < len(ins) else [], [outs[o]] if o < len(outs) else []
+        pi = in_shape[gi[0]] if gi else 1
+        po = out_shape[go[0]] if go else 1
+        i, o = i + bool(gi), o + bool(go)
+        while pi != po:
+            if pi < po and i < len(ins):
+                pi *= in_shape[ins[i]]
+                gi.append(ins[i])
+                i += 1
+            elif po < pi and o < len(outs):
+                po *= out_shape[outs[o]]
+                go.append(outs[o])
+                o += 1
+            else:
+                return None
+        groups.append((gi, go))
+    return groups
+
+
+def reshape(eqn, layouts, ctx) -> Step:
+    operand = eqn.invars[0]
+    in_shape, out_shape = shape_of(operand), tuple(eqn.params["new_sizes"])
+    lay = layouts[0] if layouts[0] is not None else replicated(len(in_shape))
+    groups = reshape_groups(in_shape, out_shape)
+    if eqn.params.get("dimensions") is not None or groups is None:
+        return replicate(eqn, "reshape with a dimension permutation")
+    target = list(lay)
+    out: list[tuple[str, ...]] = [()] * len(out_shape)
+    for gi, go in groups:
+        if not gi or not go:
+            continue
+        major = lay[gi[0]]
+        for d in gi[1:]:
+            target[d] = ()  # only the major dim of a merged group can stay sharded
+        if major and divides(out_shape[go[0]], major, ctx.grid):
+            out[go[0]] = major
+        else:
+            target[gi[0]] = ()
+    out_layout = tuple(out)
+    params = dict(eqn.params, new_sizes=ctx.local(out_shape, out_layout), sharding=None)
+    return Step([tuple(target)], [out_layout], [None], params)
+
+
+def transpose(eqn, layouts, ctx) -> Step:
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(eqn.invars[0])))
+    perm = eqn.params["permutation"]
+    return Step([lay], [tuple(lay[p] for p in perm)], [None], dict(eqn.params))
+
+
+def squeeze(eqn, layouts, ctx) -> Step:
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(eqn.invars[0])))
+    dims = {d % len(lay) for d in eqn.params["dimensions"]}
+    target = without(lay, dims)
+    return Step([target], [tuple(a for d, a in enumerate(target) if d not in dims)], [None],
+                dict(eqn.params))  # fmt: skip
+
+
+def reduction(eqn, layouts, ctx) -> Step:
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(eqn.invars[0])))
+    axes = set(eqn.params["axes"])
+    kind = REDUCTIONS[eqn.primitive.name]
+    if kind != "sum":  # max/min: no derivative for pmax; gather the reduced dims
+        return whole_axis(eqn, layouts, ctx, "axes")
+    reduced = tuple(a for d in sorted(axes) for a in lay[d])
+    out = tuple(a for d, a in enumerate(lay) if d not in axes)
+    return Step([lay], [out], [("sum", reduced) if reduced else None], dict(eqn.params))
+
+
+def whole_axis(eqn, layouts, ctx, key) -> Step:
+    """Ops that need a whole dim locally (sort, cumsum, argmax, ...): un-shard it."""
+    operand = eqn.invars[0]
+    ndim = len(shape_of(operand))
+    lay = layouts[0] if layouts[0] is not None else replicated(ndim)
+    value = eqn.params[key]
+    dims = {d % ndim for d in (value if isinstance(value, (tuple, list)) else (value,))}
+    target = without(lay, dims)
+    outs = []
+    for v in eqn.outvars:
+        if len(shape_of(v)) == ndim:
+            outs.append(target)
+        else:
+            outs.append(tuple(a for d, a in enumerate(target) if d not in dims))
+    targets = [target] + [
+        None if is_literal(v) else (target if len(shape_of(v)) == ndim else replicated(len(shape_of(v))))
+        for v in eqn.invars[1:]
+    ]  # fmt: skip
+    return Step(targets, outs, [None] * len(outs), dict(eqn.params))
+
+
+def concatenate(eqn, layouts, ctx) -> Step:
+    dim = eqn.params["dimension"]
+    full = [lay for _, lay in _operands(eqn, layouts) if lay is not None]
+    target = without(merge(full), {dim}) if full else replicated(len(shape_of(eqn.outvars[0])))
+    return Step([target] * len(eqn.invars), [target], [None], dict(eqn.params))
+
+
+def slice_(eqn, layouts, ctx) -> Step:
+    shape = shape_of(eqn.invars[0])
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape))
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    strides = eqn.params.get("strides") or (1,) * len(shape)
+    cut = {d for d in range(len(shape)) if (start[d], limit[d], strides[d]) != (0, shape[d], 1)}
+    target = without(lay, cut)
+    local = ctx.local(shape, target)
+    params = dict(eqn.params, limit_indices=tuple(
+        local[d] if d not in cut else limit[d] for d in range(len(shape))))  # fmt: skip
+    return Step([target], [target], [None], params)
+
+
+def pad(eqn, layouts, ctx) -> Step:
+    shape = shape_of(eqn.invars[0])
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape))
+    padded = {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+    target = without(lay, padded)
+    return Step([target, ()], [target], [None], dict(eqn.params))
+
+
+def dynamic_slice(eqn, layouts, ctx) -> Step:
+    shape = shape_of(eqn.invars[0])
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape))
+    sizes = eqn.params["slice_sizes"]
+    target = without(lay, {d for d in range(len(shape)) if sizes[d] != shape[d]})
+    params = dict(eqn.params, slice_sizes=ctx.local(sizes, target))
+    targets = [target] + [() for _ in eqn.invars[1:]]
+    return Step(targets, [target], [None], params)
+
+
+def dynamic_update_slice(eqn, layouts, ctx) -> Step:
+    shape, update = shape_of(eqn.invars[0]), shape_of(eqn.invars[1])
+    known = [lay for lay in layouts[:2] if lay is not None]
+    lay = merge(known) if known else replicated(len(shape))
+    target = without(lay, {d for d in range(len(shape)) if update[d] != shape[d]})
+    return Step([target, target] + [() for _ in eqn.invars[2:]], [target], [None], dict(eqn.params))
+
+
+def iota(eqn, layouts, ctx) -> Step:
+    return Step([], [replicated(len(shape_of(eqn.outvars[0])))], [None], dict(eqn.params))
+
+
+def gather(eqn, layouts, ctx) -> Step:
+    """Row lookups (embeddings): ``operand[indices]`` along leading collapsed dims.
+
+    The looked-up dims are un-sharded (their depth/z shards are gathered when
+    the parameter is read); the remaining operand dims keep their layout and
+    the batch dims follow the indices. A table still undecided gets its first
+    kept dim over y, the input axis of the next (normal) layer.
+    """
+    operand, indices = eqn.invars[:2]
+    dn = eqn.params["dimension_numbers"]
+    op_shape, idx_shape = shape_of(operand), shape_of(indices)
+    out_ndim = len(shape_of(eqn.outvars[0]))
+    if dn.operand_batching_dims or len(idx_shape) == 0:
+        return replicate(eqn, "gather with batching dims")
+    looked_up = set(dn.collapsed_slice_dims) | set(dn.start_index_map)
+    sizes = eqn.params["slice_sizes"]
+    if any(sizes[d] not in (1, op_shape[d]) for d in looked_up):
+        return replicate(eqn, "gather of partial windows")
+    kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims]
+    if layouts[0] is None:
+        op_lay = [()] * len(op_shape)
+        for d in kept:
+            if d not in looked_up and divides(op_shape[d], (Y,), ctx.grid):
+                op_lay[d] = (Y,)
+                break
+        op_target = tuple(op_lay)
+    else:
+        op_target = without(layouts[0], looked_up)
+    idx_lay = layouts[1] if layouts[1] is not None else replicated(len(idx_shape))
+    idx_target = without(idx_lay, {len(idx_shape) - 1})
+    if used_axes(idx_target) & used_axes(op_target):
+        idx_target = replicated(len(idx_shape))
+    out: list[tuple[str, ...]] = [()] * out_ndim
+    batch_out = [d for d in range(out_ndim) if d not in dn.offset_dims]
+    for out_dim, idx_dim in zip(batch_out, range(len(idx_shape) - 1)):
+        out[out_dim] = idx_target[idx_dim]
+    for out_dim, op_dim in zip(dn.offset_dims, kept):
+        out[out_dim] = op_target[op_dim]
+    params = dict(eqn.params, slice_sizes=ctx.local(sizes, op_target))
+    return Step([op_target, idx_target], [tuple(out)], [None], params)
+
+
+def dot_general(eqn, layouts, ctx) -> Step:
+    """Matmuls: the 4D layer when one side is a weight, consistent sharding otherwise."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lhs, rhs = eqn.invars
+    lshape, rshape = shape_of(lhs), shape_of(rhs)
+    llay, rlay = layouts
+    layer = None
+    if llay is None and rlay is None:
+        llay, rlay = replicated(len(lshape)), replicated(len(rshape))
+    elif llay is None or rlay is None:
+        weight_is_rhs = rlay is None
+        act_lay = llay if weight_is_rhs else rlay
+        act_c, w_c = (lc, rc) if weight_is_rhs else (rc, lc)
+        act_b, w_b = (lb, rb) if weight_is_rhs else (rb, lb)
+        w_shape = rshape if weight_is_rhs else lshape
+        act_shape = lshape if weight_is_rhs else rshape
+        act_lay, w_lay, layer = _layer_layouts(
+            act_lay, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx
+        )
+        llay, rlay = (act_lay, w_lay) if weight_is_rhs else (w_lay, act_lay)
+    llay, rlay = _consistent(llay, rlay, lc, rc, lb, rb)
+    reduce_axes = tuple(a for d in lc for a in llay[d])
+    lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
+    out = [llay[d] for d in lb] + [llay[d] for d in lfree] + [rlay[d] for d in rfree]
+    return Step(
+        [llay, rlay],
+        [tuple(out)],
+        [("sum", reduce_axes) if reduce_axes else None],
+        dict(eqn.params),
+        layer=layer,
+    )
+
+
+def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx):
+    """Choose normal/transposed from the activation's contracting layout (§1)."""
+    act = list(act)
+    on_contract = [a for d in act_c for a in act[d]]
+    if X in on_contract and Y not in on_contract:
+        in_axis, out_axis = X, Y
+    else:
+        in_axis, out_axis = Y, X
+    if in_axis not in on_contract and act_c:
+        first = act_c[0]
+        if in_axis not in used_axes(tuple(act)) and divides(
+            act_shape[first], act[first] + (in_axis,), ctx.grid
+        ):
+            act[first] = act[first] + (in_axis,)
+    w: list[tuple[str, ...]] = [()] * len(w_shape)
+    for a_dim, w_dim in zip(act_c, w_c):
+        w[w_dim] = act[a_dim]
+    for a_dim, w_dim in zip(act_b, w_b):
+        w[w_dim] = act[a_dim]
+    w_free = [d for d in range(len(w_shape)) if d not in w_c and d not in w_b]
+    taken = used_axes(tuple(act))
+    if w_free and out_axis not in taken and divides(w_shape[w_free[0]], (out_axis,), ctx.grid):
+        w[w_free[0]] = (out_axis,)
+    return tuple(act), tuple(w), (in_axis, out_axis)
+
+
+def _consistent(llay, rlay, lc, rc, lb, rb):
+    """Make paired (contracting and batch) dims sharded alike; free dims disjoint."""
+    llay, rlay = list(llay), list(rlay)
+    for ld, rd in list(zip(lc, rc)) + list(zip(lb, rb)):
+        if llay[ld] == rlay[rd]:
+            continue
+        if not rlay[rd] and not (set(llay[ld]) & used_axes(tuple(rlay))):
+            rlay[rd] = llay[ld]
+        elif not llay[ld] and not (set(rlay[rd]) & used_axes(tuple(llay))):
+            llay[ld] = rlay[rd]
+        else:
+            rlay[rd] = llay[ld] if not (set(llay[ld]) & used_axes(tuple(rlay))) else ()
+            if rlay[rd] != llay[ld]:
+                llay[ld] = ()
+    paired_l = set(lc) | set(lb)
+    paired_r = set(rc) | set(rb)
+    lfree_axes = {a for d, ax in enumerate(llay) if d not in paired_l for a in ax}
+    for d, axes in enumerate(rlay):
+        if d not in paired_r and set(axes) & lfree_axes:
+            rlay[d] = ()
+    return tuple(llay), tuple(rlay)
+
+
+def conv(eqn, layouts, ctx) -> Step:
+    """Convolutions: the batch dim keeps its (data, z) split; channels replicated."""
+    lhs, rhs = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    batch_dim = dn.lhs_spec[0]
+    out_batch = dn.out_spec[0]
+    llay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(lhs)))
+    l_target = tuple(llay[d] if d == batch_dim else () for d in range(len(llay)))
+    out = [()] * len(shape_of(eqn.outvars[0]))
+    out[out_batch] = l_target[batch_dim]
+    params = dict(eqn.params)
+    return Step([l_target, replicated(len(shape_of(rhs)))], [tuple(out)], [None], params)
+
+
+_RULES = {
+    "broadcast_in_dim": broadcast_in_dim,
+    "reshape": reshape,
+    "transpose": transpose,
+    "squeeze": squeeze,
+    "concatenate": concatenate,
+    "slice": slice_,
+    "pad": pad,
+    "dynamic_slice": dynamic_slice,
+    "dynamic_update_slice": dynamic_update_slice,
+    "iota": iota,
+    "gather": gather,
+    "dot_general": dot_general,
+    "conv_general_dilated": conv,
+}

@@ -1,0 +1,226 @@
+"""Run a planned model: a jaxpr interpreter over local shards inside ``shard_map``.
+
+Each equation is executed by the rule the planner used
+(:mod:`axonn_jax.partitioner.rules`): operands are relayouted to the rule's
+targets (all-gather to un-shard, a local slice to shard), the primitive is
+bound on local shards with parameters rewritten for local shapes, and the
+rule's reductions are applied (``psum``). Parameters are read by gathering
+their depth (z) split — the forward all-gather whose transpose is the
+weight-gradient reduce-scatter — after being marked varying over the batch
+axes so that their gradients are reduced over data and z at parameter size.
+
+Broadcasts are kept lazy until a consumer asks for a layout, so a bias or a
+norm scale is broadcast straight into the local shape of the activation it
+meets and its gradient is reduced at its own size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from axonn_jax.grid import BATCH_AXES, DATA, Z, Grid
+from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.layout import Layout, local_shape
+
+
+@dataclasses.dataclass
+class _Lazy:
+    """A ``broadcast_in_dim`` not materialised yet (shapes are global)."""
+
+    operand: jax.Array
+    operand_layout: Layout
+    dims: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    literal: bool
+
+
+def vma(x) -> frozenset:
+    """The mesh axes ``x`` varies over (shard_map's varying-manual-axes type)."""
+    mat = getattr(jax.typeof(x), "mat", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
+    """Move local shard ``x`` from layout ``src`` to ``dst`` (same global shape)."""
+    if src == dst:
+        return x
+    for d, (s, t) in enumerate(zip(src, dst)):
+        keep = _common_prefix(s, t)
+        for axis in reversed(s[keep:]):
+            x = _gather(x, axis, d)
+    for d, (s, t) in enumerate(zip(src, dst)):
+        axes = t[_common_prefix(s, t) :]
+        if not axes:
+            continue
+        parts = 1
+        index = 0
+        for axis in axes:
+            size = grid.axis_size(axis)
+            index = index * size + lax.axis_index(axis)
+            parts *= size
+        chunk = x.shape[d] // parts
+        x = lax.dynamic_slice_in_dim(x, index * chunk, chunk, axis=d)
+    return x
+
+
+def _common_prefix(a: tuple, b: tuple) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def _gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
+    if axis in vma(x):
+        return lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
+    # identical on every device of `axis` (a broadcast value): tiling is exact
+    size = lax.axis_size(axis)
+    return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
+
+
+def read_param(x: jax.Array, storage: Layout) -> jax.Array:
+    """Local parameter shard → its use layout (depth gathered, batch axes varying)."""
+    depth_dims = [d for d, axes in enumerate(storage) if axes and axes[-1] == Z]
+    if depth_dims:
+        if DATA not in vma(x):
+            x = lax.pcast(x, DATA, to="varying")
+        return lax.all_gather(x, Z, axis=depth_dims[0], tiled=True)
+    missing = tuple(a for a in BATCH_AXES if a not in vma(x))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def use_layout(storage: Layout) -> Layout:
+    return tuple(axes[:-1] if axes and axes[-1] == Z else axes for axes in storage)
+
+
+class Executor:
+    """Interpret ``jaxpr`` on local shards; call inside ``shard_map`` on a stage mesh."""
+
+    def __init__(
+        self,
+        jaxpr,
+        consts: Sequence,
+        grid: Grid,
+        *,
+        param_storage: Sequence[Layout],
+        arg_layouts: Sequence[Layout],
+        out_layouts: Sequence[Layout],
+    ):
+        self.jaxpr, self.consts, self.grid = jaxpr, list(consts), grid
+        self.param_storage = list(param_storage)
+        self.arg_layouts = list(arg_layouts)
+        self.out_layouts = list(out_layouts)
+        self.ctx = R.Context(grid)
+
+    def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
+        env: dict = {}
+        lay: dict = {}
+        invars = self.jaxpr.invars
+        n = len(self.param_storage)
+        for var, x, storage in zip(invars[:n], params, self.param_storage):
+            env[var], lay[var] = read_param(x, storage), use_layout(storage)
+        for var, x, layout in zip(invars[n:], args, self.arg_layouts):
+            env[var], lay[var] = x, layout
+        for var, x in zip(self.jaxpr.constvars, self.consts):
+            env[var], lay[var] = x, ((),) * jnp.ndim(x)
+        for eqn in self.jaxpr.eqns:
+            self._run(eqn, env, lay)
+        outs = []
+        for var, target in zip(self.jaxpr.outvars, self.out_layouts):
+            if R.is_literal(var):
+                outs.append(jnp.asarray(var.val))
+                continue
+            outs.append(self._materialise(env[var], lay[var], target, frozenset()))
+        return outs
+
+    def _run(self, eqn, env, lay) -> None:
+        layouts = [
+            ((),) * len(R.shape_of(v)) if R.is_literal(v) else lay[v] for v in eqn.invars
+        ]
+        step = R.rule(eqn, layouts, self.ctx)
+        if eqn.primitive.name == "broadcast_in_dim" and len(eqn.invars) == 1:
+            var = eqn.invars[0]
+            literal = R.is_literal(var)
+            operand = var.val if literal else env[var]
+            if not isinstance(operand, _Lazy):
+                env[eqn.outvars[0]] = _Lazy(
+                    operand,
+                    layouts[0],
+                    tuple(eqn.params["broadcast_dimensions"]),
+                    R.shape_of(var),
+                    tuple(eqn.params["shape"]),
+                    literal,
+                )
+                lay[eqn.outvars[0]] = step.outs[0]
+                return
+        values: list = [None] * len(eqn.invars)
+        lazy = []
+        for i, (var, src, dst) in enumerate(zip(eqn.invars, layouts, step.targets)):
+            if R.is_literal(var):
+                values[i] = var.val
+            elif isinstance(env[var], _Lazy):
+                lazy.append(i)
+            else:
+                values[i] = relayout(env[var], src, dst, self.grid)
+        together = frozenset().union(
+            *(vma(values[i]) for i, v in enumerate(eqn.invars) if i not in lazy and not R.is_literal(v))
+        )
+        for i in lazy:
+            values[i] = self._materialise(env[eqn.invars[i]], layouts[i], step.targets[i], together)
+        values = _match_vma(eqn, values)
+        outs = eqn.primitive.bind(*values, **step.params)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
+            reduction = step.reduce[k]
+            if reduction is not None:
+                kind, axes = reduction
+                assert kind == "sum", kind
+                out = lax.psum(out, axes)
+            env[var], lay[var] = out, step.outs[k]
+
+    def _materialise(self, value, src: Layout, dst: Layout, together: frozenset):
+        """A concrete local array of ``value`` in layout ``dst``.
+
+        A lazy broadcast is built directly at the local shape of ``dst``, its
+        operand first marked varying over ``together`` (the axes the other
+        operands vary over) so that gradients are reduced at operand size.
+        """
+        if not isinstance(value, _Lazy):
+            return relayout(value, src, dst, self.grid)
+        need: list[tuple[str, ...]] = [()] * len(value.in_shape)
+        for s_dim, o_dim in enumerate(value.dims):
+            if value.in_shape[s_dim] == value.out_shape[o_dim]:
+                need[s_dim] = dst[o_dim]
+        operand = value.operand
+        if not value.literal:
+            operand = relayout(operand, value.operand_layout, tuple(need), self.grid)
+            missing = tuple(sorted(together - vma(operand)))
+            if missing:
+                operand = lax.pcast(operand, missing, to="varying")
+        shape = local_shape(value.out_shape, dst, self.grid)
+        return lax.broadcast_in_dim(operand, shape, value.dims)
+
+
+def _match_vma(eqn, values: list) -> list:
+    """Mark every operand varying over the union of the operands' varying axes.
+
+    ``jnp`` functions insert these casts when tracing; binding primitives
+    directly (as the interpreter does) must do it itself. Their transposes are
+    the gradient reductions over the batch axes.
+    """
+    together = frozenset().union(*(vma(v) for v in values))
+    if not together:
+        return values
+    out = []
+    for var, value in zip(eqn.invars, values):
+        missing = tuple(sorted(together - vma(value)))
+        if missing:
+            value = lax.pcast(jnp.asarray(value, dtype=var.aval.dtype), missing, to="varying")
+        out.append(value)
+    return out
