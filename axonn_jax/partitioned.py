@@ -200,7 +200,7 @@ class Partitioned:
 
     def _program(self, args, kwargs):
         avals = tuple(
-            jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", np.asarray(a).dtype))
+            jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
             for a in jax.tree.leaves((args, kwargs))
         )
         key = self._signature(avals)

@@ -101,7 +101,7 @@ def plan_layouts(
         if not new_hints:
             break
         hints.update(new_hints)
-    return walk.result(forced)
+    return walk.result()
 
 
 def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:
@@ -137,6 +137,14 @@ class _Walk:
         self.layers: dict[int, tuple[str, str]] = {}
         self.hints: dict[int, Layout] = {}
         self.deciders: dict[int, str] = {}
+        self.problems: list[str] = []
+
+    def _problem(self, message: str) -> None:
+        """Something left unsplit: a warning in the plan, an error when strict."""
+        if self.strict:
+            raise ValueError(f"{message} (grid {self.grid}; strict=True)")
+        if message not in self.problems:
+            self.problems.append(message)
 
     # --- reading ----------------------------------------------------------
     def layout_of(self, var) -> Layout | None:
@@ -156,8 +164,16 @@ class _Walk:
             self.pending[var] = (i, tuple(range(len(R.shape_of(var)))))
             self.lineage[var] = {i: tuple(range(len(R.shape_of(var))))}
         self.arg_layouts = []
-        for var in invars[n:]:
-            lay = batch_layout(R.shape_of(var), self.grid)
+        for k, var in enumerate(invars[n:]):
+            shape = R.shape_of(var)
+            lay = batch_layout(shape, self.grid)
+            if shape and not lay[0]:
+                self._problem(
+                    f"input {k} {tuple(shape)}: batch dim {shape[0]} is not divisible by "
+                    f"data·z = {self.grid.batch_shards}; it is replicated (every device "
+                    f"computes the whole batch). Remedy: a batch size that is a multiple of "
+                    f"{self.grid.batch_shards}."
+                )
             self.layout[var] = lay
             self.arg_layouts.append(lay)
         for var in self.jaxpr.constvars:
@@ -270,15 +286,16 @@ class _Walk:
                 self.hints.setdefault(p, tuple(hint))
 
     # --- result -----------------------------------------------------------
-    def result(self, forced) -> PlannedLayouts:
+    def result(self) -> PlannedLayouts:
         paths, avals = self.traced.param_paths, self.traced.param_avals
-        use, storage, notes = {}, {}, []
+        for p, (in_axis, out_axis) in self.layers.items():
+            self._check_layer(p, in_axis, out_axis)
+        use, storage, unused = {}, {}, []
         for i, (path, aval) in enumerate(zip(paths, avals)):
-            lay = self.decided.get(i, replicated(len(aval.shape)))
-            use[path] = lay
-            storage[path] = self._depth_split(i, path, aval.shape, lay, notes)
+            use[path] = self.decided.get(i, replicated(len(aval.shape)))
+            storage[path] = self._depth_split(i, path, aval.shape, use[path])
             if i not in self.decided:
-                notes.append(f"{path}: never used by the model; kept replicated")
+                unused.append(f"{path}: never used by the model; kept replicated")
         return PlannedLayouts(
             use=use,
             storage=storage,
@@ -286,10 +303,25 @@ class _Walk:
             outs=tuple(self.out_layouts),
             fallbacks=tuple(self.fallbacks),
             layers={paths[p]: v for p, v in self.layers.items()},
-            notes=tuple(notes),
+            notes=tuple(self.problems + unused),
         )
 
-    def _depth_split(self, p, path, shape, lay: Layout, notes) -> Layout:
+    def _check_layer(self, p: int, in_axis: str, out_axis: str) -> None:
+        """Report a matmul weight that could not take its layer's x/y split."""
+        path, shape = self.traced.param_paths[p], self.traced.param_avals[p].shape
+        lay = self.decided.get(p, ())
+        for axis in (in_axis, out_axis):
+            if self.grid.axis_size(axis) > 1 and axis not in used_axes(lay):
+                self._problem(
+                    f"parameter '{path}' {tuple(shape)}: no dim of it is split over "
+                    f"{axis}={self.grid.axis_size(axis)} (the dim that should be is not "
+                    f"divisible, or its activation is not split); that part of the layer "
+                    f"is replicated over {axis}. Remedy: make the layer's feature dims "
+                    f"multiples of {self.grid.axis_size(axis)}, or choose a grid with a "
+                    f"smaller {axis}."
+                )
+
+    def _depth_split(self, p, path, shape, lay: Layout) -> Layout:
         """Add z to the largest divisible dim of a matmul or embedding weight."""
         weight = self.deciders.get(p, "").split(" ")[0] in ("dot_general", "gather")
         if not weight or len(shape) < 2 or self.grid.z == 1 or Z in used_axes(lay):
@@ -298,9 +330,10 @@ class _Walk:
             d for d in range(len(shape)) if divides(shape[d], lay[d] + (Z,), self.grid)
         ]
         if not candidates:
-            notes.append(
+            self._problem(
                 f"{path} {tuple(shape)}: no dim divisible by its tensor split × z={self.grid.z};"
-                " not depth-split (replicated over z)"
+                " not depth-split (replicated over z). Remedy: a dim that is a multiple of"
+                f" {self.grid.z}, or a smaller z."
             )
             return lay
         best = max(candidates, key=lambda d: (shape[d] // factor(lay[d], self.grid), -d))

@@ -453,7 +453,33 @@ def conv(eqn, layouts, ctx) -> Step:
     return Step([l_target, replicated(len(shape_of(rhs)))], [tuple(out)], [None], params)
 
 
+def reduce_window(eqn, layouts, ctx) -> Step:
+    """Pooling: dims the window does not span (window 1, stride 1) keep their split."""
+    ndim = len(shape_of(eqn.invars[0]))
+    p = eqn.params
+    windows, strides = p["window_dimensions"], p["window_strides"]
+    padding = p.get("padding") or ((0, 0),) * ndim
+    base = p.get("base_dilation") or (1,) * ndim
+    win_dil = p.get("window_dilation") or (1,) * ndim
+    spanned = {
+        d for d in range(ndim)
+        if (windows[d], strides[d], tuple(padding[d]), base[d], win_dil[d]) != (1, 1, (0, 0), 1, 1)
+    }  # fmt: skip
+    operands = [i for i, v in enumerate(eqn.invars) if len(shape_of(v)) == ndim]
+    known = [layouts[i] for i in operands if layouts[i] is not None]
+    target = without(merge(known), spanned) if known else replicated(ndim)
+    targets = [
+        None if is_literal(v) else (target if i in operands else replicated(len(shape_of(v))))
+        for i, v in enumerate(eqn.invars)
+    ]
+    return Step(targets, [target] * len(eqn.outvars), [None] * len(eqn.outvars), dict(p))
+
+
 _RULES = {
+    "reduce_window_sum": reduce_window,
+    "reduce_window_max": reduce_window,
+    "reduce_window_min": reduce_window,
+    "reduce_window": reduce_window,
     "broadcast_in_dim": broadcast_in_dim,
     "reshape": reshape,
     "transpose": transpose,

@@ -136,7 +136,8 @@ class Executor:
             if R.is_literal(var):
                 outs.append(jnp.asarray(var.val))
                 continue
-            outs.append(self._materialise(env[var], lay[var], target, frozenset()))
+            value = self._materialise(env[var], lay[var], target, frozenset())
+            outs.append(_one_copy(value, target))
         return outs
 
     def _run(self, eqn, env, lay) -> None:
@@ -224,3 +225,18 @@ def _match_vma(eqn, values: list) -> list:
             value = lax.pcast(jnp.asarray(value, dtype=var.aval.dtype), missing, to="varying")
         out.append(value)
     return out
+
+
+def _one_copy(x: jax.Array, layout: Layout) -> jax.Array:
+    """Make a value that is replicated over some axes also *typed* invariant there.
+
+    A value computed identically on every device of an axis (e.g. after a
+    replicated fallback) can still be typed varying, because the parameters
+    it depends on are. Returning it as replicated takes one device's copy: an
+    all-gather whose transpose hands the cotangent to exactly that copy, so
+    gradients are not multiplied by the axis size.
+    """
+    extra = tuple(sorted(vma(x) - {a for axes in layout for a in axes}))
+    if not extra:
+        return x
+    return lax.all_gather(x, extra, axis=0, tiled=False, to="invarying")[0]

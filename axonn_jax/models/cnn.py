@@ -39,7 +39,10 @@ class CNN(nn.Module):
             raise ValueError(f"CNN expects NHWC images [batch, H, W, C], got shape {images.shape}")
         x = images
         for i, width in enumerate(self.channels):
-            x = nn.Conv(width, kernel_size=(3, 3), padding="SAME", dtype=self.dtype, name=f"conv_{i}")(x)
+            conv = nn.Conv(
+                width, kernel_size=(3, 3), padding="SAME", dtype=self.dtype, name=f"conv_{i}"
+            )
+            x = conv(x)
             x = nn.relu(x)
             x = nn.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
         x = x.reshape(x.shape[0], -1)

@@ -90,7 +90,9 @@ class EncoderBlock(nn.Module):
         """[b, s, hidden] -> [b, s, hidden]."""
         c = self.config
         h = make_norm(c.norm, dtype=c.dtype, name="norm_attn")(x)
-        x = x + Attention(c.num_heads, c.head_dim, use_bias=c.use_bias, dtype=c.dtype, name="attn")(h)
+        x = x + Attention(
+            c.num_heads, c.head_dim, use_bias=c.use_bias, dtype=c.dtype, name="attn"
+        )(h)
         h = make_norm(c.norm, dtype=c.dtype, name="norm_mlp")(x)
         return x + FeedForward(c.ffn_hidden, use_bias=c.use_bias, dtype=c.dtype, name="mlp")(h)
 
@@ -106,7 +108,8 @@ class DecoderBlock(nn.Module):
         c = self.config
         h = make_norm(c.norm, dtype=c.dtype, name="norm_self")(x)
         x = x + Attention(
-            c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype, name="self_attn"
+            c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype,
+            name="self_attn",
         )(h)
         h = make_norm(c.norm, dtype=c.dtype, name="norm_cross")(x)
         x = x + Attention(
@@ -130,7 +133,9 @@ class EncoderDecoder(nn.Module):
                     f"{name} must be [batch, seq] with seq <= max_seq_len={c.max_seq_len}, "
                     f"got shape {tokens.shape}"
                 )
-        embed = nn.Embed(c.vocab_size, c.hidden, dtype=c.dtype, embedding_init=EMBED_INIT, name="embed")
+        embed = nn.Embed(
+            c.vocab_size, c.hidden, dtype=c.dtype, embedding_init=EMBED_INIT, name="embed"
+        )
         src_pos = self.param("src_pos_embed", EMBED_INIT, (c.max_seq_len, c.hidden))
         tgt_pos = self.param("tgt_pos_embed", EMBED_INIT, (c.max_seq_len, c.hidden))
 

@@ -171,7 +171,9 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
         _check_tokens(c, tokens)
-        embed = nn.Embed(c.vocab_size, c.hidden, dtype=c.dtype, embedding_init=EMBED_INIT, name="embed")
+        embed = nn.Embed(
+            c.vocab_size, c.hidden, dtype=c.dtype, embedding_init=EMBED_INIT, name="embed"
+        )
         pos_embed = self.param("pos_embed", EMBED_INIT, (c.max_seq_len, c.hidden))
         x = embed(tokens) + pos_embed[: tokens.shape[1]].astype(c.dtype)
         for i in range(c.num_layers):
@@ -192,10 +194,13 @@ class BlockNNX(nnx.Module):
         c = config
         self.norm_attn = make_norm_nnx(c.norm, c.hidden, dtype=c.dtype, rngs=rngs)
         self.attn = AttentionNNX(
-            c.hidden, c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype, rngs=rngs
+            c.hidden, c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype,
+            rngs=rngs,
         )
         self.norm_mlp = make_norm_nnx(c.norm, c.hidden, dtype=c.dtype, rngs=rngs)
-        self.mlp = FeedForwardNNX(c.hidden, c.ffn_hidden, use_bias=c.use_bias, dtype=c.dtype, rngs=rngs)
+        self.mlp = FeedForwardNNX(
+            c.hidden, c.ffn_hidden, use_bias=c.use_bias, dtype=c.dtype, rngs=rngs
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[b, s, hidden] -> [b, s, hidden]."""
@@ -212,7 +217,9 @@ class GPTNNX(nnx.Module):
 
     def __init__(self, config: GPTConfig, *, rngs: nnx.Rngs):
         c = self.config = config
-        self.embed = nnx.Embed(c.vocab_size, c.hidden, dtype=c.dtype, embedding_init=EMBED_INIT, rngs=rngs)
+        self.embed = nnx.Embed(
+            c.vocab_size, c.hidden, dtype=c.dtype, embedding_init=EMBED_INIT, rngs=rngs
+        )
         self.pos_embed = nnx.Param(EMBED_INIT(rngs.params(), (c.max_seq_len, c.hidden)))
         self.blocks = nnx.List([BlockNNX(c, rngs=rngs) for _ in range(c.num_layers)])
         self.norm_final = make_norm_nnx(c.norm, c.hidden, dtype=c.dtype, rngs=rngs)

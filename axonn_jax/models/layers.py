@@ -15,10 +15,11 @@ Example::
     y = attn.apply(params, x)                      # [2, 8, 64]
 
 Each linen block has an nnx twin (``AttentionNNX``, ``FeedForwardNNX``) with the
-same numerics and the same parameter names and shapes (the names are part of the
-contract with the linen→nnx converter in :mod:`axonn_jax.models.gpt`): ``query``/``key``/``value`` kernels [hidden, heads,
-head_dim], ``out`` kernel [heads, head_dim, hidden]; ``FeedForward`` has
-``fc_in`` [hidden, ffn] and ``fc_out`` [ffn, hidden].
+same numerics and the same parameter names and shapes; the names are part of the
+contract with the linen→nnx converter in :mod:`axonn_jax.models.gpt`.
+``Attention``: ``query``/``key``/``value`` kernels [hidden, heads, head_dim],
+``out`` kernel [heads, head_dim, hidden]. ``FeedForward``: ``fc_in`` [hidden,
+ffn], ``fc_out`` [ffn, hidden].
 """
 
 from __future__ import annotations

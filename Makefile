@@ -1,0 +1,34 @@
+# Everything runs through .venv/bin/...; nothing needs the venv to be activated.
+# `make setup` is cheap when nothing changed (scripts/setup.sh keeps a stamp).
+PYTHON_VENV := .venv/bin/python
+# The venv's bin first, so a plain `mpiexec` in a child process is the one that
+# matches mpi4py (the MPICH wheel's); with a system MPI there is none there.
+WITH_VENV := PATH="$(CURDIR)/.venv/bin:$$PATH"
+PYTEST_ARGS ?=
+DEMO_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: all setup test demo bench clean distclean
+
+all: setup
+
+setup:
+	bash scripts/setup.sh
+
+test: setup
+	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(WITH_VENV) $(PYTHON_VENV) examples/train_gpt.py $(DEMO_ARGS)
+
+bench: setup
+	$(WITH_VENV) $(PYTHON_VENV) benchmarks/run.py $(BENCH_ARGS)
+
+# Build artefacts and caches; keeps .venv (and runs/, which holds results).
+clean:
+	rm -rf build dist .pytest_cache .hypothesis
+	find . -path ./.venv -prune -o -name '*.egg-info' -type d -prune -exec rm -rf {} +
+	find . -path ./.venv -prune -o -name '__pycache__' -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf .venv

@@ -1,0 +1,148 @@
+"""Models × grids for the partitioner's equivalence tests.
+
+Each case runs the plain single-device computation (``model.apply`` / the nnx
+module, optax AdamW) and the same through ``axonn_jax.partition`` inside a
+user-style ``jax.jit`` train step, and returns both trajectories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import axonn_jax
+from axonn_jax.models import (
+    CNN,
+    GPT,
+    GPTNNX,
+    MLP,
+    EncDecConfig,
+    EncoderDecoder,
+    GPTConfig,
+    MLPNNX,
+    next_token_loss,
+)
+
+GRIDS = [
+    dict(x=2, y=2, z=2),
+    dict(x=4, z=2),
+    dict(y=2, z=2, data=2),
+    dict(z=8),
+    dict(data=8),
+]
+BATCH, SEQ, VOCAB = 8, 16, 64
+LR, STEPS = 1e-2, 5
+
+
+def _tokens(seed, shape=(BATCH, SEQ)):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=shape).astype(np.int32)
+
+
+def _gpt_config(**kw):
+    base = dict(vocab_size=VOCAB, num_layers=2, hidden=32, num_heads=4, max_seq_len=SEQ)
+    return GPTConfig(**{**base, **kw})
+
+
+def _mse(out, target):
+    return jnp.mean((out - target) ** 2)
+
+
+def _ce(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+@dataclasses.dataclass
+class Case:
+    model: object
+    args: tuple
+    loss: object  # loss(outputs, *args) -> scalar
+
+
+def build(name: str) -> Case:
+    rng = np.random.default_rng(1)
+    if name == "gpt_linen":
+        return Case(GPT(_gpt_config()), (_tokens(0),), lambda out, t: next_token_loss(out, t))
+    if name == "gpt_linen_rms_untied":
+        model = GPT(_gpt_config(norm="rmsnorm", tie_embeddings=False, use_bias=False))
+        return Case(model, (_tokens(0),), lambda out, t: next_token_loss(out, t))
+    if name == "gpt_nnx":
+        model = GPTNNX(_gpt_config(), rngs=nnx.Rngs(0))
+        return Case(model, (_tokens(0),), lambda out, t: next_token_loss(out, t))
+    if name == "mlp":
+        x = rng.standard_normal((BATCH * 2, 32)).astype(np.float32)
+        target = rng.standard_normal((BATCH * 2, 16)).astype(np.float32)
+        return Case(MLP(features=(64, 64, 16)), (x,), lambda out, _: _mse(out, target))
+    if name == "mlp_nnx":
+        x = rng.standard_normal((BATCH * 2, 32)).astype(np.float32)
+        target = rng.standard_normal((BATCH * 2, 16)).astype(np.float32)
+        model = MLPNNX(32, (64, 64, 16), rngs=nnx.Rngs(0))
+        return Case(model, (x,), lambda out, _: _mse(out, target))
+    if name == "cnn":
+        images = rng.standard_normal((BATCH, 8, 8, 3)).astype(np.float32)
+        labels = rng.integers(0, 10, size=BATCH)
+        return Case(CNN(channels=(8, 16), num_classes=10), (images,), lambda out, _: _ce(out, labels))
+    if name == "encdec":
+        config = EncDecConfig(vocab_size=VOCAB, num_encoder_layers=1, num_decoder_layers=1,
+                              hidden=32, num_heads=4, max_seq_len=SEQ)  # fmt: skip
+        src, tgt = _tokens(2), _tokens(3)
+        return Case(EncoderDecoder(config), (src, tgt), lambda out, s, t: next_token_loss(out, t))
+    raise KeyError(name)
+
+
+MODELS = ["gpt_linen", "gpt_linen_rms_untied", "gpt_nnx", "mlp", "mlp_nnx", "cnn", "encdec"]
+
+
+def reference_apply(case: Case):
+    """(params, apply) of the plain model: linen apply, or nnx merge-and-call."""
+    model = case.model
+    if isinstance(model, nnx.Module):
+        graphdef, state, rest = nnx.split(model, nnx.Param, ...)
+        values = nnx.to_pure_dict(state)
+
+        def apply(p, *args):
+            fresh = nnx.clone(state)
+            nnx.replace_by_pure_dict(fresh, p)
+            return nnx.merge(graphdef, fresh, rest)(*args)
+
+        return jax.tree.map(np.asarray, values), apply
+    params = model.init(jax.random.key(0), *case.args)["params"]
+    return jax.tree.map(np.asarray, params), lambda p, *a: model.apply({"params": p}, *a)
+
+
+def trajectories(name: str, grid: dict):
+    """Run both ways; returns dict(ref=..., part=...) with losses, grads, final params."""
+    case = build(name)
+    params, apply = reference_apply(case)
+    optimizer = optax.adamw(LR)
+
+    def run(apply_fn, start_params):
+        def loss_fn(p):
+            return case.loss(apply_fn(p, *case.args), *case.args)
+
+        @jax.jit
+        def step(p, s):
+            loss, grads = jax.value_and_grad(loss_fn)(p)
+            updates, s = optimizer.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, loss, grads
+
+        p, state, losses, first_grads = start_params, optimizer.init(start_params), [], None
+        for _ in range(STEPS):
+            p, state, loss, grads = step(p, state)
+            losses.append(float(loss))
+            first_grads = grads if first_grads is None else first_grads
+        return losses, first_grads, p
+
+    ref_losses, ref_grads, ref_params = run(apply, params)
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args)
+    losses, grads, final = run(pm.apply, pm.shard(params))
+    return {
+        "pm": pm,
+        "init": params,
+        "ref": (ref_losses, jax.tree.map(np.asarray, ref_grads), jax.tree.map(np.asarray, ref_params)),
+        "part": (losses, pm.gather(grads), pm.gather(final)),
+    }

@@ -1,0 +1,108 @@
+"""What cannot be partitioned still computes exactly (with a warning), or raises."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import axonn_jax
+from axonn_jax import Grid
+
+
+class TopK(nn.Module):
+    """Dense → top_k (no sharding rule: replicated fallback) → Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="up")(x)
+        values, _ = jax.lax.top_k(h, 8)
+        return nn.Dense(4, name="down")(values)
+
+
+class Narrow(nn.Module):
+    """A 6-wide layer: not divisible by x=4."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(nn.gelu(nn.Dense(6, name="narrow")(x)))
+
+
+def _grads_match(model, x, grid):
+    params = model.init(jax.random.key(0), x)["params"]
+    pm = axonn_jax.partition(model, grid, x)
+    ref_loss, ref = jax.value_and_grad(lambda p: jnp.sum(model.apply({"params": p}, x) ** 2))(params)
+    loss, got = jax.jit(jax.value_and_grad(lambda p: jnp.sum(pm.apply(p, x) ** 2)))(pm.shard(params))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(pm.gather(got))):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * float(np.max(np.abs(a))))
+    return pm
+
+
+X = np.random.default_rng(0).standard_normal((8, 12)).astype(np.float32)
+
+
+def test_unsupported_op_falls_back_exactly_with_warning(devices):
+    pm = _grads_match(TopK(), X, Grid(x=2, y=2, z=2))
+    assert any("top_k" in w and "no sharding rule" in w for w in pm.plan.warnings)
+    assert "warnings:" in str(pm.plan) and "top_k" in str(pm.plan)
+
+
+def test_unsupported_op_raises_in_strict_mode(devices):
+    with pytest.raises(ValueError, match=r"cannot partition 'top_k'.*Grid\(x=2.*strict=False"):
+        axonn_jax.partition(TopK(), Grid(x=2, y=2, z=2), X, strict=True)
+
+
+def test_indivisible_dim_is_replicated_with_warning(devices):
+    pm = _grads_match(Narrow(), X, Grid(x=4, z=2))
+    text = " ".join(pm.plan.warnings)
+    assert "narrow/kernel" in text and "(12, 6)" in text and "x=4" in text
+
+
+def test_indivisible_dim_raises_in_strict_mode(devices):
+    with pytest.raises(ValueError, match=r"'narrow/kernel' \(12, 6\).*x=4.*Remedy"):
+        axonn_jax.partition(Narrow(), Grid(x=4, z=2), X, strict=True)
+
+
+def test_batch_not_divisible(devices):
+    x = np.zeros((6, 12), np.float32)
+    with pytest.raises(ValueError, match=r"batch.*6.*not divisible by data·z = 2·2 = 4.*Remedy"):
+        axonn_jax.partition(Narrow(), Grid(z=2, data=2, x=2), x, strict=True)
+    pm = _grads_match(Narrow(), x, Grid(z=2, data=2, x=2))  # replicated batch, still exact
+    assert any("batch dim 6" in w for w in pm.plan.warnings)
+
+
+def test_params_that_do_not_match_the_plan(devices):
+    model = Narrow()
+    pm = axonn_jax.partition(model, Grid(x=2, y=2, z=2), X)
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0), X)["params"])
+    missing = {"out": params["out"]}
+    with pytest.raises(ValueError, match=r"missing \['narrow/bias', 'narrow/kernel'\]"):
+        pm.shard(missing)
+    wrong_shape = jax.tree.map(lambda a: a, params)
+    wrong_shape["narrow"]["kernel"] = np.zeros((12, 7), np.float32)
+    with pytest.raises(ValueError, match=r"'narrow/kernel' has shape \(12, 7\).*expects \(12, 6\)"):
+        pm.shard(wrong_shape)
+    wrong_dtype = jax.tree.map(lambda a: a, params)
+    wrong_dtype["out"]["bias"] = params["out"]["bias"].astype(np.float16)
+    with pytest.raises(ValueError, match=r"'out/bias' has dtype float16.*expects float32"):
+        pm.shard(wrong_dtype)
+
+
+def test_not_a_flax_module():
+    with pytest.raises(TypeError, match="flax.linen.Module or flax.nnx.Module"):
+        axonn_jax.partition(lambda x: x, Grid(), X)
+
+
+def test_partitioning_is_pure_and_needs_no_devices():
+    """Planning from ShapeDtypeStructs only; the model is not mutated."""
+    from axonn_jax.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=512, num_layers=4, hidden=256, num_heads=8, max_seq_len=128))
+    tokens = jax.ShapeDtypeStruct((1024, 128), jnp.int32)
+    pm = axonn_jax.partition(model, Grid(x=8, y=8, z=4, data=4), tokens)
+    assert pm._mesh is None  # no device touched
+    assert pm.plan.param("block_0/attn/query/kernel").role == "normal"
+    assert pm.plan.param("block_0/attn/out/kernel").role == "transposed"
+    assert pm.plan.param("block_0/mlp/fc_in/kernel").role == "normal"
+    assert pm.plan.param("block_0/mlp/fc_out/kernel").role == "transposed"
