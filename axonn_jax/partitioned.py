@@ -28,8 +28,9 @@ from axonn_jax.grid import BATCH_AXES, Grid
 from axonn_jax.partitioner.layout import Layout, replicated, to_spec
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.planner import plan_layouts
+from axonn_jax.partitioner.stages import plan_stages
 from axonn_jax.partitioner.trace import TracedModel, inline_calls, trace_model
-from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.executor import Executor, live
 
 
 def partition(
@@ -39,6 +40,7 @@ def partition(
     strict: bool = False,
     rules: Mapping[str, Sequence] | None = None,
     replicate: Sequence[str] = (),
+    stages: Sequence[str] | None = None,
     **example_kwargs,
 ) -> Partitioned:
     """Plan ``model`` for ``grid`` from example inputs (arrays or ShapeDtypeStructs).
@@ -55,13 +57,16 @@ def partition(
         rules: ``{path regex: layout}`` forcing the use layout of parameters,
             e.g. ``{"head/kernel": ("y", None)}``.
         replicate: path regexes of parameters to keep replicated.
+        stages: with ``grid.pipeline > 1``, explicit stage boundaries: one
+            parameter-path regex per stage after the first (e.g. ``["block_6"]``);
+            by default stages are balanced by dynamic programming.
     """
     if not isinstance(grid, Grid):
         raise TypeError(f"grid must be an axonn_jax.Grid, got {type(grid).__name__}")
     traced = trace_model(model, *example_args, **example_kwargs)
     _check_batch(traced, grid, strict)
     options = dict(strict=strict, rules=dict(rules or {}), replicate=tuple(replicate))
-    return Partitioned(model, traced, grid, options)
+    return Partitioned(model, traced, grid, options, stages=stages)
 
 
 def _check_batch(traced: TracedModel, grid: Grid, strict: bool) -> None:
@@ -80,13 +85,14 @@ def _check_batch(traced: TracedModel, grid: Grid, strict: bool) -> None:
 class Partitioned:
     """A model planned for a grid: sharded init, placement, and execution."""
 
-    def __init__(self, model, traced: TracedModel, grid: Grid, options: dict):
+    def __init__(self, model, traced: TracedModel, grid: Grid, options: dict, *, stages=None):
         self.model, self.grid, self._options = model, grid, options
         self._traced = traced
         self._programs: dict = {}
         jaxpr = inline_calls(traced.jaxpr)
         layouts = plan_layouts(traced, grid, jaxpr=jaxpr, **options)
-        self.plan: Plan = Plan.build(traced, grid, layouts)
+        cut = plan_stages(traced, jaxpr.jaxpr, grid.pipeline, boundaries=stages)
+        self.plan: Plan = Plan.build(traced, grid, layouts, cut)
         self._programs[self._signature(traced.arg_avals)] = (traced, jaxpr, layouts)
         self._mesh = None
 
@@ -187,11 +193,20 @@ class Partitioned:
             arg_layouts=layouts.args,
             out_layouts=out_targets,
         )
+        manual = frozenset(a for a in self.mesh.axis_names if self.grid.axis_size(a) > 1)
+        if not manual:  # one device: nothing to communicate, no shard_map needed
+            outs = executor(list(param_leaves), list(arg_leaves))
+            return jax.tree.unflatten(traced.out_tree, outs)
+
+        def spec(layout):  # size-1 axes are logical only; shard_map is manual over the rest
+            return to_spec(live(layout, self.grid))
+
         body = jax.shard_map(
             lambda ps, xs: executor(ps, xs),
             mesh=self.mesh,
-            in_specs=([p.spec for p in self.plan.params], [to_spec(a) for a in layouts.args]),
-            out_specs=[to_spec(o) for o in out_targets],
+            in_specs=([spec(p.storage) for p in self.plan.params], [spec(a) for a in layouts.args]),
+            out_specs=[spec(o) for o in out_targets],
+            axis_names=manual,
         )
         outs = body(list(param_leaves), list(arg_leaves))
         return jax.tree.unflatten(traced.out_tree, outs)

@@ -17,6 +17,7 @@ import numpy as np
 from axonn_jax.grid import Grid
 from axonn_jax.partitioner.layout import Layout, describe, factor, to_spec
 from axonn_jax.partitioner.planner import Fallback, PlannedLayouts
+from axonn_jax.partitioner.stages import Stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +53,10 @@ class Plan:
     out_layouts: tuple[Layout, ...]
     fallbacks: tuple[Fallback, ...]
     notes: tuple[str, ...]
+    stages: tuple[Stage, ...] = ()
 
     @classmethod
-    def build(cls, traced, grid: Grid, layouts: PlannedLayouts) -> Plan:
+    def build(cls, traced, grid: Grid, layouts: PlannedLayouts, stages=()) -> Plan:
         params = []
         for path, aval in zip(traced.param_paths, traced.param_avals):
             use = layouts.use[path]
@@ -75,7 +77,8 @@ class Plan:
             arg_layouts=layouts.args,
             out_layouts=layouts.outs,
             fallbacks=layouts.fallbacks,
-            notes=layouts.notes,
+            notes=layouts.notes + _shared_stage_notes(stages),
+            stages=tuple(stages),
         )
 
     # --- views ------------------------------------------------------------
@@ -120,7 +123,32 @@ class Plan:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        if len(self.stages) > 1:
+            total = sum(st.flops for st in self.stages) or 1.0
+            lines.append(f"pipeline stages ({len(self.stages)}, balanced by FLOPs):")
+            for st in self.stages:
+                lines.append(
+                    f"  stage {st.index}: {len(st.params)} params ({st.param_bytes:,} B), "
+                    f"{st.flops / total:.1%} of FLOPs, sends {st.send_bytes:,} B/batch; "
+                    f"{_span(st.params)}"
+                )
         if self.warnings:
             lines.append("warnings:")
             lines.extend(f"  - {w}" for w in self.warnings)
         return "\n".join(lines)
+
+
+def _span(paths) -> str:
+    return f"{paths[0]} … {paths[-1]}" if len(paths) > 1 else (paths[0] if paths else "-")
+
+
+def _shared_stage_notes(stages) -> tuple[str, ...]:
+    """Parameters used by more than one stage (e.g. tied embeddings)."""
+    seen: dict[str, list[int]] = {}
+    for st in stages:
+        for path in st.params:
+            seen.setdefault(path, []).append(st.index)
+    return tuple(
+        f"{path}: used by stages {where}; each keeps a copy and their gradients are summed"
+        for path, where in seen.items() if len(where) > 1
+    )  # fmt: skip

@@ -46,8 +46,14 @@ def vma(x) -> frozenset:
     return frozenset(getattr(mat, "varying", ()) or ())
 
 
+def live(layout: Layout, grid: Grid) -> Layout:
+    """``layout`` without its size-1 axes (logical only: nothing to communicate)."""
+    return tuple(tuple(a for a in axes if grid.axis_size(a) > 1) for axes in layout)
+
+
 def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
     """Move local shard ``x`` from layout ``src`` to ``dst`` (same global shape)."""
+    src, dst = live(src, grid), live(dst, grid)
     if src == dst:
         return x
     for d, (s, t) in enumerate(zip(src, dst)):
@@ -84,14 +90,14 @@ def _gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
 
 
-def read_param(x: jax.Array, storage: Layout) -> jax.Array:
+def read_param(x: jax.Array, storage: Layout, grid: Grid) -> jax.Array:
     """Local parameter shard → its use layout (depth gathered, batch axes varying)."""
     depth_dims = [d for d, axes in enumerate(storage) if axes and axes[-1] == Z]
-    if depth_dims:
-        if DATA not in vma(x):
+    if depth_dims and grid.z > 1:
+        if grid.data > 1 and DATA not in vma(x):
             x = lax.pcast(x, DATA, to="varying")
         return lax.all_gather(x, Z, axis=depth_dims[0], tiled=True)
-    missing = tuple(a for a in BATCH_AXES if a not in vma(x))
+    missing = tuple(a for a in BATCH_AXES if grid.axis_size(a) > 1 and a not in vma(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -124,7 +130,7 @@ class Executor:
         invars = self.jaxpr.invars
         n = len(self.param_storage)
         for var, x, storage in zip(invars[:n], params, self.param_storage):
-            env[var], lay[var] = read_param(x, storage), use_layout(storage)
+            env[var], lay[var] = read_param(x, storage, self.grid), use_layout(storage)
         for var, x, layout in zip(invars[n:], args, self.arg_layouts):
             env[var], lay[var] = x, layout
         for var, x in zip(self.jaxpr.constvars, self.consts):
@@ -182,7 +188,8 @@ class Executor:
             if reduction is not None:
                 kind, axes = reduction
                 assert kind == "sum", kind
-                out = lax.psum(out, axes)
+                axes = tuple(a for a in axes if self.grid.axis_size(a) > 1)
+                out = lax.psum(out, axes) if axes else out
             env[var], lay[var] = out, step.outs[k]
 
     def _materialise(self, value, src: Layout, dst: Layout, together: frozenset):
