@@ -45,7 +45,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def configure_devices(args) -> None:
-    """Simulated CPU devices, set before JAX starts (no effect on GPUs)."""
+    """Simulated CPU devices, set before JAX starts (no effect on GPUs).
+
+    ``import axonn_jax`` would initialise JAX at once under mpiexec, so the
+    automatic initialisation is switched off here and ``axonn_jax.init()`` is
+    called explicitly once the device count is set.
+    """
+    os.environ.setdefault("AXONN_JAX_AUTO_INIT", "0")
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     from axonn_jax.runtime.launch import mpi_world_size
@@ -120,10 +126,10 @@ def main(argv=None) -> int:
     progress.close()
     elapsed = time.perf_counter() - start
 
+    full = pm.gather(params)  # a collective: every rank takes part
     if info.is_main:
         _write_csv(out / "metrics.csv", rows)
         _plot(out / "loss.png", rows, title=f"GPT {config.num_layers}L/{config.hidden}H on {grid}")
-        full = pm.gather(params)
         sample = _generate(model, full, train_tokens[:args.seq], args.sample_bytes, args.seq)
         first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-10:]])
         print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s); "
