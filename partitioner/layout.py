@@ -54,14 +54,6 @@ def to_spec(layout: Layout) -> P:
     return P(*entries)
 
 
-def from_spec(spec: P, ndim: int) -> Layout:
-    out = []
-    for i in range(ndim):
-        entry = spec[i] if i < len(spec) else None
-        out.append(() if entry is None else (entry,) if isinstance(entry, str) else tuple(entry))
-    return tuple(out)
-
-
 def merge(layouts: list[Layout]) -> Layout:
     """Most-sharded common layout of same-shaped values (first wins on conflict).
 

@@ -128,7 +128,7 @@ class _Walk:
 
     def __init__(self, traced, jaxpr, grid, strict, predecided):
         self.traced, self.jaxpr, self.grid, self.strict = traced, jaxpr, grid, strict
-        self.ctx = R.Context(grid, strict=strict)
+        self.ctx = R.Context(grid)
         self.decided: dict[int, Layout] = dict(predecided)
         self.layout: dict = {}
         self.pending: dict = {}  # var -> (param index, dim map)

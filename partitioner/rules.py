@@ -76,9 +76,8 @@ NEEDS_WHOLE_AXIS = {
 class Context:
     """Grid and options the rules consult."""
 
-    def __init__(self, grid: Grid, *, strict: bool = False):
+    def __init__(self, grid: Grid):
         self.grid = grid
-        self.strict = strict
 
     def local(self, shape, layout: Layout) -> tuple[int, ...]:
         return local_shape(shape, layout, self.grid)

@@ -71,3 +71,14 @@ def test_meshes(devices):
     # stages own disjoint, contiguous blocks of devices; x varies fastest
     ids = [[d.id for d in m.devices.flat] for m in stages]
     assert ids == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_rank_to_stage_and_position(devices):
+    from axonn_jax.runtime.mesh import device_coordinates, local_stages
+
+    grid = Grid(x=2, z=2, pipeline=2)
+    coords = device_coordinates(grid)
+    assert coords[devices[0]] == dict(pipeline=0, data=0, z=0, y=0, x=0)
+    assert coords[devices[5]] == dict(pipeline=1, data=0, z=0, y=0, x=1)
+    assert coords[devices[6]] == dict(pipeline=1, data=0, z=1, y=0, x=0)
+    assert local_stages(grid.stage_meshes()) == [0, 1]  # one process owns both stages
