@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 from axonn_jax.grid import BATCH_AXES, Grid
 from axonn_jax.partitioner.layout import Layout, replicated, to_spec
 from axonn_jax.partitioner.plan import Plan
-from axonn_jax.partitioner.planner import plan_layouts
+from axonn_jax.partitioner.planner import batch_problems, plan_layouts
 from axonn_jax.partitioner.stages import plan_stages
 from axonn_jax.partitioner.trace import TracedModel, inline_calls, trace_model
 from axonn_jax.runtime.executor import Executor, live
@@ -64,22 +64,8 @@ def partition(
     if not isinstance(grid, Grid):
         raise TypeError(f"grid must be an axonn_jax.Grid, got {type(grid).__name__}")
     traced = trace_model(model, *example_args, **example_kwargs)
-    _check_batch(traced, grid, strict)
     options = dict(strict=strict, rules=dict(rules or {}), replicate=tuple(replicate))
     return Partitioned(model, traced, grid, options, stages=stages)
-
-
-def _check_batch(traced: TracedModel, grid: Grid, strict: bool) -> None:
-    for i, aval in enumerate(traced.arg_avals):
-        if aval.shape and aval.shape[0] % grid.batch_shards:
-            message = (
-                f"input {i} has shape {tuple(aval.shape)}: its leading (batch) dim "
-                f"{aval.shape[0]} is not divisible by data·z = {grid.data}·{grid.z} = "
-                f"{grid.batch_shards} of {grid}. Remedy: use a batch size that is a "
-                f"multiple of {grid.batch_shards}, or a grid with a smaller data·z."
-            )
-            if strict:
-                raise ValueError(message)
 
 
 class Partitioned:
@@ -103,8 +89,9 @@ class Partitioned:
         if self._mesh is None:
             if self.grid.pipeline != 1:
                 raise NotImplementedError(
-                    f"{self.grid} has pipeline={self.grid.pipeline}; pm.apply runs one "
-                    "stage mesh. Use pm.value_and_grad / pm.train_step for pipelines."
+                    f"{self.grid} has pipeline={self.grid.pipeline}: the plan holds its "
+                    "stages (pm.plan.stages), but executing pipelines is not implemented "
+                    "yet; pm.apply runs grids with pipeline=1."
                 )
             self._mesh = self.grid.stage_meshes()[0]
         return self._mesh
@@ -221,7 +208,9 @@ class Partitioned:
         key = self._signature(avals)
         if key not in self._programs:
             traced = trace_model(self.model, *args, **kwargs)
-            _check_batch(traced, self.grid, strict=True)
+            problems = batch_problems([a.shape for a in traced.arg_avals], self.grid)
+            if problems:
+                raise ValueError(f"{problems[0]} (grid {self.grid})")
             jaxpr = inline_calls(traced.jaxpr)
             layouts = plan_layouts(traced, self.grid, jaxpr=jaxpr, **self._options)
             if layouts.storage != {p.path: p.storage for p in self.plan.params}:

@@ -59,10 +59,6 @@ class PlannedLayouts:
     notes: tuple[str, ...]  # parameters left replicated or not depth-split, and why
 
 
-_PENDING_PASS = {"convert_element_type", "copy", "copy_p", "reduce_precision", "transpose",
-                 "broadcast_in_dim", "squeeze", "reshape"}  # fmt: skip
-
-
 def batch_layout(shape, grid: Grid) -> Layout:
     """Dim 0 split over (data, z) when divisible; everything else replicated."""
     if not shape:
@@ -71,6 +67,18 @@ def batch_layout(shape, grid: Grid) -> Layout:
     if divides(shape[0], BATCH_AXES, grid):
         lay = (BATCH_AXES,) + lay[1:]
     return lay
+
+
+def batch_problems(shapes, grid: Grid) -> list[str]:
+    """One message per input whose leading (batch) dim data·z does not divide."""
+    return [
+        f"input {k} has shape {tuple(shape)}: its batch dim {shape[0]} (the leading dim) is "
+        f"not divisible by data·z = {grid.data}·{grid.z} = {grid.batch_shards}, so it is "
+        f"replicated (every device computes the whole batch). Remedy: a batch size that "
+        f"is a multiple of {grid.batch_shards}, or a grid with a smaller data·z."
+        for k, shape in enumerate(shapes)
+        if shape and shape[0] % grid.batch_shards
+    ]
 
 
 def plan_layouts(
@@ -164,16 +172,10 @@ class _Walk:
             self.pending[var] = (i, tuple(range(len(R.shape_of(var)))))
             self.lineage[var] = {i: tuple(range(len(R.shape_of(var))))}
         self.arg_layouts = []
-        for k, var in enumerate(invars[n:]):
-            shape = R.shape_of(var)
-            lay = batch_layout(shape, self.grid)
-            if shape and not lay[0]:
-                self._problem(
-                    f"input {k} {tuple(shape)}: batch dim {shape[0]} is not divisible by "
-                    f"data·z = {self.grid.batch_shards}; it is replicated (every device "
-                    f"computes the whole batch). Remedy: a batch size that is a multiple of "
-                    f"{self.grid.batch_shards}."
-                )
+        for problem in batch_problems([R.shape_of(v) for v in invars[n:]], self.grid):
+            self._problem(problem)
+        for var in invars[n:]:
+            lay = batch_layout(R.shape_of(var), self.grid)
             self.layout[var] = lay
             self.arg_layouts.append(lay)
         for var in self.jaxpr.constvars:
@@ -192,7 +194,7 @@ class _Walk:
         layouts = [self.layout_of(v) for v in eqn.invars]
         live = [v for v in eqn.invars if not R.is_literal(v)]
         if (
-            name in _PENDING_PASS
+            name in R.LAYOUT_PRESERVING
             and len(live) == 1
             and live[0] in self.pending
             and layouts[eqn.invars.index(live[0])] is None
@@ -258,7 +260,7 @@ class _Walk:
                         m = tuple(None if s == 1 and o != 1 else d
                                   for d, s, o in zip(m, shape, out_shape))  # fmt: skip
                         merged.setdefault(p, m)
-        elif name in _PENDING_PASS and eqn.invars and not R.is_literal(eqn.invars[0]):
+        elif name in R.LAYOUT_PRESERVING and eqn.invars and not R.is_literal(eqn.invars[0]):
             for p, m in self.lineage.get(eqn.invars[0], {}).items():
                 new = _pass_map(eqn, m)
                 if new is not None:

@@ -39,7 +39,7 @@ class Step:
 
     targets: list[Layout | None]  # per operand; None for literals
     outs: list[Layout]
-    reduce: list[tuple[str, tuple[str, ...]] | None]  # per output: ("sum"|"max"|"min", axes)
+    reduce: list[tuple[str, ...]]  # per output: mesh axes to psum over (empty: none)
     params: dict[str, Any]
     fallback: str = ""  # non-empty: why this equation was replicated
     layer: tuple[str, str] | None = None  # (in_axis, out_axis) for a matmul with a weight
@@ -54,6 +54,9 @@ ELEMENTWISE = frozenset(
     population_count clz imag stop_gradient optimization_barrier""".split()
 )
 PASS_THROUGH = frozenset(["sharding_constraint", "mesh_cast", "pvary", "pcast"])
+#: ops whose output is a parameter's value in another shape (planning follows them)
+LAYOUT_PRESERVING = frozenset(["convert_element_type", "copy", "copy_p", "reduce_precision",
+                               "transpose", "broadcast_in_dim", "squeeze", "reshape"])
 REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 NEEDS_WHOLE_AXIS = {
     "argmax": "axes",
@@ -111,7 +114,7 @@ def replicate(eqn, why: str) -> Step:
     return Step(
         targets=[None if is_literal(v) else replicated(len(shape_of(v))) for v in eqn.invars],
         outs=[replicated(len(shape_of(v))) for v in eqn.outvars],
-        reduce=[None] * len(eqn.outvars),
+        reduce=[()] * len(eqn.outvars),
         params=dict(eqn.params),
         fallback=why,
     )
@@ -144,7 +147,7 @@ def elementwise(eqn, layouts, ctx) -> Step:
             targets.append(_unbroadcast(target, shape_of(v), out_shape))
         else:  # scalar operand (e.g. the predicate or a bound of clamp)
             targets.append(replicated(len(shape_of(v))))
-    return Step(targets, [target] * len(eqn.outvars), [None] * len(eqn.outvars), dict(eqn.params))
+    return Step(targets, [target] * len(eqn.outvars), [()] * len(eqn.outvars), dict(eqn.params))
 
 
 def _unbroadcast(layout: Layout, shape, out_shape) -> Layout:
@@ -165,7 +168,7 @@ def broadcast_in_dim(eqn, layouts, ctx) -> Step:
     out_layout = tuple(out)
     params = dict(eqn.params, shape=ctx.local(out_shape, out_layout), sharding=None)
     targets = [lay] + [replicated(len(shape_of(v))) for v in eqn.invars[1:]]
-    return Step(targets, [out_layout], [None], params)
+    return Step(targets, [out_layout], [()], params)
 
 
 def reshape_groups(in_shape, out_shape):
@@ -214,20 +217,20 @@ def reshape(eqn, layouts, ctx) -> Step:
             target[gi[0]] = ()
     out_layout = tuple(out)
     params = dict(eqn.params, new_sizes=ctx.local(out_shape, out_layout), sharding=None)
-    return Step([tuple(target)], [out_layout], [None], params)
+    return Step([tuple(target)], [out_layout], [()], params)
 
 
 def transpose(eqn, layouts, ctx) -> Step:
     lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(eqn.invars[0])))
     perm = eqn.params["permutation"]
-    return Step([lay], [tuple(lay[p] for p in perm)], [None], dict(eqn.params))
+    return Step([lay], [tuple(lay[p] for p in perm)], [()], dict(eqn.params))
 
 
 def squeeze(eqn, layouts, ctx) -> Step:
     lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(eqn.invars[0])))
     dims = {d % len(lay) for d in eqn.params["dimensions"]}
     target = without(lay, dims)
-    return Step([target], [tuple(a for d, a in enumerate(target) if d not in dims)], [None],
+    return Step([target], [tuple(a for d, a in enumerate(target) if d not in dims)], [()],
                 dict(eqn.params))  # fmt: skip
 
 
@@ -239,7 +242,7 @@ def reduction(eqn, layouts, ctx) -> Step:
         return whole_axis(eqn, layouts, ctx, "axes")
     reduced = tuple(a for d in sorted(axes) for a in lay[d])
     out = tuple(a for d, a in enumerate(lay) if d not in axes)
-    return Step([lay], [out], [("sum", reduced) if reduced else None], dict(eqn.params))
+    return Step([lay], [out], [reduced], dict(eqn.params))
 
 
 def whole_axis(eqn, layouts, ctx, key) -> Step:
@@ -260,14 +263,14 @@ def whole_axis(eqn, layouts, ctx, key) -> Step:
         None if is_literal(v) else (target if len(shape_of(v)) == ndim else replicated(len(shape_of(v))))
         for v in eqn.invars[1:]
     ]  # fmt: skip
-    return Step(targets, outs, [None] * len(outs), dict(eqn.params))
+    return Step(targets, outs, [()] * len(outs), dict(eqn.params))
 
 
 def concatenate(eqn, layouts, ctx) -> Step:
     dim = eqn.params["dimension"]
     full = [lay for _, lay in _operands(eqn, layouts) if lay is not None]
     target = without(merge(full), {dim}) if full else replicated(len(shape_of(eqn.outvars[0])))
-    return Step([target] * len(eqn.invars), [target], [None], dict(eqn.params))
+    return Step([target] * len(eqn.invars), [target], [()], dict(eqn.params))
 
 
 def slice_(eqn, layouts, ctx) -> Step:
@@ -280,7 +283,7 @@ def slice_(eqn, layouts, ctx) -> Step:
     local = ctx.local(shape, target)
     params = dict(eqn.params, limit_indices=tuple(
         local[d] if d not in cut else limit[d] for d in range(len(shape))))  # fmt: skip
-    return Step([target], [target], [None], params)
+    return Step([target], [target], [()], params)
 
 
 def pad(eqn, layouts, ctx) -> Step:
@@ -288,7 +291,7 @@ def pad(eqn, layouts, ctx) -> Step:
     lay = layouts[0] if layouts[0] is not None else replicated(len(shape))
     padded = {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
     target = without(lay, padded)
-    return Step([target, ()], [target], [None], dict(eqn.params))
+    return Step([target, ()], [target], [()], dict(eqn.params))
 
 
 def dynamic_slice(eqn, layouts, ctx) -> Step:
@@ -298,7 +301,7 @@ def dynamic_slice(eqn, layouts, ctx) -> Step:
     target = without(lay, {d for d in range(len(shape)) if sizes[d] != shape[d]})
     params = dict(eqn.params, slice_sizes=ctx.local(sizes, target))
     targets = [target] + [() for _ in eqn.invars[1:]]
-    return Step(targets, [target], [None], params)
+    return Step(targets, [target], [()], params)
 
 
 def dynamic_update_slice(eqn, layouts, ctx) -> Step:
@@ -306,11 +309,11 @@ def dynamic_update_slice(eqn, layouts, ctx) -> Step:
     known = [lay for lay in layouts[:2] if lay is not None]
     lay = merge(known) if known else replicated(len(shape))
     target = without(lay, {d for d in range(len(shape)) if update[d] != shape[d]})
-    return Step([target, target] + [() for _ in eqn.invars[2:]], [target], [None], dict(eqn.params))
+    return Step([target, target] + [() for _ in eqn.invars[2:]], [target], [()], dict(eqn.params))
 
 
 def iota(eqn, layouts, ctx) -> Step:
-    return Step([], [replicated(len(shape_of(eqn.outvars[0])))], [None], dict(eqn.params))
+    return Step([], [replicated(len(shape_of(eqn.outvars[0])))], [()], dict(eqn.params))
 
 
 def gather(eqn, layouts, ctx) -> Step:
@@ -352,7 +355,7 @@ def gather(eqn, layouts, ctx) -> Step:
     for out_dim, op_dim in zip(dn.offset_dims, kept):
         out[out_dim] = op_target[op_dim]
     params = dict(eqn.params, slice_sizes=ctx.local(sizes, op_target))
-    return Step([op_target, idx_target], [tuple(out)], [None], params)
+    return Step([op_target, idx_target], [tuple(out)], [()], params)
 
 
 def dot_general(eqn, layouts, ctx) -> Step:
@@ -383,7 +386,7 @@ def dot_general(eqn, layouts, ctx) -> Step:
     return Step(
         [llay, rlay],
         [tuple(out)],
-        [("sum", reduce_axes) if reduce_axes else None],
+        [reduce_axes],
         dict(eqn.params),
         layer=layer,
     )
@@ -449,7 +452,7 @@ def conv(eqn, layouts, ctx) -> Step:
     out = [()] * len(shape_of(eqn.outvars[0]))
     out[out_batch] = l_target[batch_dim]
     params = dict(eqn.params)
-    return Step([l_target, replicated(len(shape_of(rhs)))], [tuple(out)], [None], params)
+    return Step([l_target, replicated(len(shape_of(rhs)))], [tuple(out)], [()], params)
 
 
 def reduce_window(eqn, layouts, ctx) -> Step:
@@ -471,7 +474,7 @@ def reduce_window(eqn, layouts, ctx) -> Step:
         None if is_literal(v) else (target if i in operands else replicated(len(shape_of(v))))
         for i, v in enumerate(eqn.invars)
     ]
-    return Step(targets, [target] * len(eqn.outvars), [None] * len(eqn.outvars), dict(p))
+    return Step(targets, [target] * len(eqn.outvars), [()] * len(eqn.outvars), dict(p))
 
 
 _RULES = {

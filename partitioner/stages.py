@@ -24,8 +24,6 @@ import numpy as np
 
 from axonn_jax.partitioner import rules as R
 
-_PASS = {"convert_element_type", "copy", "copy_p", "reshape", "broadcast_in_dim",
-         "transpose", "squeeze", "reduce_precision"}  # fmt: skip
 #: boundaries whose crossing bytes are within this factor of the minimum are candidates
 SLACK = 1.25
 
@@ -72,7 +70,7 @@ def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
         if not sources:
             continue
         live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in _PASS and len(live) == 1:
+        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1:
             origin[eqn.outvars[0]] = origin[live[0]]
             continue
         for p in sources:
@@ -88,7 +86,7 @@ def crossing_bytes(jaxpr, num_params: int) -> np.ndarray:
     last_use: dict = {}
     for k, eqn in enumerate(jaxpr.eqns):
         live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in _PASS and live and all(v in param_like for v in live):
+        if eqn.primitive.name in R.LAYOUT_PRESERVING and live and all(v in param_like for v in live):
             param_like.update(eqn.outvars)  # a parameter's cast/reshape travels with it
             continue
         for v in live:

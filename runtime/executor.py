@@ -25,7 +25,7 @@ from jax import lax
 
 from axonn_jax.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.layout import Layout, local_shape
+from axonn_jax.partitioner.layout import Layout, local_shape, used_axes
 
 
 @dataclasses.dataclass
@@ -184,12 +184,9 @@ class Executor:
         outs = eqn.primitive.bind(*values, **step.params)
         outs = outs if eqn.primitive.multiple_results else [outs]
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
-            reduction = step.reduce[k]
-            if reduction is not None:
-                kind, axes = reduction
-                assert kind == "sum", kind
-                axes = tuple(a for a in axes if self.grid.axis_size(a) > 1)
-                out = lax.psum(out, axes) if axes else out
+            axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
+            if axes:
+                out = lax.psum(out, axes)
             env[var], lay[var] = out, step.outs[k]
 
     def _materialise(self, value, src: Layout, dst: Layout, together: frozenset):
@@ -208,9 +205,7 @@ class Executor:
         operand = value.operand
         if not value.literal:
             operand = relayout(operand, value.operand_layout, tuple(need), self.grid)
-            missing = tuple(sorted(together - vma(operand)))
-            if missing:
-                operand = lax.pcast(operand, missing, to="varying")
+            operand = _vary(operand, together)
         shape = local_shape(value.out_shape, dst, self.grid)
         return lax.broadcast_in_dim(operand, shape, value.dims)
 
@@ -225,13 +220,15 @@ def _match_vma(eqn, values: list) -> list:
     together = frozenset().union(*(vma(v) for v in values))
     if not together:
         return values
-    out = []
-    for var, value in zip(eqn.invars, values):
-        missing = tuple(sorted(together - vma(value)))
-        if missing:
-            value = lax.pcast(jnp.asarray(value, dtype=var.aval.dtype), missing, to="varying")
-        out.append(value)
-    return out
+    return [_vary(value, together, var.aval.dtype) for var, value in zip(eqn.invars, values)]
+
+
+def _vary(value, axes: frozenset, dtype=None):
+    """``value`` marked varying over ``axes`` (those it does not vary over yet)."""
+    missing = tuple(sorted(axes - vma(value)))
+    if not missing:
+        return value
+    return lax.pcast(jnp.asarray(value, dtype=dtype), missing, to="varying")
 
 
 def _one_copy(x: jax.Array, layout: Layout) -> jax.Array:
@@ -243,7 +240,7 @@ def _one_copy(x: jax.Array, layout: Layout) -> jax.Array:
     all-gather whose transpose hands the cotangent to exactly that copy, so
     gradients are not multiplied by the axis size.
     """
-    extra = tuple(sorted(vma(x) - {a for axes in layout for a in axes}))
+    extra = tuple(sorted(vma(x) - used_axes(layout)))
     if not extra:
         return x
     return lax.all_gather(x, extra, axis=0, tiled=False, to="invarying")[0]
