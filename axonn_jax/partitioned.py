@@ -17,7 +17,8 @@ Example (a user-written jitted train step)::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import copy
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -31,6 +32,8 @@ from axonn_jax.partitioner.planner import batch_problems, plan_layouts
 from axonn_jax.partitioner.stages import plan_stages
 from axonn_jax.partitioner.trace import TracedModel, inline_calls, trace_model
 from axonn_jax.runtime.executor import Executor, live
+from axonn_jax.runtime.mesh import local_stages
+from axonn_jax.runtime.step_report import StepReport, step_report
 
 
 def partition(
@@ -81,63 +84,157 @@ class Partitioned:
         self.plan: Plan = Plan.build(traced, grid, layouts, cut)
         self._programs[self._signature(traced.arg_avals)] = (traced, jaxpr, layouts)
         self._mesh = None
+        self._stage_meshes = None
+        self._stage_layout = None
+        self._transport = None
+        self._stage_programs: dict = {}  # (loss_fn, remat, input signature) → stage programs
+        self._reports: dict = {}
 
     # --- devices ----------------------------------------------------------
     @property
     def mesh(self):
-        """The stage mesh ``(data, z, y, x)`` (built on first use)."""
+        """The stage mesh ``(data, z, y, x)`` of a grid without pipeline (built on first use)."""
         if self._mesh is None:
             if self.grid.pipeline != 1:
-                raise NotImplementedError(
-                    f"{self.grid} has pipeline={self.grid.pipeline}: the plan holds its "
-                    "stages (pm.plan.stages), but executing pipelines is not implemented "
-                    "yet; pm.apply runs grids with pipeline=1."
+                raise ValueError(
+                    f"{self.grid} has pipeline={self.grid.pipeline}: each stage has its own "
+                    "mesh (pm.stage_meshes) and the model runs through pm.value_and_grad / "
+                    "pm.train_step; pm.mesh and pm.apply need pipeline=1."
                 )
             self._mesh = self.grid.stage_meshes()[0]
         return self._mesh
 
     @property
+    def stage_meshes(self) -> list:
+        """One mesh ``(data, z, y, x)`` per pipeline stage, stage 0 first."""
+        if self._stage_meshes is None:
+            self._stage_meshes = self.grid.stage_meshes()
+        return self._stage_meshes
+
+    @property
+    def local_stages(self) -> list[int]:
+        """The pipeline stages with devices on this process."""
+        return local_stages(self.stage_meshes)
+
+    @property
+    def multiprocess(self) -> bool:
+        """True when the stages of this grid span more than one process."""
+        return len({d.process_index for m in self.stage_meshes for d in m.devices.flat}) > 1
+
+    @property
+    def stage_layout(self):
+        """Which stages use each parameter and its home stage on this process."""
+        if self._stage_layout is None:
+            from axonn_jax.pipeline import StageLayout
+
+            users = [[st.index for st in self.plan.stages if p.path in st.params]
+                     for p in self.plan.params]  # fmt: skip
+            self._stage_layout = StageLayout.from_users(users, self.stage_meshes, self.local_stages)
+        return self._stage_layout
+
+    @property
+    def transport(self):
+        """How stages exchange messages (in-process copies, or MPI between processes)."""
+        if self._transport is None:
+            from axonn_jax.runtime.transport import InProcessTransport, MpiTransport
+
+            self._transport = (
+                MpiTransport(self.stage_meshes) if self.multiprocess else InProcessTransport()
+            )
+        return self._transport
+
+    @property
     def param_shardings(self):
-        """NamedSharding pytree matching the params pytree."""
-        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.param_specs)
+        """NamedSharding pytree matching the params pytree.
+
+        With ``pipeline > 1`` each leaf is on the mesh of its home stage on this
+        process, and leaves of other processes' stages are ``None``.
+        """
+        if self.grid.pipeline == 1:
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.param_specs)
+        home = self.stage_layout.home
+        leaves = [None if home[i] is None else NamedSharding(self.stage_meshes[home[i]], p.spec)
+                  for i, p in enumerate(self.plan.params)]  # fmt: skip
+        return jax.tree.unflatten(self.plan.param_tree, leaves)
+
+    def _param_leaves(self, params) -> list:
+        """Leaves of a params pytree (``None`` kept for leaves of other processes)."""
+        leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+        if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
+            self.check_params(params)
+        return leaves
 
     # --- parameters -------------------------------------------------------
     def init(self, key: jax.Array, *args, **kwargs):
         """Initialise parameters directly in their sharded layout.
 
         The model's init runs under ``jax.jit`` with the plan's output
-        shardings, so no device ever holds the full model. (nnx modules carry
-        their values already: those are placed with :meth:`shard`.)
+        shardings, so no device ever holds the full model (with a pipeline,
+        one program per stage on this process, each keeping only its leaves).
+        nnx modules carry their values already: those are placed with :meth:`shard`.
         """
         del args, kwargs  # shapes come from the example inputs given to partition()
         if self._traced.kind == "nnx":
             return self.shard(self._traced.init(key))
-        return jax.jit(self._traced.init, out_shardings=self.param_shardings)(key)
+        shardings = jax.tree.leaves(self.param_shardings, is_leaf=lambda x: x is None)
+        if self.grid.pipeline == 1:
+            return jax.jit(self._traced.init, out_shardings=self.param_shardings)(key)
+        leaves: list = [None] * len(shardings)
+        for stage in sorted({h for h in self.stage_layout.home if h is not None}):
+            mine = [i for i, h in enumerate(self.stage_layout.home) if h == stage]
+
+            def init_stage(k, mine=mine):
+                full = jax.tree.leaves(self._traced.init(k))
+                return [full[i] for i in mine]
+
+            values = jax.jit(init_stage, out_shardings=[shardings[i] for i in mine])(key)
+            for i, v in zip(mine, values):
+                leaves[i] = v
+        return jax.tree.unflatten(self.plan.param_tree, leaves)
 
     def shard(self, full_params):
         """Place a full params pytree (e.g. pretrained weights) into the layout."""
         self.check_params(full_params)
         leaves = jax.tree.leaves(full_params)
-        placed = [
-            _place(np.asarray(leaf), NamedSharding(self.mesh, p.spec))
-            for leaf, p in zip(leaves, self.plan.params)
-        ]
+        shardings = jax.tree.leaves(self.param_shardings, is_leaf=lambda x: x is None)
+        placed = [None if sh is None else _place(np.asarray(leaf), sh)
+                  for leaf, sh in zip(leaves, shardings)]  # fmt: skip
         return jax.tree.unflatten(self.plan.param_tree, placed)
 
     def gather(self, params):
-        """Full parameters back as host NumPy arrays (on every process)."""
+        """Full parameters back as host NumPy arrays, on every process.
+
+        With a pipeline over several processes, each leaf is gathered on the
+        processes of its stage and then sent to the others (MPI).
+        """
+        leaves = self._param_leaves(params)
         self.check_params(params)
-        full = NamedSharding(self.mesh, P())
-        gathered = jax.jit(lambda p: p, out_shardings=jax.tree.map(lambda _: full, params))(params)
-        return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), gathered)
+        out: list = [None] * len(leaves)
+        groups: dict = {}
+        for i, leaf in enumerate(leaves):
+            if leaf is not None:
+                groups.setdefault(leaf.sharding.mesh, []).append(i)
+        for mesh, idx in groups.items():
+            full = NamedSharding(mesh, P())
+            gathered = jax.jit(lambda p: p, out_shardings=[full] * len(idx))([leaves[i] for i in idx])
+            for i, a in zip(idx, gathered):
+                out[i] = np.asarray(a.addressable_data(0))
+        if self.grid.pipeline > 1 and self.multiprocess:  # the same decision on every rank
+            comm = self.transport.comm
+            for part in comm.allgather([(i, a) for i, a in enumerate(out) if a is not None]):
+                for i, a in part:
+                    out[i] = a if out[i] is None else out[i]
+        return jax.tree.unflatten(self.plan.param_tree, out)
 
     def check_params(self, params) -> None:
         """Raise ``ValueError`` naming the first leaf that does not match the plan."""
-        leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(params)
+        from axonn_jax.partitioner.trace import path_string
+
+        leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(
+            params, is_leaf=lambda x: x is None
+        )
         if tree != self.plan.param_tree:
             expected = {p.path for p in self.plan.params}
-            from axonn_jax.partitioner.trace import path_string
-
             got = {path_string(k) for k, _ in leaves_with_path}
             raise ValueError(
                 "params pytree does not match the plan: missing "
@@ -145,6 +242,13 @@ class Partitioned:
                 "Remedy: pass the pytree returned by pm.init / pm.shard (or model.init(...)['params'])."
             )
         for (_, leaf), p in zip(leaves_with_path, self.plan.params):
+            if leaf is None:
+                if self.grid.pipeline == 1 or self.stage_layout.home[self.plan.params.index(p)] is not None:
+                    raise ValueError(
+                        f"parameter '{p.path}' is None but this process runs a stage that uses "
+                        f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard."
+                    )
+                continue
             shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", np.float32))
             if shape != p.shape:
                 raise ValueError(
@@ -199,6 +303,92 @@ class Partitioned:
         return jax.tree.unflatten(traced.out_tree, outs)
 
     __call__ = apply
+
+    # --- training ---------------------------------------------------------
+    def value_and_grad(
+        self,
+        loss_fn: Callable,
+        *,
+        inputs: Callable | None = None,
+        microbatches: int = 1,
+        schedule: str = "message",
+        limit: int | None = None,
+        timeout: float = 60.0,
+        remat: Callable | None = None,
+        delay: Callable | None = None,
+    ) -> Callable:
+        """``(params, batch) → (loss, grads)`` of ``loss_fn(model outputs, batch)``.
+
+        ``inputs(batch)`` gives the model's positional arguments (default: the
+        batch itself, or its items if it is a tuple). With ``pipeline = 1`` the
+        result is a plain jittable function (microbatches accumulate gradients
+        in one program). With ``pipeline > 1`` it runs the stages through the
+        dispatch queue: ``schedule`` is "message" (AxoNN's message-driven
+        queue; stage 0 keeps at most ``limit`` microbatches in flight, default
+        the number of stages), "1f1b" or "gpipe"; the loss is returned on
+        every process and the gradients of this process's parameters (others
+        ``None``). ``remat`` wraps each stage's forward (e.g. ``jax.checkpoint``);
+        ``timeout`` bounds the wait for a peer stage; ``delay(stage, kind, mb)``
+        emulates slow tasks (tests, benchmarks).
+
+        Example:
+            >>> step = pm.value_and_grad(lambda logits, t: next_token_loss(logits, t))  # doctest: +SKIP
+            >>> loss, grads = step(params, tokens)                                      # doctest: +SKIP
+        """
+        from axonn_jax.pipeline import (PipelinedValueAndGrad, PipelineOptions,
+                                        default_inputs, microbatched_value_and_grad)  # fmt: skip
+
+        if self.grid.pipeline == 1:
+            return microbatched_value_and_grad(self, loss_fn, inputs or default_inputs,
+                                               microbatches, remat)  # fmt: skip
+        options = PipelineOptions(microbatches, schedule, limit, timeout, remat, delay)
+        return PipelinedValueAndGrad(self, loss_fn, inputs=inputs, options=options)
+
+    def train_step(self, loss_fn: Callable, optimizer, **options):
+        """A complete step ``(params, opt_state, batch) → (params, opt_state, loss)``.
+
+        ``optimizer`` is any optax ``GradientTransformation``; ``step.init(params)``
+        makes its state. Options are those of :meth:`value_and_grad`.
+
+        Example:
+            >>> step = pm.train_step(loss_fn, optax.adamw(1e-3), microbatches=4)  # doctest: +SKIP
+            >>> opt_state = step.init(params)                                     # doctest: +SKIP
+            >>> params, opt_state, loss = step(params, opt_state, tokens)         # doctest: +SKIP
+        """
+        from axonn_jax.training import TrainStep
+
+        return TrainStep(self, self.value_and_grad(loss_fn, **options), optimizer)
+
+    # --- reports ----------------------------------------------------------
+    def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
+        """Communication and memory of one training step, per device (traced, cached).
+
+        Traces ``jax.value_and_grad`` of ``pm.apply`` on an abstract mesh (no
+        devices) and lists every collective of the model's forward and
+        backward by kind and mesh axes, plus parameter, gradient, optimizer
+        (``optimizer_slots`` fp32 per parameter, 2 for Adam) and saved-for-
+        backward bytes. No arguments: the example inputs given to
+        ``partition()``. See docs/plan_reports.md.
+
+        Example::
+
+            print(pm.report())                 # plan table, memory, collectives
+            pm.report().communication.wire_bytes
+        """
+        avals = tuple(
+            (tuple(np.shape(a)), str(getattr(a, "dtype", np.asarray(a).dtype)))
+            for a in jax.tree.leaves((args, kwargs))
+        )
+        key = (avals, jax.tree.structure((args, kwargs)), optimizer_slots)
+        if key not in self._reports:
+            self._reports[key] = step_report(self, *args, optimizer_slots=optimizer_slots, **kwargs)
+        return self._reports[key]
+
+    def _with_mesh(self, mesh) -> Partitioned:
+        """A shallow copy that runs on ``mesh`` (an ``AbstractMesh`` traces without devices)."""
+        twin = copy.copy(self)
+        twin._mesh = mesh
+        return twin
 
     def _program(self, args, kwargs):
         avals = tuple(

@@ -1,16 +1,17 @@
-"""Train a small byte-level GPT with axonn_jax's 4D tensor parallelism.
+"""Train a small byte-level GPT with axonn_jax's 4D tensor parallelism and pipeline.
 
-The embedded default that ``make demo`` runs: a ~0.8M-parameter GPT on the
-docstrings of Python's standard library, 8 simulated CPU devices, grid
-x=2, y=2, z=2 (3D tensor parallelism with depth-sharded weights). The train
-step is ordinary user code: ``jax.jit`` + ``jax.value_and_grad`` + optax around
-``pm.apply``.
+The embedded default that ``make demo`` runs: a small GPT on the docstrings of
+Python's standard library, 8 simulated CPU devices, grid pipeline=2, x=2, z=2
+(two pipeline stages, each 2-way tensor parallel with depth-sharded weights),
+4 microbatches through AxoNN's message-driven pipeline.
 
-    python examples/train_gpt.py                       # the default
-    python examples/train_gpt.py --grid z=4,data=2 --steps 100
-    mpiexec -n 2 python examples/train_gpt.py --devices-per-process 4
+    python examples/train_gpt.py                                   # the default
+    python examples/train_gpt.py --grid z=4,data=2 --steps 100     # no pipeline
+    mpiexec -n 4 python examples/train_gpt.py --grid pipeline=2,data=2
+    mpiexec -n 4 python examples/train_gpt.py --grid pipeline=4
 
-Writes ``metrics.csv`` (step, loss, tokens_per_s, …) and ``loss.png`` under
+Writes ``metrics.csv`` (step, loss, tokens_per_s, …), ``loss.png`` and, with a
+pipeline, ``timeline.png`` + ``trace.json`` (Perfetto) of the last step under
 ``--out`` (default ``runs/gpt-<grid>``), and prints a generated sample.
 """
 
@@ -25,11 +26,15 @@ from pathlib import Path
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--grid", default="x=2,y=2,z=2", help="e.g. x=2,y=2,z=2 or z=4,data=2")
+    p.add_argument("--grid", default="pipeline=2,x=2,z=2",
+                   help="e.g. pipeline=2,x=2,z=2 or x=2,y=2,z=2 or pipeline=2,data=2")
+    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--schedule", default="message", choices=("message", "1f1b", "gpipe"),
+                   help="pipeline schedule")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -41,6 +46,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.microbatches < 1:
+        p.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    try:
+        from axonn_jax.grid import Grid
+
+        Grid.parse(args.grid)
+    except (TypeError, ValueError) as exc:
+        p.error(f"--grid {args.grid!r}: {exc}")
     return args
 
 
@@ -56,7 +69,9 @@ def configure_devices(args) -> None:
         return
     from axonn_jax.runtime.launch import mpi_world_size
 
-    count = args.devices_per_process or max(1, 8 // mpi_world_size())
+    from axonn_jax.grid import Grid
+
+    count = args.devices_per_process or max(1, Grid.parse(args.grid).size // mpi_world_size())
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
     )
@@ -82,50 +97,57 @@ def main(argv=None) -> int:
                        num_heads=args.heads, max_seq_len=args.seq)  # fmt: skip
     model = GPT(config)
     train_tokens, valid_tokens = split(stdlib_corpus())
-    example = jnp.zeros((args.batch, args.seq), jnp.int32)
+    if args.batch % args.microbatches:
+        raise SystemExit(f"--batch {args.batch} is not divisible by --microbatches {args.microbatches}")
+    # batches hold seq + 1 tokens: the model reads [:, :-1] of a microbatch, the loss predicts [:, 1:]
+    example = jnp.zeros((args.batch // args.microbatches, args.seq), jnp.int32)
 
     pm = axonn_jax.partition(model, grid, example)
     if info.is_main:
         print(pm.plan)
     params = pm.init(jax.random.key(args.seed))
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01)
-    opt_state = optimizer.init(params)
 
     def next_byte_loss(logits, batch):
         """Cross-entropy of predicting batch[:, 1:] from logits of batch[:, :-1]."""
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
-    @jax.jit
-    def train_step(params, opt_state, batch):
-        loss_fn = lambda p: next_byte_loss(pm.apply(p, batch[:, :-1]), batch)  # noqa: E731
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+    def inputs(batch):
+        return (batch[:, :-1],)
 
-    valid = jnp.asarray(batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1))
-    eval_loss = jax.jit(lambda p, b: next_byte_loss(pm.apply(p, b[:, :-1]), b))
+    options = dict(inputs=inputs, microbatches=args.microbatches)
+    if grid.pipeline > 1:
+        options["schedule"] = args.schedule
+    train_step = pm.train_step(next_byte_loss, optimizer, **options)
+    opt_state = train_step.init(params)
+    evaluate = pm.value_and_grad(next_byte_loss, **options)  # the loss; gradients unused
+    if grid.pipeline == 1:
+        evaluate = jax.jit(evaluate)
 
+    valid = batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     progress = _progress(args.steps, enabled=info.is_main)
     tokens_per_step = args.batch * args.seq
     start = time.perf_counter()
     for step in range(args.steps):
-        batch = jnp.asarray(batch_at(train_tokens, step=step, batch=args.batch, seq=args.seq,
-                                     seed=args.seed))  # fmt: skip
+        batch = batch_at(train_tokens, step=step, batch=args.batch, seq=args.seq, seed=args.seed)
         t0 = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, batch)
         loss = float(loss)
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
         if step % 50 == 0 or step == args.steps - 1:
-            row["valid_loss"] = float(eval_loss(params, valid))
+            row["valid_loss"] = float(evaluate(params, valid)[0])
         rows.append(row)
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
     progress.close()
     elapsed = time.perf_counter() - start
 
+    if grid.pipeline > 1:  # the last step's tasks on every rank (a collective)
+        train_step.value_and_grad.trace(out / "trace.json", out / "timeline.png",
+                                        title=f"{args.schedule} schedule, {grid}")
     full = pm.gather(params)  # a collective: every rank takes part
     if info.is_main:
         _write_csv(out / "metrics.csv", rows)
@@ -133,7 +155,8 @@ def main(argv=None) -> int:
         sample = _generate(model, full, train_tokens[:args.seq], args.sample_bytes, args.seq)
         first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-10:]])
         print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s); "
-              f"wrote {out}/metrics.csv and {out}/loss.png")  # fmt: skip
+              f"wrote {out}/metrics.csv, {out}/loss.png"
+              + (f", {out}/timeline.png, {out}/trace.json" if grid.pipeline > 1 else ""))  # fmt: skip
         print("sample:", repr(sample))
     return 0
 

@@ -125,26 +125,68 @@ class Executor:
         self.ctx = R.Context(grid)
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
-        env: dict = {}
-        lay: dict = {}
-        invars = self.jaxpr.invars
-        n = len(self.param_storage)
-        for var, x, storage in zip(invars[:n], params, self.param_storage):
-            env[var], lay[var] = read_param(x, storage, self.grid), use_layout(storage)
-        for var, x, layout in zip(invars[n:], args, self.arg_layouts):
-            env[var], lay[var] = x, layout
-        for var, x in zip(self.jaxpr.constvars, self.consts):
-            env[var], lay[var] = x, ((),) * jnp.ndim(x)
+        env, lay = self.bind(params, args)
         for eqn in self.jaxpr.eqns:
             self._run(eqn, env, lay)
+        return self.outputs(env, lay, self.jaxpr.outvars, self.out_layouts)
+
+    def bind(self, params: Sequence[jax.Array], args: Sequence[jax.Array], *,
+             param_vars=None, arg_vars=None) -> tuple[dict, dict]:
+        """Environment (value, layout per variable) holding params, args and consts.
+
+        ``param_vars``/``arg_vars`` select a subset of the jaxpr's inputs (a
+        pipeline stage binds only the parameters and arguments it uses).
+        """
+        env: dict = {}
+        lay: dict = {}
+        n = len(self.param_storage)
+        if param_vars is None:
+            param_vars = list(range(n))
+        if arg_vars is None:
+            arg_vars = list(range(len(self.jaxpr.invars) - n))
+        for i, x in zip(param_vars, params):
+            storage = self.param_storage[i]
+            var = self.jaxpr.invars[i]
+            env[var], lay[var] = read_param(x, storage, self.grid), use_layout(storage)
+        for j, x in zip(arg_vars, args):
+            var = self.jaxpr.invars[n + j]
+            env[var], lay[var] = x, self.arg_layouts[j]
+        for var, x in zip(self.jaxpr.constvars, self.consts):
+            env[var], lay[var] = x, ((),) * jnp.ndim(x)
+        return env, lay
+
+    def run(self, eqns, env: dict, lay: dict) -> None:
+        """Execute ``eqns`` (in order) on the environment, in place."""
+        for eqn in eqns:
+            self._run(eqn, env, lay)
+
+    def outputs(self, env: dict, lay: dict, outvars, targets: Sequence[Layout]) -> list:
+        """Local values of ``outvars`` in layouts ``targets`` (one copy where replicated)."""
         outs = []
-        for var, target in zip(self.jaxpr.outvars, self.out_layouts):
+        for var, target in zip(outvars, targets):
             if R.is_literal(var):
                 outs.append(jnp.asarray(var.val))
                 continue
             value = self._materialise(env[var], lay[var], target, frozenset())
             outs.append(_one_copy(value, target))
         return outs
+
+    def layouts(self) -> dict:
+        """Layout of every variable, without computing anything (the rules alone)."""
+        lay: dict = {}
+        n = len(self.param_storage)
+        for var, storage in zip(self.jaxpr.invars[:n], self.param_storage):
+            lay[var] = use_layout(storage)
+        for var, layout in zip(self.jaxpr.invars[n:], self.arg_layouts):
+            lay[var] = layout
+        for var in self.jaxpr.constvars:
+            lay[var] = ((),) * len(var.aval.shape)
+        for eqn in self.jaxpr.eqns:
+            layouts = [((),) * len(R.shape_of(v)) if R.is_literal(v) else lay[v] for v in eqn.invars]
+            step = R.rule(eqn, layouts, self.ctx)
+            for var, out in zip(eqn.outvars, step.outs):
+                lay[var] = out
+        return lay
 
     def _run(self, eqn, env, lay) -> None:
         layouts = [

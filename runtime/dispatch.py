@@ -1,0 +1,288 @@
+"""The dependency-driven dispatch queue of one process (AxoNN's message-driven pipeline).
+
+Tasks are ``F(stage, mb)`` and ``B(stage, mb)`` for the stages this process
+owns. A task is ready when its input has arrived: stage 0's forwards need
+nothing (but at most ``limit`` microbatches may be in flight between its
+forward and its backward), other forwards need the previous stage's
+activation, backwards need the next stage's gradient; the last stage runs its
+backward right after its forward (one program). The queue posts the receive
+of the next message on every link before it computes, runs whichever ready
+task it finds (backward first, then the oldest microbatch), and hands outputs
+to the transport without waiting. With ``schedule="1f1b"`` or ``"gpipe"`` each
+stage follows a fixed order instead, for comparison.
+
+Every task is recorded (stage, kind, microbatch, start, end, idle time before
+it) for :mod:`axonn_jax.runtime.trace`.
+
+Example:
+    >>> queue = DispatchQueue(programs, [0, 1], transport, schedule="message")  # doctest: +SKIP
+    >>> result = queue.run(params, microbatch_args, microbatch_batches)         # doctest: +SKIP
+    >>> result.losses, result.records[0]                                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+from axonn_jax.runtime.schedules import SCHEDULES, static_order
+from axonn_jax.runtime.stage_program import StageProgram
+from axonn_jax.runtime.transport import Transport
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRecord:
+    """One executed task (times in seconds since the step started)."""
+
+    stage: int
+    kind: str  # "F" forward, "B" backward, "FB" the last stage's forward+loss+backward
+    microbatch: int
+    start: float
+    end: float
+    wait: float  # idle time of this stage just before the task
+
+
+@dataclasses.dataclass
+class StepResult:
+    losses: list  # per microbatch (last stage only), device scalars
+    grads: dict[int, list]  # stage → summed parameter gradients (leaves of flow.params)
+    records: list[TaskRecord]
+    peak_in_flight: dict[int, int]  # stage → most microbatches holding residuals at once
+    origin: float = 0.0  # wall-clock time (time.time()) of the step's start
+
+
+@dataclasses.dataclass
+class _StageState:
+    program: StageProgram
+    order: list | None
+    position: int = 0
+    forwards: int = 0
+    backwards: int = 0
+    inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrays
+    cotangents: dict = dataclasses.field(default_factory=dict)  # mb → arrays
+    residuals: dict = dataclasses.field(default_factory=dict)  # mb → vjp
+    expect_f: int = 0  # next microbatch whose forward message is expected
+    expect_b: int = 0
+    grads: list | None = None
+    idle_since: float = 0.0
+    peak: int = 0
+    posted: set = dataclasses.field(default_factory=set)  # message keys with receives posted
+
+
+class PipelineTimeout(RuntimeError):
+    """No task could run for ``timeout`` seconds: a peer stage is gone or stuck."""
+
+
+class DispatchQueue:
+    """Runs one training step's tasks for this process's stages.
+
+    Args:
+        programs: the :class:`StageProgram` of every stage (stage index order).
+        local: the stages this process runs.
+        transport: moves messages between stages.
+        schedule: "message" (default), "1f1b" or "gpipe".
+        limit: most microbatches stage 0 keeps in flight (message schedule);
+            default the number of stages.
+        timeout: seconds without any runnable task before :class:`PipelineTimeout`.
+        delay: optional ``delay(stage, kind, mb) -> seconds`` slept before a task
+            (to emulate a slow stage in tests and benchmarks).
+    """
+
+    def __init__(
+        self,
+        programs: Sequence[StageProgram],
+        local: Sequence[int],
+        transport: Transport,
+        *,
+        schedule: str = "message",
+        limit: int | None = None,
+        timeout: float = 60.0,
+        delay: Callable[[int, str, int], float] | None = None,
+    ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        self.programs, self.local = list(programs), list(local)
+        self.transport, self.schedule = transport, schedule
+        self.num_stages = len(self.programs)
+        self.limit = limit if limit is not None else self.num_stages
+        if self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.timeout, self.delay = timeout, delay
+
+    # --- the step -----------------------------------------------------------
+    def run(self, params: dict[int, list], args: Callable[[int, int], list],
+            batch: Callable[[int], object], microbatches: int) -> StepResult:  # fmt: skip
+        """Forward and backward of ``microbatches`` microbatches.
+
+        Args:
+            params: stage → its parameter leaves (``flow.params`` order).
+            args: ``args(stage, mb)`` → the model arguments that stage reads.
+            batch: ``batch(mb)`` → the loss's batch on the last stage.
+        """
+        last = self.num_stages - 1
+        t0, origin = time.perf_counter(), time.time()
+        states = {}
+        for s in self.local:
+            order = None
+            if self.schedule != "message":
+                order = static_order(self.schedule, s, self.num_stages, microbatches)
+            states[s] = _StageState(self.programs[s], order, idle_since=t0)
+            self._expect(states[s], s, microbatches)
+        losses: list = []
+        records: list[TaskRecord] = []
+        idle_deadline = time.perf_counter() + self.timeout
+        while not all(self._finished(st, s, microbatches) for s, st in states.items()):
+            for s, st in states.items():
+                self._poll(st, s, microbatches)
+            task = self._pick(states, microbatches)
+            if task is None:
+                if time.perf_counter() > idle_deadline:
+                    raise PipelineTimeout(self._stuck_message(states, microbatches))
+                time.sleep(0.0002)
+                continue
+            s, kind, mb = task
+            st = states[s]
+            start = time.perf_counter()
+            if self.delay is not None:  # an emulated slow task: counted as busy time
+                time.sleep(self.delay(s, kind, mb) or 0.0)
+            if kind == "F" and s == last:
+                losses.append(self._forward_backward(st, s, mb, params[s], args, batch))
+            elif kind == "F":
+                self._forward(st, s, mb, params[s], args)
+            else:
+                self._backward(st, s, mb)
+            end = time.perf_counter()
+            label = "FB" if kind == "F" and s == last else kind
+            records.append(TaskRecord(s, label, mb, start - t0, end - t0, start - st.idle_since))
+            st.idle_since = end
+            if st.order is not None:
+                st.position += 1
+            idle_deadline = time.perf_counter() + self.timeout
+        self.transport.close()
+        grads = {s: st.grads for s, st in states.items()}
+        peak = {s: st.peak for s, st in states.items()}
+        return StepResult(losses, grads, records, peak, origin)
+
+    # --- readiness ------------------------------------------------------------
+    def _expect(self, st: _StageState, s: int, m: int) -> None:
+        """Post the receives of the next forward and backward message of stage ``s``."""
+        if s > 0 and st.expect_f < m:
+            self._post(st, ("F", s, st.expect_f), st.program.inbound_avals(), s - 1)
+        if s < self.num_stages - 1 and st.expect_b < m:
+            self._post(st, ("B", s, st.expect_b), st.program.outbound_cotangent_avals(), s + 1)
+
+    def _post(self, st, key, avals, source: int) -> None:
+        if key in st.posted:
+            return
+        st.posted.add(key)
+        self.transport.expect(key, avals, self.programs[source].mesh)
+
+    def _poll(self, st: _StageState, s: int, m: int) -> None:
+        if s > 0 and st.expect_f < m:
+            arrays = self.transport.arrived(("F", s, st.expect_f))
+            if arrays is not None:
+                st.inbound[st.expect_f] = arrays
+                st.expect_f += 1
+        if s < self.num_stages - 1 and st.expect_b < m:
+            arrays = self.transport.arrived(("B", s, st.expect_b))
+            if arrays is not None:
+                st.cotangents[st.expect_b] = arrays
+                st.expect_b += 1
+        self._expect(st, s, m)
+
+    def _ready(self, st: _StageState, s: int, kind: str, mb: int) -> bool:
+        if kind == "B":
+            return mb in st.cotangents and mb in st.residuals
+        if mb != st.forwards:
+            return False
+        if s == 0:
+            in_flight = st.forwards - st.backwards
+            return self.num_stages == 1 or self.schedule != "message" or in_flight < self.limit
+        return mb in st.inbound
+
+    def _pick(self, states: dict, m: int):
+        if self.schedule != "message":
+            for s, st in states.items():
+                if st.position < len(st.order):
+                    kind, mb = st.order[st.position]
+                    if self._ready(st, s, kind, mb):
+                        return s, kind, mb
+            return None
+        backward = [(mb, s) for s, st in states.items() for mb in st.cotangents
+                    if self._ready(st, s, "B", mb)]  # fmt: skip
+        if backward:
+            mb, s = min(backward, key=lambda t: (t[0], -t[1]))
+            return s, "B", mb
+        forward = [(st.forwards, s) for s, st in states.items()
+                   if st.forwards < m and self._ready(st, s, "F", st.forwards)]  # fmt: skip
+        if forward:
+            mb, s = min(forward, key=lambda t: (t[0], -t[1]))
+            return s, "F", mb
+        return None
+
+    def _finished(self, st: _StageState, s: int, m: int) -> bool:
+        if s == self.num_stages - 1:
+            return st.forwards == m
+        return st.backwards == m
+
+    # --- the tasks ----------------------------------------------------------
+    def _forward(self, st, s, mb, params, args) -> None:
+        inbound = st.inbound.pop(mb, [])
+        outs, vjp = st.program.forward(params, args(s, mb), inbound)
+        jax.block_until_ready(outs)
+        st.residuals[mb] = vjp
+        st.peak = max(st.peak, len(st.residuals))
+        st.forwards += 1
+        nxt = self.programs[s + 1]
+        self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
+
+    def _forward_backward(self, st, s, mb, params, args, batch):
+        inbound = st.inbound.pop(mb, [])
+        loss, g_params, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
+        jax.block_until_ready(g_in)
+        st.forwards += 1
+        st.backwards += 1
+        self._accumulate(st, g_params)
+        if s > 0:
+            prev = self.programs[s - 1]
+            shardings = prev.outbound_shardings
+            self.transport.send(("B", s - 1, mb), g_in, [shardings[i] for i in prev.diff_out])
+        return loss
+
+    def _backward(self, st, s, mb) -> None:
+        g_params, g_in = st.program.backward(st.residuals.pop(mb), st.cotangents.pop(mb))
+        jax.block_until_ready(g_in)
+        st.backwards += 1
+        self._accumulate(st, g_params)
+        if s > 0:
+            prev = self.programs[s - 1]
+            shardings = prev.outbound_shardings
+            self.transport.send(("B", s - 1, mb), g_in, [shardings[i] for i in prev.diff_out])
+
+    @staticmethod
+    def _accumulate(st, g_params) -> None:
+        st.grads = list(g_params) if st.grads is None else _add(st.grads, list(g_params))
+
+    def _stuck_message(self, states, m) -> str:
+        parts = []
+        for s, st in states.items():
+            waiting = []
+            if s > 0 and st.expect_f < m:
+                waiting.append(f"forward message of microbatch {st.expect_f} from stage {s - 1}")
+            if s < self.num_stages - 1 and st.expect_b < m:
+                waiting.append(f"gradient of microbatch {st.expect_b} from stage {s + 1}")
+            parts.append(f"stage {s} (done F {st.forwards}/{m}, B {st.backwards}/{m}) waits for "
+                         + (", ".join(waiting) or "nothing"))  # fmt: skip
+        return (
+            f"pipeline made no progress for {self.timeout:.0f} s: " + "; ".join(parts)
+            + ". A peer process has probably failed (see its error above). Raise the "
+            "limit with timeout=... if a single task legitimately takes longer."
+        )
+
+
+@jax.jit
+def _add(a, b):
+    return jax.tree.map(lambda x, y: x + y, a, b)

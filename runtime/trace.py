@@ -1,0 +1,124 @@
+"""Pipeline traces: Chrome/Perfetto JSON, a PNG timeline, idle (bubble) fractions.
+
+Every rank's dispatch queue records its tasks
+(:class:`~axonn_jax.runtime.dispatch.TaskRecord`); :func:`gather` brings them
+to rank 0 (over MPI when the job has several processes), stamped with each
+rank's wall-clock start so ranks line up.
+
+Example:
+    >>> rows = gather(result)                                   # doctest: +SKIP
+    >>> write_chrome_trace("trace.json", rows)                  # doctest: +SKIP
+    >>> plot_timeline("timeline.png", rows)                     # doctest: +SKIP
+    >>> idle_fractions(rows)                                    # doctest: +SKIP
+    {0: 0.21, 1: 0.20}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+#: one executed task: (rank, stage, kind, microbatch, start s, end s, wait s)
+Row = tuple[int, int, str, int, float, float, float]
+
+
+def rows_of(result, rank: int = 0, origin: float | None = None) -> list[Row]:
+    """The records of one :class:`StepResult`, times shifted by its wall-clock origin."""
+    shift = result.origin if origin is None else origin
+    return [(rank, r.stage, r.kind, r.microbatch, r.start + shift, r.end + shift, r.wait)
+            for r in result.records]  # fmt: skip
+
+
+def gather(result, comm=None) -> list[Row] | None:
+    """All ranks' rows on rank 0 (``None`` elsewhere); one process: its own rows."""
+    rank = comm.Get_rank() if comm is not None else 0
+    mine = rows_of(result, rank)
+    if comm is None or comm.Get_size() == 1:
+        return mine
+    parts = comm.gather([tuple(map(_plain, row)) for row in mine], root=0)
+    return [row for part in parts for row in part] if rank == 0 else None
+
+
+def _plain(value):
+    return value if isinstance(value, str) else (float(value) if isinstance(value, float) else int(value))
+
+
+def _zero(rows: Sequence[Row]) -> float:
+    return min(r[4] for r in rows) if rows else 0.0
+
+
+def chrome_trace(rows: Sequence[Row]) -> dict:
+    """Chrome trace-event JSON (open in Perfetto or chrome://tracing): pid = rank, tid = stage."""
+    zero = _zero(rows)
+    events = []
+    for rank, stage, kind, mb, start, end, wait in rows:
+        name = {"F": "forward", "B": "backward", "FB": "forward+loss+backward"}[kind]
+        events.append({
+            "name": f"{kind}{mb}", "cat": name, "ph": "X", "pid": rank, "tid": stage,
+            "ts": (start - zero) * 1e6, "dur": max(end - start, 0.0) * 1e6,
+            "args": {"microbatch": mb, "stage": stage, "wait_ms": wait * 1e3},
+        })  # fmt: skip
+    for rank in sorted({r[0] for r in rows}):
+        events.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(path: str | Path, rows: Sequence[Row]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(rows)))
+    return path
+
+
+def idle_fractions(rows: Sequence[Row]) -> dict[int, float]:
+    """Per stage: the fraction of the step's span (first start → last end) it was idle."""
+    if not rows:
+        return {}
+    begin, finish = _zero(rows), max(r[5] for r in rows)
+    span = max(finish - begin, 1e-12)
+    busy: dict[int, float] = {}
+    for _, stage, _, _, start, end, _ in rows:
+        busy[stage] = busy.get(stage, 0.0) + (end - start)
+    return {stage: 1.0 - b / span for stage, b in sorted(busy.items())}
+
+
+def bubble_theory(stages: int, microbatches: int) -> float:
+    """The idle fraction of a balanced pipeline, (p − 1)/(m + p − 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline") -> Path:
+    """A PNG with one row per stage: forward, backward and (last stage) forward+loss+backward
+    tasks in three colours, labelled by microbatch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    zero = _zero(rows)
+    stages = sorted({r[1] for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(stages) + 1.5))
+    colours = {"F": "#4c78a8", "B": "#f58518", "FB": "#54a24b"}
+    for rank, stage, kind, mb, start, end, _ in rows:
+        y = stages.index(stage)
+        ax.broken_barh([((start - zero) * 1e3, (end - start) * 1e3)], (y - 0.4, 0.8),
+                       facecolors=colours[kind], edgecolors="white", linewidth=0.5)  # fmt: skip
+        ax.text((start + end - 2 * zero) * 500, y, str(mb), ha="center", va="center",
+                fontsize=7, color="white")  # fmt: skip
+    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    idle = idle_fractions(rows)
+    ax.set_title(f"{title} — idle " + ", ".join(f"s{s} {f:.0%}" for s, f in idle.items()))
+    from matplotlib.patches import Patch
+
+    labels = {"F": "forward", "B": "backward", "FB": "forward+loss+backward"}
+    ax.legend(handles=[Patch(color=c, label=labels[k]) for k, c in colours.items()],
+              loc="upper right", fontsize=7)  # fmt: skip
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,230 @@
+"""Moving activations and gradients between pipeline stages.
+
+One narrow interface (:class:`Transport`): the dispatch queue announces what it
+expects (:meth:`~Transport.expect`, posting receives before it computes),
+tests for arrival without blocking (:meth:`~Transport.arrived`), and hands over
+outputs (:meth:`~Transport.send`, which never blocks the queue). Every shard of
+a sharded activation goes straight to the device at the same mesh position of
+the destination stage; nothing is gathered through one rank.
+
+- :class:`InProcessTransport`: stage meshes on different devices of one
+  process; an asynchronous ``jax.device_put`` per message.
+- :class:`MpiTransport`: between processes. Device arrays leave through
+  ``mpi4jax.send`` on a sender thread (mpi4jax's send runs synchronously, so a
+  thread keeps it off the queue; the thread holds each buffer until its send
+  completes); receives are non-blocking ``MPI_Irecv`` posted ahead on a
+  communicator of the pipeline's own (a ``Dup`` of ``COMM_WORLD``), so a send
+  never waits on the receiver's compute and probing never touches other traffic.
+
+Example:
+    >>> transport = InProcessTransport()                      # doctest: +SKIP
+    >>> transport.send(("F", 1, 0), arrays, shardings)        # doctest: +SKIP
+    >>> transport.arrived(("F", 1, 0))                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+#: (kind "F" | "B", destination stage, microbatch)
+Key = tuple[str, int, int]
+
+
+class Transport(Protocol):
+    def expect(self, key: Key, avals: Sequence[jax.ShapeDtypeStruct], source_mesh) -> None:
+        """Post the receives of message ``key`` (arrays like ``avals``, from ``source_mesh``)."""
+
+    def arrived(self, key: Key) -> list[jax.Array] | None:
+        """The message's arrays if all of it has arrived (once), else ``None``."""
+
+    def send(self, key: Key, arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> None:
+        """Hand ``arrays`` to the destination stage, laid out as ``shardings``."""
+
+    def close(self) -> None:
+        """Wait until every send has completed."""
+
+
+class InProcessTransport:
+    """All stages in this process: an asynchronous device-to-device copy per message."""
+
+    def __init__(self):
+        self._mailbox: dict[Key, list[jax.Array]] = {}
+
+    def expect(self, key, avals, source_mesh) -> None:
+        del key, avals, source_mesh
+
+    def arrived(self, key):
+        return self._mailbox.pop(key, None)
+
+    def send(self, key, arrays, shardings) -> None:
+        self._mailbox[key] = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
+
+    def close(self) -> None:
+        self._mailbox.clear()
+
+
+def _wire(dtype) -> tuple[np.dtype, object]:
+    """The dtype a buffer travels as and its MPI datatype (16-bit floats as uint16)."""
+    from mpi4py import MPI
+
+    dtype = np.dtype(dtype)
+    table = {
+        np.dtype(np.float32): MPI.FLOAT, np.dtype(np.float64): MPI.DOUBLE,
+        np.dtype(np.int32): MPI.INT32_T, np.dtype(np.int64): MPI.INT64_T,
+        np.dtype(np.uint32): MPI.UINT32_T, np.dtype(np.uint8): MPI.UINT8_T,
+    }  # fmt: skip
+    if dtype in table:
+        return dtype, table[dtype]
+    if dtype.itemsize == 2:
+        return np.dtype(np.uint16), MPI.UINT16_T
+    if dtype.itemsize == 1:
+        return np.dtype(np.uint8), MPI.UINT8_T
+    raise TypeError(f"cannot send arrays of dtype {dtype} between stages")
+
+
+def _position(mesh, device) -> int:
+    """Flat index of ``device`` in ``mesh`` (the same position exists in every stage)."""
+    flat = list(mesh.devices.flat)
+    return flat.index(device)
+
+
+class MpiTransport:
+    """Stages on different processes: mpi4jax sends, pre-posted MPI receives.
+
+    Args:
+        meshes: the stage meshes (all stages, same shape), stage 0 first.
+        comm: an mpi4py communicator reserved for pipeline messages; its rank
+            must equal ``jax.process_index()``.
+    """
+
+    def __init__(self, meshes, comm=None):
+        from mpi4py import MPI
+
+        self.meshes = list(meshes)
+        self.comm = comm if comm is not None else MPI.COMM_WORLD.Dup()
+        self.me = jax.process_index()
+        if self.comm.Get_rank() != self.me:
+            raise RuntimeError(
+                f"MPI rank {self.comm.Get_rank()} differs from jax.process_index() {self.me}; "
+                "initialise with axonn_jax.init() so JAX processes follow MPI ranks."
+            )
+        self._slots = self.meshes[0].devices.size
+        self._pending: dict[Key, list] = {}  # key → [(array index, device, buffer, request)]
+        self._local: dict[tuple, jax.Array] = {}  # (key, array, position) → shard
+        self._sends: queue.Queue = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._inflight = 0
+        self._lock = threading.Condition()
+        self._thread = threading.Thread(target=self._sender, name="axonn-mpi-send", daemon=True)
+        self._thread.start()
+
+    def _tag(self, key: Key, array: int, position: int) -> int:
+        kind = 0 if key[0] == "F" else 1
+        return (kind * 1024 + array) * self._slots + position
+
+    # --- receiving --------------------------------------------------------
+    def expect(self, key, avals, source_mesh) -> None:
+        dst_mesh = self.meshes[key[1]]
+        posted = []
+        for i, aval in enumerate(avals):
+            sharding = aval.sharding
+            for device, index in sharding.addressable_devices_indices_map(aval.shape).items():
+                pos = _position(dst_mesh, device)
+                source = list(source_mesh.devices.flat)[pos]
+                if source.process_index == self.me:
+                    continue  # arrives through _local
+                shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, aval.shape))
+                wire, mpi_type = _wire(aval.dtype)
+                buffer = np.empty(shape, wire)
+                request = self.comm.Irecv([buffer, mpi_type], source=source.process_index,
+                                          tag=self._tag(key, i, pos))  # fmt: skip
+                posted.append((i, device, buffer, request))
+        self._pending[key] = (list(avals), posted)
+
+    def arrived(self, key):
+        self._raise_sender_error()
+        entry = self._pending.get(key)
+        if entry is None:
+            return None
+        avals, posted = entry
+        from mpi4py import MPI
+
+        if posted and not MPI.Request.Testall([r for *_, r in posted]):
+            return None
+        dst_mesh = self.meshes[key[1]]
+        shards: dict[int, list] = {i: [] for i in range(len(avals))}
+        remote = {(i, device): buffer for i, device, buffer, _ in posted}
+        for i, aval in enumerate(avals):
+            for device in aval.sharding.addressable_devices_indices_map(aval.shape):
+                if (i, device) in remote:
+                    data = remote[(i, device)].view(aval.dtype)
+                    shards[i].append(jax.device_put(data, device))
+                else:
+                    local = self._local.pop((key, i, _position(dst_mesh, device)), None)
+                    if local is None:
+                        return None  # the local half has not been handed over yet
+                    shards[i].append(local)
+        del self._pending[key]
+        return [
+            jax.make_array_from_single_device_arrays(aval.shape, aval.sharding, shards[i])
+            for i, aval in enumerate(avals)
+        ]
+
+    # --- sending ----------------------------------------------------------
+    def send(self, key, arrays, shardings) -> None:
+        dst_mesh = self.meshes[key[1]]
+        for i, (array, sharding) in enumerate(zip(arrays, shardings)):
+            src_mesh = array.sharding.mesh
+            for shard in array.addressable_shards:
+                pos = _position(src_mesh, shard.device)
+                target = list(dst_mesh.devices.flat)[pos]
+                if target.process_index == self.me:
+                    self._local[(key, i, pos)] = jax.device_put(shard.data, target)
+                else:
+                    with self._lock:
+                        self._inflight += 1
+                    self._sends.put((shard.data, target.process_index, self._tag(key, i, pos)))
+
+    def _sender(self) -> None:
+        import mpi4jax
+
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            data, dest, tag = item
+            try:
+                wire, _ = _wire(data.dtype)
+                if wire != data.dtype:
+                    data = jax.lax.bitcast_convert_type(data, jnp.dtype(wire))
+                mpi4jax.send(data, dest=dest, tag=tag, comm=self.comm)
+            except BaseException as exc:  # surfaced on the queue's thread
+                self._errors.append(exc)
+            finally:
+                del data
+                with self._lock:
+                    self._inflight -= 1
+                    self._lock.notify_all()
+
+    def _raise_sender_error(self) -> None:
+        if self._errors:
+            raise RuntimeError(f"pipeline send failed: {self._errors[0]!r}") from self._errors[0]
+
+    def close(self) -> None:
+        with self._lock:
+            while self._inflight:
+                self._lock.wait(timeout=0.1)
+                self._raise_sender_error()
+        self._raise_sender_error()
+
+    def shutdown(self) -> None:
+        self._sends.put(None)
+        self._thread.join(timeout=5)

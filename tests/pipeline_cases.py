@@ -1,0 +1,164 @@
+"""Pipelined runs against the plain single-device Flax/optax computation.
+
+Shared by the in-process tests (``test_pipeline.py``) and the MPI script
+(``mpi_scripts/pipeline_equivalence.py``). The microbatch size is fixed, so
+every microbatch count reuses the same compiled stage programs; the global
+batch is ``microbatches × MB_ROWS`` sequences and the reference is computed on
+that whole batch.
+
+Bounds (fp32), the same as the partitioner's equivalence tests:
+* loss: |Δ| ≤ 1e-5·|ref|;
+* gradients, per leaf held by this process: max|Δ| ≤ 1e-5·max|ref leaf| + 1e-6·G
+  (G the largest gradient entry: an absolute floor for leaves whose true
+  gradient is 0, such as attention key biases);
+* parameters after 5 AdamW steps: ‖Δ‖₂ ≤ 1e-3·‖p_ref − p₀‖₂ per leaf (leaves with a
+  zero true gradient: max|Δ| ≤ 2·5·lr, Adam's step bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+
+import axonn_jax
+from axonn_jax.models import GPT, GPTConfig, next_token_loss
+from axonn_jax.partitioner.trace import path_string
+
+SEQ, VOCAB, MB_ROWS = 16, 64, 4
+LR, STEPS = 1e-2, 5
+MODELS = ("gpt", "hf_gpt2")
+
+
+@dataclasses.dataclass
+class Case:
+    model: object
+    inputs: object  # batch → model args
+    loss: object  # loss(outputs, batch) → scalar
+    batch: object  # microbatches → batch
+
+
+def _tokens(rows: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(rows, SEQ)).astype(np.int32)
+
+
+def build(name: str) -> Case:
+    """A 4-layer model (so that 4 stages each hold a block)."""
+    if name == "gpt":
+        config = GPTConfig(vocab_size=VOCAB, num_layers=4, hidden=32, num_heads=4, max_seq_len=SEQ)
+        return Case(GPT(config), lambda t: (t,), lambda out, t: next_token_loss(out, t),
+                    lambda m: _tokens(m * MB_ROWS))  # fmt: skip
+    if name == "hf_gpt2":  # HuggingFace transformers' Flax GPT-2, unmodified
+        import transformers as hf
+        from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
+
+        config = hf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=4, n_head=4)
+
+        def batch(m):
+            tokens = _tokens(m * MB_ROWS)
+            mask = np.ones_like(tokens)
+            mask[::2, -3:] = 0  # padded sequences
+            positions = np.broadcast_to(np.arange(SEQ, dtype=np.int32), tokens.shape).copy()
+            return (tokens, mask, positions)
+
+        return Case(gpt2.FlaxGPT2LMHeadModule(config), lambda b: b,
+                    lambda out, b: next_token_loss(out.logits, b[0]), batch)  # fmt: skip
+    raise KeyError(name)
+
+
+def reference(case: Case, batch, steps: int = STEPS):
+    """Plain Flax + optax: (initial params, first grads, losses, final params)."""
+    args = case.inputs(batch)
+    params = case.model.init(jax.random.key(0), *args)["params"]
+
+    def loss_fn(p):
+        return case.loss(case.model.apply({"params": p}, *args), batch)
+
+    optimizer = optax.adamw(LR)
+
+    @jax.jit
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss, grads
+
+    p, s, losses, first = params, optimizer.init(params), [], None
+    for _ in range(steps):
+        p, s, loss, grads = step(p, s)
+        losses.append(float(loss))
+        first = grads if first is None else first
+    to_np = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
+    return to_np(params), to_np(first), losses, to_np(p)
+
+
+def _leaves(tree) -> dict:
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    return {path_string(k): v for k, v in flat if v is not None}
+
+
+def compare_grads(got, ref, what: str) -> list[str]:
+    """Held leaves of ``got`` against the reference; returns failure messages."""
+    ref_l, got_l = _leaves(ref), _leaves(got)
+    scale = max(np.max(np.abs(g)) for g in ref_l.values())
+    failures = []
+    for path, value in got_l.items():
+        r = ref_l[path]
+        err = float(np.max(np.abs(np.asarray(value) - r)))
+        bound = 1e-5 * np.max(np.abs(r)) + 1e-6 * scale
+        if err > bound:
+            failures.append(f"{what} grad {path}: {err:.3e} > {bound:.3e}")
+    return failures
+
+
+def compare_params(got, ref, init, ref_grads, what: str) -> list[str]:
+    ref_l, got_l, init_l, g_l = _leaves(ref), _leaves(got), _leaves(init), _leaves(ref_grads)
+    scale = max(np.max(np.abs(g)) for g in g_l.values())
+    failures = []
+    for path, value in got_l.items():
+        value = np.asarray(value)
+        if np.max(np.abs(g_l[path])) <= 1e-6 * scale:
+            err, bound = float(np.max(np.abs(value - ref_l[path]))), 2 * STEPS * LR
+        else:
+            err = float(np.linalg.norm(value - ref_l[path]))
+            bound = 1e-3 * float(np.linalg.norm(ref_l[path] - init_l[path]))
+        if err > bound:
+            failures.append(f"{what} param {path} after {STEPS} steps: {err:.3e} > {bound:.3e}")
+    return failures
+
+
+def run_case(name: str, grid: axonn_jax.Grid, microbatches=(1, 4, 8),
+             schedules=("message",), trajectory_microbatches: int = 4) -> list[str]:  # fmt: skip
+    """Grads for each microbatch count and schedule, then 5 AdamW steps; failure messages."""
+    case = build(name)
+    example = case.batch(1)
+    pm = axonn_jax.partition(case.model, grid, *case.inputs(example))
+    failures: list[str] = []
+    for m in microbatches:
+        batch = case.batch(m)
+        init, ref_grads, ref_losses, _ = reference(case, batch, steps=1)
+        params = pm.shard(init)
+        for schedule in schedules:
+            step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
+                                     schedule=schedule)  # fmt: skip
+            loss, grads = step(params, batch)
+            what = f"{name} {grid} m={m} {schedule}"
+            if abs(float(loss) - ref_losses[0]) > 1e-5 * abs(ref_losses[0]):
+                failures.append(f"{what} loss {float(loss)} != {ref_losses[0]}")
+            failures += compare_grads(pm.gather(grads), ref_grads, what)
+    m = trajectory_microbatches
+    batch = case.batch(m)
+    init, ref_grads, ref_losses, ref_final = reference(case, batch)
+    step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m)
+    params = pm.shard(init)
+    opt_state = step.init(params)
+    losses = []
+    for _ in range(STEPS):
+        params, opt_state, loss = step(params, opt_state, batch)
+        losses.append(float(loss))
+    what = f"{name} {grid} m={m} AdamW"
+    if not np.allclose(losses, ref_losses, rtol=1e-5):
+        failures.append(f"{what} losses {losses} != {ref_losses}")
+    failures += compare_params(pm.gather(params), ref_final, init, ref_grads, what)
+    return failures
