@@ -63,6 +63,57 @@ class Case:
     loss: object  # loss(outputs, *args) -> scalar
 
 
+def _padding_mask(shape=(BATCH, SEQ)):
+    """1 = real token, 0 = padding: every other sequence ends in 3 pad positions."""
+    mask = np.ones(shape, np.int32)
+    mask[::2, -3:] = 0
+    return mask
+
+
+def _positions(shape=(BATCH, SEQ)):
+    return np.broadcast_to(np.arange(shape[1], dtype=np.int32), shape).copy()
+
+
+def third_party(name: str, *, layers: int = 2) -> Case:
+    """Published models taken unmodified from HuggingFace ``transformers`` (Flax, <5).
+
+    Tiny configs built in code (no download); each module is called positionally
+    with the arrays its ``__call__`` takes (``None`` for optional inputs left out).
+    """
+    import transformers as hf
+    from transformers.models.bert import modeling_flax_bert as bert
+    from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
+    from transformers.models.llama import modeling_flax_llama as llama
+
+    tokens, mask, positions = _tokens(4), _padding_mask(), _positions()
+    if name == "hf_gpt2":
+        config = hf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=layers,
+                               n_head=4)  # fmt: skip
+        model = gpt2.FlaxGPT2LMHeadModule(config)
+        # (input_ids, attention_mask, position_ids); tied input/output embeddings
+        return Case(model, (tokens, mask, positions),
+                    lambda out, t, m, p: next_token_loss(out.logits, t))  # fmt: skip
+    if name == "hf_bert":
+        config = hf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
+                               num_attention_heads=4, intermediate_size=64,
+                               max_position_embeddings=SEQ)  # fmt: skip
+        model = bert.FlaxBertForMaskedLMModule(config)
+        types = (np.arange(SEQ) >= SEQ // 2).astype(np.int32)[None].repeat(BATCH, 0)
+        labels = _tokens(5)
+        # (input_ids, attention_mask, token_type_ids, position_ids, head_mask)
+        return Case(model, (tokens, mask, types, positions, None),
+                    lambda out, *_: _ce(out.logits, labels))  # fmt: skip
+    if name == "hf_llama":
+        config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers,
+                                num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=64, max_position_embeddings=SEQ)  # fmt: skip
+        model = llama.FlaxLlamaForCausalLMModule(config)
+        # (input_ids, attention_mask, position_ids); grouped-query attention, RoPE, SwiGLU
+        return Case(model, (tokens, mask, positions),
+                    lambda out, t, m, p: next_token_loss(out.logits, t))  # fmt: skip
+    raise KeyError(name)
+
+
 def build(name: str) -> Case:
     rng = np.random.default_rng(1)
     if name == "gpt_linen":
@@ -91,10 +142,15 @@ def build(name: str) -> Case:
                               hidden=32, num_heads=4, max_seq_len=SEQ)  # fmt: skip
         src, tgt = _tokens(2), _tokens(3)
         return Case(EncoderDecoder(config), (src, tgt), lambda out, s, t: next_token_loss(out, t))
+    if name in THIRD_PARTY:
+        return third_party(name)
     raise KeyError(name)
 
 
-MODELS = ["gpt_linen", "gpt_linen_rms_untied", "gpt_nnx", "mlp", "mlp_nnx", "cnn", "encdec"]
+#: published models nobody here wrote, used exactly as their package ships them
+THIRD_PARTY = ["hf_gpt2", "hf_bert", "hf_llama"]
+MODELS = ["gpt_linen", "gpt_linen_rms_untied", "gpt_nnx", "mlp", "mlp_nnx", "cnn", "encdec",
+          *THIRD_PARTY]  # fmt: skip
 
 
 def reference_apply(case: Case):
