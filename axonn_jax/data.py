@@ -56,9 +56,19 @@ def batch_at(tokens: np.ndarray, *, step: int, batch: int, seq: int, seed: int) 
     A pure function of ``(seed, step)``, so resuming at step N gives exactly the
     batches an uninterrupted run would have seen.
     """
-    rng = np.random.default_rng([seed, step])
-    starts = rng.integers(0, len(tokens) - seq - 1, size=batch)
+    starts = window_starts(len(tokens), step=step, batch=batch, seq=seq, seed=seed)
     return np.stack([tokens[s : s + seq + 1] for s in starts]).astype(np.int32)
+
+
+def window_starts(num_tokens: int, *, step: int, batch: int, seq: int, seed: int) -> np.ndarray:
+    """Start offsets of the ``batch`` windows of :func:`batch_at` (cheap: no tokens read)."""
+    if num_tokens < seq + 2:
+        raise ValueError(
+            f"a corpus of {num_tokens} tokens is too short for windows of seq + 1 = {seq + 1} "
+            "tokens. Remedy: use a longer corpus or a shorter seq."
+        )
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, num_tokens - seq - 1, size=batch)
 
 
 def split(tokens: np.ndarray, *, holdout: float = 0.05) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,420 @@
+"""Checkpoints: asynchronous, atomic, every process writes its own shards, restore onto any grid.
+
+A checkpoint stores each parameter and optimizer-state leaf as one global
+logical array under its path (``params/block_0/attn/query/kernel``,
+``opt_state/0/mu/...``), so it does not depend on the grid it was saved from:
+:meth:`Checkpointer.restore` places it onto whatever shardings you give
+(another grid, another process count). Orbax's ``CheckpointManager`` runs the
+save in a background thread and renames the step's temporary directory only
+after every process has finished, so a save killed midway never shows up as a
+step and never touches earlier ones. Chunks are CRC-32C checked; a truncated or
+corrupted checkpoint raises :class:`CheckpointError` naming the step and the
+steps that remain. Metadata is JSON; nothing is unpickled.
+
+Every call is collective: run it on every process of the job.
+
+Example::
+
+    from axonn_jax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer("runs/ckpt", max_to_keep=3)
+    ckpt.save(step, params, opt_state, extra={"loader": loader.state()})   # returns at once
+    ...
+    r = ckpt.restore(params=pm.param_shardings, optimizer=optimizer)      # latest step, any grid
+    params, opt_state = r.params, r.opt_state
+    loader = Loader.from_state(tokens, r.extra["loader"], mesh=pm.mesh)
+
+Leaves held by another process (pipeline stages elsewhere) are ``None`` in
+what you save and in the restore targets, and come back as ``None``; processes
+may pass different trees (e.g. ``{stage: optimizer state}`` of their own
+stages): the checkpoint holds the union, and a path no process holds is saved
+empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+try:
+    import orbax.checkpoint as ocp
+except ImportError as err:  # orbax-checkpoint is an optional dependency
+    raise ImportError(
+        "axonn_jax.checkpoint needs orbax-checkpoint. Remedy: pip install 'axonn_jax[extras]' "
+        "(or pip install orbax-checkpoint)."
+    ) from err
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+
+from axonn_jax.runtime.checkpoint_handler import (
+    ShardedTreeHandler,
+    ShardedTreeRestore,
+    ShardedTreeSave,
+    allgather_json,
+    plan_leaves,
+)
+from axonn_jax.runtime.shard_store import DamagedArrayError, LeafMeta
+
+_ITEMS = ("params", "opt_state", "rng")
+_FORMAT = "axonn_jax.checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged (the message names step and remedy)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore` returns."""
+
+    step: int
+    params: Any
+    opt_state: Any | None
+    rng: jax.Array | None
+    extra: dict
+
+
+class Checkpointer:
+    """Checkpoints of one training run in ``directory`` (one sub-directory per step).
+
+    Args:
+        directory: where the steps live (created if needed).
+        max_to_keep: keep this many most recent steps (``None``: all).
+        asynchronous: return from :meth:`save` once the shards are copied to
+            host memory and write them in a background thread.
+        read_only: only list and restore (never writes, deletes or cleans up).
+    """
+
+    def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3,
+                 asynchronous: bool = True, read_only: bool = False) -> None:  # fmt: skip
+        self.directory = Path(directory).absolute()
+        self._read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=asynchronous,
+            cleanup_tmp_directories=not read_only,  # remove what killed saves left behind
+            read_only=read_only,
+            create=not read_only,
+        )
+        handlers = {"arrays": ShardedTreeHandler(), "meta": ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+
+    # --- saving -----------------------------------------------------------
+    def save(self, step: int, params, opt_state=None, extra: Mapping | None = None, *,
+             rng: jax.Array | None = None) -> None:  # fmt: skip
+        """Start saving ``step``; returns once this process's shards are on the host.
+
+        ``extra`` is JSON (loader position, config, ...). ``rng`` is a PRNG key.
+        Call :meth:`wait` (or the next save/restore does) to finish.
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._read_only:
+            raise ValueError(f"this Checkpointer of {self.directory} is read-only")
+        record = {"format": _FORMAT, "step": int(step), "extra": dict(extra or {})}
+        try:
+            record = json.loads(json.dumps(record))  # exactly what restore will return
+        except TypeError as err:
+            raise TypeError(
+                f"extra must be JSON-serialisable ({err}). Remedy: store numbers, strings, lists "
+                "and dicts there (e.g. loader.state()); arrays belong in params/opt_state."
+            ) from None
+        leaves = []
+        for item, tree in zip(_ITEMS, (params, opt_state, rng)):
+            if tree is not None:
+                leaves += _flatten(item, tree)[0]
+        leaves, owners = plan_leaves(leaves)  # validates, and agrees across processes, first
+        args = ocp.args.Composite(
+            arrays=ShardedTreeSave(leaves, owners), meta=ocp.args.JsonSave(record)
+        )
+        try:  # force: save every step asked for (orbax would skip steps <= the latest)
+            self._manager.save(int(step), args=args, force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError:
+            raise ValueError(
+                f"{self.directory} already holds step {step}. Remedy: save under a new step "
+                "number (or delete that step's directory first)."
+            ) from None
+
+    def wait(self) -> None:
+        """Block until the pending save (if any) is committed; re-raises its error."""
+        self._manager.wait_until_finished()
+
+    # --- listing ----------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Committed steps on disk, oldest first (in-flight or killed saves are not listed)."""
+        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --- restoring --------------------------------------------------------
+    def restore(self, step: int | None = None, *, params, opt_state=None,
+                optimizer: optax.GradientTransformation | None = None) -> Restored:  # fmt: skip
+        """Read ``step`` (default: the latest) onto the given shardings.
+
+        Args:
+            params: target pytree matching the saved params; each leaf is a
+                ``Sharding`` (e.g. ``pm.param_shardings``), a ``jax.Array`` or
+                ``jax.ShapeDtypeStruct`` with a sharding (shape and dtype are
+                checked), or ``None`` for a leaf not on this process.
+            opt_state: target for the optimizer state, like ``params``; or
+            optimizer: derive the optimizer-state target from ``params``: state
+                leaves that mirror a parameter take its sharding, the rest
+                (step counts) are replicated on the first parameter's mesh.
+        Raises:
+            CheckpointError: no such committed step, or the step is damaged.
+            ValueError: the target does not match what was saved (names the path).
+        """
+        self.wait()
+        self._manager.reload()  # steps written by other Checkpointers since this one opened
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoints in {self.directory}. Remedy: check the path")
+            step = steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"{self.directory} has no complete checkpoint for step {step} (an interrupted save "
+                f"never becomes a step). Remedy: restore one of the complete steps {steps}."
+            )
+        where = f"checkpoint {self.directory} step {step}"
+        try:
+            saved = dict(self._manager.item_metadata(step)["arrays"])
+        except (DamagedArrayError, OSError, ValueError, KeyError, TypeError) as err:
+            raise self._damaged(where, step, steps, err) from None
+        try:
+            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            record = self._manager.restore(step, args=args)["meta"]
+            if not isinstance(record, dict) or record.get("format") != _FORMAT:
+                raise ValueError(f"not a {_FORMAT} record")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            err = f"its JSON record 'meta' is unreadable ({err})"
+            raise self._damaged(where, step, steps, err) from None
+
+        param_targets, param_tree = _targets("params", params, saved, where)
+        opt_targets = opt_tree = None
+        if opt_state is not None:
+            opt_targets, opt_tree = _targets("opt_state", opt_state, saved, where)
+        elif optimizer is not None:
+            derived = _optimizer_target(optimizer, param_targets, param_tree, saved)
+            opt_targets, opt_tree = _targets("opt_state", derived, saved, where)
+        _check_complete({"params": param_targets, "opt_state": opt_targets}, saved, where)
+        wanted = {**param_targets, **(opt_targets or {})}
+        if "rng" in saved:
+            wanted["rng"] = None
+        reads = {p: t for p, t in wanted.items() if t is not _ELSEWHERE}
+        try:
+            args = ocp.args.Composite(arrays=ShardedTreeRestore(reads))
+            values = self._manager.restore(step, args=args)["arrays"]
+        except (DamagedArrayError, OSError) as err:
+            raise self._damaged(where, step, steps, err) from None
+
+        def rebuild(targets, tree):
+            return jax.tree.unflatten(tree, [values.get(p) for p in targets])
+
+        return Restored(
+            step=step,
+            params=rebuild(param_targets, param_tree),
+            opt_state=None if opt_targets is None else rebuild(opt_targets, opt_tree),
+            rng=values.get("rng"),
+            extra=record["extra"],
+        )
+
+    def _damaged(self, where: str, step: int, steps: list[int], err) -> CheckpointError:
+        earlier = [s for s in steps if s < step]
+        remedy = (f"restore an earlier step (restore(step={earlier[-1]}); complete steps: {steps})"
+                  if earlier else "no earlier step is available; re-initialise")  # fmt: skip
+        return CheckpointError(f"{where} is damaged or incomplete: {err}. Remedy: {remedy}.")
+
+    # --- lifetime ---------------------------------------------------------
+    def close(self) -> None:
+        """Finish pending saves and release orbax's threads."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# --- module-level conveniences -------------------------------------------------
+_OPEN: dict[Path, Checkpointer] = {}
+
+
+def save(directory: str | Path, step: int, params, opt_state=None, extra: Mapping | None = None,
+         *, rng: jax.Array | None = None, max_to_keep: int | None = 3) -> Checkpointer:  # fmt: skip
+    """Asynchronous :meth:`Checkpointer.save` into ``directory``; :func:`wait` finishes it."""
+    path = Path(directory).absolute()
+    if path not in _OPEN:
+        _OPEN[path] = Checkpointer(path, max_to_keep=max_to_keep)
+    _OPEN[path].save(step, params, opt_state, extra, rng=rng)
+    return _OPEN[path]
+
+
+def wait(directory: str | Path | None = None) -> None:
+    """Finish the pending saves (of ``directory``, or of every directory)."""
+    paths = list(_OPEN) if directory is None else [Path(directory).absolute()]
+    for path in paths:
+        if path in _OPEN:
+            _OPEN[path].wait()
+
+
+def close(directory: str | Path | None = None) -> None:
+    """Finish and release the checkpointers opened by :func:`save` (of ``directory``, or all)."""
+    paths = list(_OPEN) if directory is None else [Path(directory).absolute()]
+    for path in paths:
+        if path in _OPEN:
+            _OPEN.pop(path).close()
+
+
+def restore(directory: str | Path, step: int | None = None, *, params, opt_state=None,
+            optimizer: optax.GradientTransformation | None = None) -> Restored:  # fmt: skip
+    """:meth:`Checkpointer.restore` from ``directory`` (after its pending save)."""
+    return _reader(directory).restore(step, params=params, opt_state=opt_state, optimizer=optimizer)
+
+
+def latest_step(directory: str | Path) -> int | None:
+    """The newest complete step in ``directory`` (``None`` if there is none)."""
+    return _reader(directory).latest_step()
+
+
+def _reader(directory: str | Path) -> Checkpointer:
+    path = Path(directory).absolute()
+    if path in _OPEN:
+        return _OPEN[path]
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist. Remedy: check the path")
+    return Checkpointer(path, read_only=True)
+
+
+# --- targets -------------------------------------------------------------------
+_ELSEWHERE = object()  # a leaf held by another process: not read here
+
+
+def _is_leaf(x) -> bool:
+    return x is None or isinstance(x, (jax.sharding.Sharding, jax.ShapeDtypeStruct))
+
+
+def _flatten(item: str, tree) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(path, leaf)]`` with paths like ``params/dense/kernel``; ``None`` stays a leaf."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    pairs = []
+    for keys, leaf in flat:
+        suffix = jax.tree_util.keystr(keys, simple=True, separator="/")
+        pairs.append((f"{item}/{suffix}" if suffix else item, leaf))
+    return pairs, treedef
+
+
+def _stored(item: str, saved: Mapping) -> set[str]:
+    return {p for p in saved if p == item or p.startswith(item + "/")}
+
+
+def _mismatch(item: str, where: str, extra, missing) -> ValueError:
+    return ValueError(
+        f"the {item} target does not match {where}: missing from the checkpoint "
+        f"{sorted(extra) or 'none'}; in the checkpoint but not in the target (of any process) "
+        f"{sorted(missing) or 'none'}. Remedy: restore with the model"
+        f"{' and optimizer' if item == 'opt_state' else ''} the checkpoint was saved with."
+    )
+
+
+def _targets(item: str, tree, saved: Mapping[str, LeafMeta | None], where: str):
+    """``({path: sharding | _ELSEWHERE}, treedef)`` for ``tree``, checked against ``saved``.
+
+    Paths are checked here one way (each must be in the checkpoint); that the
+    processes' targets together cover the checkpoint is :func:`_check_complete`.
+    """
+    pairs, treedef = _flatten(item, tree)
+    unknown = {p for p, _ in pairs} - _stored(item, saved)
+    if unknown:
+        raise _mismatch(item, where, unknown, ())
+    targets = {}
+    for path, leaf in pairs:
+        meta = saved[path]
+        if leaf is None:
+            targets[path] = _ELSEWHERE
+            continue
+        if meta is None:
+            raise ValueError(
+                f"'{path}' was saved empty (None on every process) in {where}, but the target "
+                "asks for an array. Remedy: pass None for it."
+            )
+        if isinstance(leaf, jax.sharding.Sharding):
+            targets[path] = _checked(leaf, path, meta, where)
+            continue
+        shape, dtype = tuple(np.shape(leaf)), _dtype_name(leaf)
+        if (shape, dtype) != (meta.shape, meta.dtype):
+            raise ValueError(
+                f"'{path}' is {meta.dtype}{list(meta.shape)} in {where} but the target is "
+                f"{dtype}{list(shape)}. Remedy: restore into the model/optimizer configuration it "
+                "was saved from (same sizes and dtypes; any grid)."
+            )
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None and not isinstance(leaf, np.ndarray):
+            raise ValueError(f"target '{path}' has no sharding; give a Sharding, jax.Array or "
+                             "ShapeDtypeStruct(..., sharding=...)")  # fmt: skip
+        targets[path] = None if sharding is None else _checked(sharding, path, meta, where)
+    return targets, treedef
+
+
+def _check_complete(targets: Mapping[str, Mapping | None], saved: Mapping, where: str) -> None:
+    """The targets of all processes together cover every saved path (collective)."""
+    local = {item: sorted(paths) for item, paths in targets.items() if paths is not None}
+    union: dict[str, set[str]] = {}
+    for listing in allgather_json(local):
+        for item, paths in listing.items():
+            union.setdefault(item, set()).update(paths)
+    for item, paths in union.items():
+        missing = _stored(item, saved) - paths
+        if missing:
+            raise _mismatch(item, where, (), missing)
+
+
+def _checked(sharding: jax.sharding.Sharding, path: str, meta: LeafMeta, where: str):
+    """``sharding`` if it can lay out the saved shape, else a ``ValueError`` naming ``path``."""
+    try:
+        sharding.shard_shape(meta.shape)
+    except ValueError as err:
+        raise ValueError(
+            f"target sharding of '{path}' cannot lay out its saved shape {list(meta.shape)} "
+            f"({where}): {err}. Remedy: pick grid sizes that divide the dimensions."
+        ) from None
+    return sharding
+
+
+def _dtype_name(leaf) -> str:
+    """The dtype as checkpoints record it (``key<impl>`` for typed PRNG keys)."""
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    if isinstance(leaf, jax.Array) and jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return f"key<{jax.random.key_impl(leaf)}>"
+    return jnp.dtype(dtype).name
+
+
+def _optimizer_target(optimizer, param_targets, param_tree, saved):
+    """Optimizer-state target: leaves mirroring a parameter take its sharding."""
+    from axonn_jax.training import state_shardings
+
+    shardings = [None if s is _ELSEWHERE else s for s in param_targets.values()]
+    meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
+    if not meshes:
+        raise ValueError(
+            "deriving the optimizer-state target needs at least one parameter with a "
+            "NamedSharding on this process. Remedy: pass opt_state=... instead."
+        )
+    abstract = [
+        None if s is None else jax.ShapeDtypeStruct(saved[p].shape, jnp.dtype(saved[p].dtype))
+        for p, s in zip(param_targets, shardings)
+    ]
+    params = jax.tree.unflatten(param_tree, abstract)
+    return state_shardings(optimizer, params, jax.tree.unflatten(param_tree, shardings), meshes[0])
