@@ -22,6 +22,7 @@ Example (``mpiexec -n 2 python train.py``)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +34,26 @@ from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.mesh import local_stages
 from axonn_jax.runtime.stage_program import StageProgram, batch_sharding, place, stage_flows
 from axonn_jax.runtime.transport import InProcessTransport, MpiTransport
+
+
+@functools.lru_cache(maxsize=None)
+def remat_wrapper(policy: str) -> Callable[[Callable], Callable]:
+    """``f → apply_remat(f, policy)`` (one object per policy, so compiled programs are shared)."""
+    from axonn_jax.remat import apply_remat, remat_policy
+
+    remat_policy(policy)  # validates the name
+
+    def wrap(fn: Callable) -> Callable:
+        return apply_remat(fn, policy)
+
+    return wrap
+
+
+def resolve_remat(remat) -> Callable | None:
+    """A policy name ("none", "full", "save_dots", "offload"), a wrapper, or None."""
+    if remat is None or callable(remat):
+        return remat
+    return remat_wrapper(str(remat))
 
 
 def default_inputs(batch) -> tuple:
@@ -50,6 +71,18 @@ class PipelineOptions:
     timeout: float = 60.0
     remat: Callable | None = None
     delay: Callable | None = None
+
+    def __post_init__(self) -> None:
+        from axonn_jax.runtime.schedules import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 microbatch in flight, got {self.limit}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +198,8 @@ class PipelinedValueAndGrad:
                 lambda x: place(x, batch_sharding(last_mesh, pm.grid, np.shape(x))), microbatch(mb)
             )
 
+        if not all(programs[s].compiled for s in layout.local):
+            self._compile(programs, stage_params, stage_args, loss_batch)
         queue = DispatchQueue(programs, layout.local, pm.transport, schedule=opts.schedule,
                               limit=opts.limit, timeout=opts.timeout, delay=opts.delay)  # fmt: skip
         result = queue.run(stage_params, stage_args, loss_batch, m)
@@ -172,6 +207,14 @@ class PipelinedValueAndGrad:
         grads = self._combine(result, programs, leaves, m)
         loss = self._loss(result, m)
         return loss, jax.tree.unflatten(pm.plan.param_tree, grads)
+
+    def _compile(self, programs, stage_params, stage_args, loss_batch) -> None:
+        """Compile every local stage, then wait for all processes to have done so."""
+        last = len(programs) - 1
+        for s in self.pm.stage_layout.local:
+            programs[s].compile(stage_params[s], stage_args(s, 0), loss_batch(0) if s == last else None)
+        if self.pm.multiprocess:  # a peer still compiling must not look like a dead peer
+            self.pm.transport.comm.Barrier()
 
     def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
         """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).

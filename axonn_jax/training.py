@@ -116,7 +116,7 @@ class TrainStep:
             new_params, new_state[s] = self._compiled(s, sub)[1](
                 sub, self._subtree(g_leaves, idx), opt_state[s]
             )
-            new_leaves = self.pm._param_leaves(new_params)
+            new_leaves = jax.tree.leaves(new_params, is_leaf=_none)
             for i in idx:
                 out[i] = new_leaves[i]
         return jax.tree.unflatten(self.pm.plan.param_tree, out), new_state, loss

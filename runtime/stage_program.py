@@ -162,6 +162,7 @@ class StageProgram:
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward)
         self.forward_backward = jax.jit(self._forward_backward)
+        self.compiled = False  # True once compile() replaced the jits by executables
 
     # --- shardings -------------------------------------------------------
     def spec(self, layout: Layout):
@@ -253,6 +254,24 @@ class StageProgram:
             params, self._split(inbound)
         )
         return value, g_params, g_in
+
+    def compile(self, params, args, batch=None) -> None:
+        """Compile this stage's programs ahead of time (before any message is exchanged).
+
+        ``params``/``args``/``batch`` are arrays or ShapeDtypeStructs of one
+        microbatch; afterwards :attr:`forward`, :attr:`backward` and
+        :attr:`forward_backward` are the compiled executables, so the first step
+        measures (and times out on) communication only, not a peer's compilation.
+        """
+        inbound = self.inbound_avals()
+        if self.last:
+            self.forward_backward = self.forward_backward.lower(params, args, inbound, batch).compile()
+        else:
+            forward = self.forward.lower(params, args, inbound).compile()
+            _, residuals = forward.out_info
+            self.backward = self.backward.lower(residuals, self.outbound_cotangent_avals()).compile()
+            self.forward = forward
+        self.compiled = True
 
     def outbound_cotangent_avals(self) -> list[jax.ShapeDtypeStruct]:
         shardings = self.outbound_shardings

@@ -1,0 +1,118 @@
+"""Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven vs theory.
+
+Launches itself under ``mpiexec -n P`` (one stage per process, pipeline=P)
+and, for each microbatch count, runs one step per schedule after a compile
+step; the idle fraction of each stage comes from the dispatch queue's trace
+(first task start → last task end). Theory: (p − 1)/(m + p − 1).
+
+Two modes, both reported:
+* ``uniform``: every task is padded with a fixed sleep (``--task-ms``) that
+  dwarfs the tiny model's compute, so each stage's work is equal and the
+  measurement isolates the schedule (what the formula assumes, with
+  forward = backward = one unit and the last stage's fused task = two units);
+* ``compute``: the model's own compute only (on a shared 2-core machine with
+  several processes this is dominated by noise; reported as measured).
+
+    .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--microbatches", default="4,8,16")
+    p.add_argument("--task-ms", type=float, default=40.0)
+    p.add_argument("--modes", default="uniform,compute")
+    p.add_argument("--out", default=None, help="write the markdown table here too")
+    return p.parse_args(argv)
+
+
+def worker(args) -> None:
+    """Runs on every rank under mpiexec; rank 0 prints JSON results."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import axonn_jax
+    from axonn_jax.runtime import trace
+
+    info = axonn_jax.init()
+    import jax
+    from pipeline_cases import build
+
+    case = build("gpt")
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=args.stages),
+                             *case.inputs(case.batch(1)))  # fmt: skip
+    params = pm.init(jax.random.key(0))
+    task = args.task_ms / 1e3
+    results = []
+    for mode in args.modes.split(","):
+        for m in map(int, args.microbatches.split(",")):
+            for schedule in ("gpipe", "1f1b", "message"):
+
+                def delay(stage, kind, mb):
+                    if mode != "uniform":
+                        return 0.0
+                    return 2 * task if stage == args.stages - 1 else task
+
+                step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
+                                         schedule=schedule, delay=delay)  # fmt: skip
+                step(params, case.batch(m))  # compile and warm up
+                step(params, case.batch(m))
+                rows = step.trace()
+                if info.is_main:
+                    idle = trace.idle_fractions(rows)
+                    results.append({"mode": mode, "m": m, "schedule": schedule,
+                                    "idle_mean": sum(idle.values()) / len(idle),
+                                    "idle": idle,
+                                    "theory": trace.bubble_theory(args.stages, m)})  # fmt: skip
+    if info.is_main:
+        print("RESULTS " + json.dumps(results), flush=True)
+
+
+def table(results, stages: int) -> str:
+    lines = [f"Pipeline bubble, pipeline={stages} (one process per stage), idle fraction "
+             "per stage averaged over stages, from the dispatch-queue trace:", "",
+             "| mode | microbatches | GPipe | 1F1B | message-driven | theory (p−1)/(m+p−1) |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    keyed = {(r["mode"], r["m"], r["schedule"]): r for r in results}
+    for mode, m in sorted({(r["mode"], r["m"]) for r in results}, key=lambda t: (t[0] != "uniform", t[1])):
+        cells = [f"{keyed[(mode, m, s)]['idle_mean']:.3f}" for s in ("gpipe", "1f1b", "message")]
+        lines.append(f"| {mode} | {m} | " + " | ".join(cells)
+                     + f" | {keyed[(mode, m, 'gpipe')]['theory']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if os.environ.get("AXONN_BUBBLE_WORKER"):
+        worker(args)
+        return {}
+    sys.path.insert(0, str(ROOT / "tests"))
+    from mpi_util import mpiexec
+
+    env = dict(os.environ, AXONN_BUBBLE_WORKER="1", JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
+    command = [mpiexec(), "-n", str(args.stages), sys.executable, __file__, *(argv or sys.argv[1:])]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3000)
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULTS ")), None)
+    if done.returncode != 0 or line is None:
+        raise SystemExit(f"benchmark failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    results = json.loads(line[len("RESULTS "):])
+    text = table(results, args.stages)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return {"results": results, "table": text}
+
+
+if __name__ == "__main__":
+    main()
