@@ -101,13 +101,16 @@ class Partitioned:
                     "mesh (pm.stage_meshes) and the model runs through pm.value_and_grad / "
                     "pm.train_step; pm.mesh and pm.apply need pipeline=1."
                 )
-            self._mesh = self.grid.stage_meshes()[0]
+            self._mesh = self.stage_meshes[0]
         return self._mesh
 
     @property
     def stage_meshes(self) -> list:
         """One mesh ``(data, z, y, x)`` per pipeline stage, stage 0 first."""
         if self._stage_meshes is None:
+            from axonn_jax.consistency import check_consistent
+
+            check_consistent(self)  # all ranks: same grid, model, inputs (before any collective)
             self._stage_meshes = self.grid.stage_meshes()
         return self._stage_meshes
 
@@ -161,6 +164,9 @@ class Partitioned:
         """Leaves of a params pytree (``None`` kept for leaves of other processes)."""
         leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
+            self.check_params(params)
+        home = self.stage_layout.home if self.grid.pipeline > 1 else [0] * len(leaves)
+        if any(leaf is None and h is not None for leaf, h in zip(leaves, home)):
             self.check_params(params)
         return leaves
 
@@ -314,7 +320,7 @@ class Partitioned:
         schedule: str = "message",
         limit: int | None = None,
         timeout: float = 60.0,
-        remat: Callable | None = None,
+        remat: str | Callable | None = None,
         delay: Callable | None = None,
     ) -> Callable:
         """``(params, batch) → (loss, grads)`` of ``loss_fn(model outputs, batch)``.
@@ -328,15 +334,18 @@ class Partitioned:
         the number of stages), "1f1b" or "gpipe"; the loss is returned on
         every process and the gradients of this process's parameters (others
         ``None``). ``remat`` wraps each stage's forward (e.g. ``jax.checkpoint``);
-        ``timeout`` bounds the wait for a peer stage; ``delay(stage, kind, mb)``
+        ``remat`` may also name a policy of :mod:`axonn_jax.remat` ("none",
+        "full", "save_dots", "offload"); ``timeout`` bounds the wait for a peer stage; ``delay(stage, kind, mb)``
         emulates slow tasks (tests, benchmarks).
 
         Example:
             >>> step = pm.value_and_grad(lambda logits, t: next_token_loss(logits, t))  # doctest: +SKIP
             >>> loss, grads = step(params, tokens)                                      # doctest: +SKIP
         """
-        from axonn_jax.pipeline import (PipelinedValueAndGrad, PipelineOptions,
-                                        default_inputs, microbatched_value_and_grad)  # fmt: skip
+        from axonn_jax.pipeline import (PipelinedValueAndGrad, PipelineOptions, default_inputs,
+                                        microbatched_value_and_grad, resolve_remat)  # fmt: skip
+
+        remat = resolve_remat(remat)
 
         if self.grid.pipeline == 1:
             return microbatched_value_and_grad(self, loss_fn, inputs or default_inputs,

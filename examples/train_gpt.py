@@ -43,9 +43,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices-per-process", type=int, default=None,
                    help="simulated CPU devices per process (default: 8 / #processes)")  # fmt: skip
     p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
+    p.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --ckpt-dir (any grid)")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
+    if args.ckpt_every < 0:
+        p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
     if args.microbatches < 1:
         p.error(f"--microbatches must be >= 1, got {args.microbatches}")
     try:
@@ -125,12 +131,27 @@ def main(argv=None) -> int:
         evaluate = jax.jit(evaluate)
 
     valid = batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1)
+
+    from axonn_jax.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(Path(args.ckpt_dir or out / "ckpt"), max_to_keep=2)
+    first_step = 0
+    if args.resume and ckpt.latest_step() is not None:
+        restored = ckpt.restore(params=params, opt_state=opt_state)
+        params, opt_state = restored.params, restored.opt_state
+        first_step = int(restored.extra["next_step"])
+        if info.is_main:
+            print(f"resumed from {ckpt.directory} at step {first_step}")
+    elif args.resume and info.is_main:
+        print(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
+    # batches are a pure function of (seed, step): resuming at step k replays the same data
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    progress = _progress(args.steps, enabled=info.is_main)
+    progress = _progress(args.steps, enabled=info.is_main, initial=first_step)
+    board = _tensorboard(out / "tensorboard") if info.is_main else None
     tokens_per_step = args.batch * args.seq
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         batch = batch_at(train_tokens, step=step, batch=args.batch, seq=args.seq, seed=args.seed)
         t0 = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, batch)
@@ -140,19 +161,35 @@ def main(argv=None) -> int:
         if step % 50 == 0 or step == args.steps - 1:
             row["valid_loss"] = float(evaluate(params, valid)[0])
         rows.append(row)
+        if board is not None:
+            for key in ("loss", "valid_loss", "tokens_per_s"):
+                if key in row:
+                    board.add_scalar(key, row[key], step)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+            ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1})
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
     progress.close()
     elapsed = time.perf_counter() - start
+    if first_step < args.steps:
+        ckpt.save(args.steps, params, opt_state, extra={"next_step": args.steps})
+    ckpt.close()  # waits for the asynchronous writes
+    if board is not None:
+        board.close()
 
     if grid.pipeline > 1:  # the last step's tasks on every rank (a collective)
         train_step.value_and_grad.trace(out / "trace.json", out / "timeline.png",
                                         title=f"{args.schedule} schedule, {grid}")
     full = pm.gather(params)  # a collective: every rank takes part
     if info.is_main:
+        if first_step:  # resumed: keep the rows of the steps before the checkpoint
+            rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows
         _write_csv(out / "metrics.csv", rows)
         _plot(out / "loss.png", rows, title=f"GPT {config.num_layers}L/{config.hidden}H on {grid}")
         sample = _generate(model, full, train_tokens[:args.seq], args.sample_bytes, args.seq)
+        if not rows:
+            print(f"nothing to do: the checkpoint is already at step {first_step} >= --steps")
+            return 0
         first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-10:]])
         print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s); "
               f"wrote {out}/metrics.csv, {out}/loss.png"
@@ -161,10 +198,20 @@ def main(argv=None) -> int:
     return 0
 
 
-def _progress(total: int, *, enabled: bool):
+def _progress(total: int, *, enabled: bool, initial: int = 0):
     from tqdm import tqdm
 
-    return tqdm(total=total, disable=not enabled, desc="train", unit="step", file=sys.stdout)
+    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step",
+                file=sys.stdout)  # fmt: skip
+
+
+def _tensorboard(directory: Path):
+    """A TensorBoard event writer (tensorboardX), or None if it is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(directory))
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:
@@ -176,6 +223,16 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
         writer.writeheader()
         for row in rows:
             writer.writerow({k: row.get(k, "") for k in columns})
+
+
+def _read_csv(path: Path) -> list[dict]:
+    import csv
+
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [{k: (int(v) if k == "step" else float(v)) for k, v in row.items() if v != ""}
+                for row in csv.DictReader(f)]  # fmt: skip
 
 
 def _plot(path: Path, rows: list[dict], *, title: str) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from axonn_jax.grid import Grid
 from axonn_jax.partitioner.layout import Layout, describe, factor, to_spec
 from axonn_jax.partitioner.planner import Fallback, PlannedLayouts
+from axonn_jax.partitioner.report import MemoryReport
 from axonn_jax.partitioner.stages import Stage
 
 
@@ -101,6 +102,13 @@ class Plan:
     def param_bytes_per_device(self) -> int:
         return sum(p.bytes_per_device(self.grid) for p in self.params)
 
+    def memory(self, *, optimizer_slots: int = 2) -> MemoryReport:
+        """Parameter, gradient and optimizer (``optimizer_slots`` fp32) bytes per device.
+
+        What is kept for backward needs a traced step: ``pm.report().memory``.
+        """
+        return MemoryReport.from_plan(self, optimizer_slots=optimizer_slots)
+
     @property
     def warnings(self) -> tuple[str, ...]:
         out = [f"replicated {f.primitive} at {f.where}: {f.reason}" for f in self.fallbacks]
@@ -123,6 +131,11 @@ class Plan:
             lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
             if i == 0:
                 lines.append("  ".join("-" * w for w in widths))
+        mem = self.memory()
+        lines.append(
+            f"memory per device: parameters {mem.parameters:,} B, gradients {mem.gradients:,} B, "
+            f"Adam state {mem.optimizer:,} B; activations and communication: pm.report()"
+        )
         if len(self.stages) > 1:
             total = sum(st.flops for st in self.stages) or 1.0
             lines.append(f"pipeline stages ({len(self.stages)}, balanced by FLOPs):")

@@ -1,0 +1,278 @@
+"""Report what one training step of a partitioned model communicates and keeps.
+
+The step is traced, not modelled: ``jax.make_jaxpr`` of ``jax.vjp`` of
+:meth:`Partitioned.apply` (the forward pass and the residuals it keeps) and of
+its pullback (the backward pass), on an ``AbstractMesh`` (no devices, so a
+1,024-device grid is reported on a laptop). The jaxprs hold the very
+``shard_map`` bodies the executor runs and their transposes, so walking them
+finds every collective the kernels emit — all-gathers of the depth (z) split,
+partial-sum reductions, relayout gathers, the gradient reductions that come
+from marking values varying — with local shapes. Collectives of the user's
+loss (outside the model, inserted by the compiler for the batch split) are
+not part of the report.
+
+Example:
+    >>> report = step_report(pm)                          # doctest: +SKIP
+    >>> print(report.communication)                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+from jax.sharding import AbstractMesh
+
+from axonn_jax.grid import STAGE_AXES, Grid
+from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
+
+#: jaxpr primitive → HLO collective kind
+_KINDS = {
+    "psum": "all-reduce",
+    "psum_invariant": "all-reduce",
+    "pmax": "all-reduce",
+    "pmin": "all-reduce",
+    "all_gather": "all-gather",
+    "all_gather_invariant": "all-gather",
+    "reduce_scatter": "reduce-scatter",
+    "all_to_all": "all-to-all",
+    "ppermute": "collective-permute",
+}
+#: communicating primitives the walker does not price (it refuses rather than undercount)
+_UNPRICED = {"ragged_all_to_all", "psend", "precv", "pbroadcast", "all_gather_reduced",
+             "unreduced_psum", "unreduced_reduce_scatter"}  # fmt: skip
+#: asynchronous halves (``psum_start`` / ``psum_done`` ...) are refused too
+_ASYNC = {f"{name}_{half}" for name in (*_KINDS, *_UNPRICED) for half in ("start", "done")}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """Communication and memory of one training step, per device."""
+
+    plan: object  # the Plan
+    communication: CommReport
+    memory: MemoryReport
+
+    def __str__(self) -> str:
+        return f"{self.plan}\n\n{self.memory}\n\n{self.communication}"
+
+
+def abstract_stage_mesh(grid: Grid) -> AbstractMesh:
+    """The ``(data, z, y, x)`` stage mesh of ``grid`` without devices."""
+    return AbstractMesh(tuple(grid.stage_shape.values()), STAGE_AXES)
+
+
+def step_report(pm, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
+    """Trace one training step of ``pm`` on ``args`` (default: the example inputs).
+
+    The forward pass is traced as ``jax.vjp`` of ``pm.apply`` (its outputs
+    plus the residuals autodiff keeps), the backward pass as the pullback on
+    those residuals: together exactly ``jax.value_and_grad``.
+
+    Args:
+        pm: a :class:`~axonn_jax.Partitioned` with ``grid.pipeline == 1``.
+        args, kwargs: model inputs (arrays or ``ShapeDtypeStruct``); none given
+            means the example inputs passed to ``partition()``.
+        optimizer_slots: fp32 optimizer values per parameter element (2 for Adam).
+    """
+    if pm.grid.pipeline != 1:
+        raise NotImplementedError(
+            f"{pm.grid} has pipeline={pm.grid.pipeline}: step reports cover grids with "
+            "pipeline=1 (the ones pm.apply runs). Remedy: report one stage's grid, e.g. "
+            f"Grid(x={pm.grid.x}, y={pm.grid.y}, z={pm.grid.z}, data={pm.grid.data})."
+        )
+    if not args and not kwargs:
+        args, kwargs = jax.tree.unflatten(pm._traced.arg_tree, pm._traced.arg_avals)
+    args, kwargs = jax.tree.map(_abstract, (args, kwargs))
+    traced_pm = pm._with_mesh(abstract_stage_mesh(pm.grid))
+    params = jax.tree.unflatten(
+        pm.plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]
+    )
+    pullback_tree = {}
+
+    def forward(p, a, k):
+        out, pullback = jax.vjp(lambda q: traced_pm.apply(q, *a, **k), p)
+        residuals, pullback_tree["tree"] = jax.tree.flatten(pullback)
+        return out, residuals
+
+    fwd, (out_shapes, residual_shapes) = jax.make_jaxpr(forward, return_shape=True)(
+        params, args, kwargs
+    )
+    cotangents = jax.tree.map(_cotangent, out_shapes)
+    bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(pullback_tree["tree"], r)(ct))(
+        residual_shapes, cotangents
+    )
+    backward = [dataclasses.replace(t, phase="backward") for t in collect(bwd.jaxpr.eqns)]
+    saved = saved_bytes(
+        fwd.jaxpr, num_params=len(pm.plan.params), num_residuals=len(residual_shapes)
+    )
+    memory = MemoryReport.from_plan(
+        pm.plan, optimizer_slots=optimizer_slots, activations=saved.activations,
+        gathered_weights=saved.weights,
+    )  # fmt: skip
+    communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
+    return StepReport(pm.plan, communication, memory)
+
+
+def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> list[Transfer]:
+    """Every collective in ``eqns`` and their sub-jaxprs (phase: "forward").
+
+    ``sizes`` are the mesh axis sizes of the enclosing ``shard_map``; a
+    ``scan`` multiplies the counts of its body by its length.
+    """
+    found: list[Transfer] = []
+    for eqn in eqns:
+        name = eqn.primitive.name
+        if name in _UNPRICED or name in _ASYNC:
+            raise NotImplementedError(
+                f"collective primitive '{name}' in the traced step is not priced by the "
+                "report. Remedy: report without it, or extend runtime/step_report.py."
+            )
+        if name in _KINDS:
+            found.extend(_transfers(eqn, sizes or {}, times))
+            continue
+        inner_sizes = dict(eqn.params["mesh"].shape) if name == "shard_map" else sizes
+        if name == "scan":
+            body = _open(eqn.params["jaxpr"]).eqns
+            found.extend(collect(body, inner_sizes, times * eqn.params["length"]))
+            continue
+        if name == "cond":
+            found.extend(_one_branch(eqn, inner_sizes, times))
+            continue
+        for sub in _subjaxprs(eqn):
+            inner = collect(sub.eqns, inner_sizes, times)
+            if inner and name == "while":
+                raise NotImplementedError(
+                    "collectives inside a while loop: the trip count is unknown, so the "
+                    "report cannot count them. Remedy: use lax.scan with a fixed length."
+                )
+            found.extend(inner)
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """Per-device bytes kept from the forward pass for the backward pass."""
+
+    activations: int  # values that depend on the model inputs
+    weights: int  # values computed from parameters only (e.g. depth-gathered weight blocks)
+
+
+#: primitives that only retype a value (no new buffer)
+_CASTS = {"pvary", "pcast"}
+_PARAMS, _DATA, _CONST = "params", "data", "const"
+
+
+def saved_bytes(jaxpr, *, num_params: int, num_residuals: int) -> Saved:
+    """Per-device bytes of the residuals a traced forward pass hands to the backward.
+
+    ``jaxpr`` maps ``(params..., inputs...)`` to ``(outputs..., residuals...)``
+    with the last ``num_residuals`` outputs the residuals. A residual that is
+    an input, or an input merely retyped (``pvary``) inside the ``shard_map``,
+    is the input's own buffer and costs nothing; the others are counted once,
+    at their local size, as *weights* when computed from parameters only and
+    as *activations* otherwise.
+    """
+    kind: dict = {v: (_PARAMS if i < num_params else _DATA) for i, v in enumerate(jaxpr.invars)}
+    alias = set(jaxpr.invars)
+    local: dict = {}  # outer var -> the body var that holds its local shard
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            body = _open(eqn.params["jaxpr"])
+            for outer, inner in zip(eqn.invars, body.invars):
+                kind[inner] = _kind_of([outer], kind)
+                if _is_var(outer) and outer in alias:
+                    alias.add(inner)
+            _flow(body.eqns, kind, alias)
+            for outer, inner in zip(eqn.outvars, body.outvars):
+                kind[outer] = _kind_of([inner], kind)
+                local[outer] = inner
+                if _is_var(inner) and inner in alias:
+                    alias.add(outer)
+        else:
+            _flow([eqn], kind, alias)
+    activations = weights = 0
+    residuals = {v for v in jaxpr.outvars[len(jaxpr.outvars) - num_residuals :] if _is_var(v)}
+    for var in residuals - alias:
+        aval = local.get(var, var).aval
+        size = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+        if kind.get(var) == _PARAMS:
+            weights += size
+        else:
+            activations += size
+    return Saved(activations, weights)
+
+
+def _flow(eqns, kind: dict, alias: set) -> None:
+    """Propagate what each value is computed from, and which values are retyped inputs."""
+    for e in eqns:
+        k = _kind_of(e.invars, kind)
+        for v in e.outvars:
+            kind[v] = k
+        if e.primitive.name in _CASTS and _is_var(e.invars[0]) and e.invars[0] in alias:
+            alias.update(e.outvars)
+
+
+def _kind_of(vars_, kind: dict) -> str:
+    found = {kind.get(v, _CONST) for v in vars_ if _is_var(v)}
+    return _DATA if _DATA in found else (_PARAMS if _PARAMS in found else _CONST)
+
+
+def _cotangent(shape: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    dtype = shape.dtype if jnp.issubdtype(shape.dtype, jnp.inexact) else jax.dtypes.float0
+    return jax.ShapeDtypeStruct(shape.shape, dtype)
+
+
+def _transfers(eqn, sizes: Mapping[str, int], times: int) -> list[Transfer]:
+    kind = _KINDS[eqn.primitive.name]
+    if eqn.params.get("axis_index_groups") is not None:
+        raise NotImplementedError(f"'{eqn.primitive.name}' with axis_index_groups is not priced")
+    raw = eqn.params.get("axes", eqn.params.get("axis_name"))
+    raw = raw if isinstance(raw, tuple) else (raw,)
+    axes = tuple(a for a in STAGE_AXES if a in raw and sizes.get(a, 1) > 1)
+    if not axes:
+        return []  # over size-1 axes only: moves nothing
+    group = math.prod(sizes[a] for a in axes)
+    return [
+        Transfer(kind, axes, group, str(np.dtype(o.aval.dtype)), tuple(i.aval.shape),
+                 tuple(o.aval.shape), "forward", times)  # fmt: skip
+        for i, o in zip(eqn.invars, eqn.outvars)
+    ]
+
+
+def _one_branch(eqn, sizes, times) -> list[Transfer]:
+    branches = [collect(_open(b).eqns, sizes, times) for b in eqn.params["branches"]]
+    if any(Counter(b) != Counter(branches[0]) for b in branches[1:]):
+        raise NotImplementedError(
+            "the branches of a lax.cond communicate differently; the report cannot know "
+            "which one runs. Remedy: make the branches communicate alike."
+        )
+    return branches[0]
+
+
+def _open(jaxpr):
+    return jaxpr.jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else jaxpr
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                yield _open(item)
+
+
+def _abstract(x):
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+    return jax.ShapeDtypeStruct(np.shape(x), dtype)
+
+
+def _is_var(v) -> bool:
+    return not isinstance(v, jex_core.Literal)
