@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.dispatch import DispatchQueue, StepResult
 from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.mesh import local_stages
@@ -134,7 +135,8 @@ class PipelinedValueAndGrad:
         pm = self.pm
         traced, jaxpr, layouts = pm._program(args, kwargs)
         # shared by every step object with the same loss and remat: compiled once
-        key = (self.loss_fn, self.options.remat, pm._signature(traced.arg_avals))
+        key = (self.loss_fn, self.options.remat, pm._signature(traced.arg_avals),
+               traced.arg_tree, traced.static_args)
         cache = pm._stage_programs
         if key in cache:
             return cache[key]
@@ -183,7 +185,7 @@ class PipelinedValueAndGrad:
 
         def stage_args(s, mb):
             if (s, mb) not in args_cache:
-                arg_leaves = jax.tree.leaves(self.inputs(microbatch(mb)))
+                arg_leaves, _ = call_leaves(self.inputs(microbatch(mb)), {})
                 prog = programs[s]
                 args_cache[(s, mb)] = [
                     place(arg_leaves[j], prog.sharding(prog.executor.arg_layouts[j]))

@@ -34,15 +34,24 @@ class TracedModel:
     param_paths: tuple[str, ...]
     param_avals: tuple[jax.ShapeDtypeStruct, ...]
     arg_tree: Any  # treedef of (args, kwargs)
-    arg_avals: tuple[jax.ShapeDtypeStruct, ...]
+    arg_avals: tuple[jax.ShapeDtypeStruct, ...]  # the array arguments (program inputs)
     out_tree: Any
     apply: Callable  # apply(params, *args, **kwargs): the unpartitioned model
     init: Callable  # init(key) -> full params (used only for the reference path)
     extra_state: Any = None  # nnx non-Param state (constants for the jaxpr)
+    static_args: tuple = ()  # ((leaf position, value), ...): Python scalars baked in
 
     @property
     def num_params(self) -> int:
         return len(self.param_avals)
+
+    def example_call(self) -> tuple[tuple, dict]:
+        """The traced call's ``(args, kwargs)``: ShapeDtypeStructs and the static values."""
+        dynamic = iter(self.arg_avals)
+        fixed = dict(self.static_args)
+        count = self.arg_tree.num_leaves
+        leaves = [fixed[i] if i in fixed else next(dynamic) for i in range(count)]
+        return jax.tree.unflatten(self.arg_tree, leaves)
 
 
 def _abstract(x):
@@ -50,6 +59,22 @@ def _abstract(x):
         return x
     x = jnp.asarray(x) if not hasattr(x, "shape") else x
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def is_static(x) -> bool:
+    """Python scalars and strings in the call (flags such as ``deterministic=True``).
+
+    They are baked into the traced program, like ``static_argnums`` of
+    ``jax.jit``; arrays (NumPy or JAX, any rank) are the program's inputs.
+    """
+    return isinstance(x, (bool, int, float, complex, str))
+
+
+def call_leaves(args, kwargs) -> tuple[list, tuple]:
+    """The array leaves of a call and its static values ``((position, value), ...)``."""
+    leaves = jax.tree.leaves((args, kwargs))
+    static = tuple((i, x) for i, x in enumerate(leaves) if is_static(x))
+    return [x for x in leaves if not is_static(x)], static
 
 
 def path_string(path) -> str:
@@ -73,7 +98,7 @@ def trace_model(model, *args, **kwargs) -> TracedModel:
         nnx = None
     import flax.linen as nn
 
-    abstract_args = jax.tree.map(_abstract, (args, kwargs))
+    abstract_args = jax.tree.map(lambda x: x if is_static(x) else _abstract(x), (args, kwargs))
     if isinstance(model, nn.Module):
         return _trace_linen(model, abstract_args)
     if nnx is not None and isinstance(model, nnx.Module):
@@ -101,7 +126,7 @@ def _trace_linen(model, abstract_args) -> TracedModel:
 
 def args_like(tree):
     """Zeros shaped like ShapeDtypeStructs (for init only; never full model params)."""
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+    return jax.tree.map(lambda a: a if is_static(a) else jnp.zeros(a.shape, a.dtype), tree)
 
 
 def _check_collections(variables) -> None:
@@ -137,12 +162,17 @@ def _finish(kind, params, abstract_args, apply, init, extra_state=None) -> Trace
     leaves_with_path, param_tree = jax.tree_util.tree_flatten_with_path(params)
     paths = tuple(path_string(p) for p, _ in leaves_with_path)
     param_avals = tuple(_abstract(v) for _, v in leaves_with_path)
-    arg_leaves, arg_tree = jax.tree.flatten(abstract_args)
+    all_arg_leaves, arg_tree = jax.tree.flatten(abstract_args)
+    static = tuple((i, x) for i, x in enumerate(all_arg_leaves) if is_static(x))
+    arg_leaves = [x for x in all_arg_leaves if not is_static(x)]
     out_store = {}
 
     def flat_fn(*leaves):
         p = jax.tree.unflatten(param_tree, leaves[: len(param_avals)])
-        call_args, call_kwargs = jax.tree.unflatten(arg_tree, leaves[len(param_avals) :])
+        dynamic = iter(leaves[len(param_avals) :])
+        fixed = dict(static)
+        full = [fixed[i] if i in fixed else next(dynamic) for i in range(len(all_arg_leaves))]
+        call_args, call_kwargs = jax.tree.unflatten(arg_tree, full)
         out = apply(p, *call_args, **call_kwargs)
         out_leaves, out_store["tree"] = jax.tree.flatten(out)
         return out_leaves
@@ -156,6 +186,7 @@ def _finish(kind, params, abstract_args, apply, init, extra_state=None) -> Trace
         param_avals=param_avals,
         arg_tree=arg_tree,
         arg_avals=tuple(arg_leaves),
+        static_args=static,
         out_tree=out_store["tree"],
         apply=apply,
         init=init,

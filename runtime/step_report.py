@@ -31,6 +31,7 @@ from jax.sharding import AbstractMesh
 
 from axonn_jax.grid import STAGE_AXES, Grid
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
+from axonn_jax.partitioner.trace import is_static
 
 #: jaxpr primitive → HLO collective kind
 _KINDS = {
@@ -88,21 +89,28 @@ def step_report(pm, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
             f"Grid(x={pm.grid.x}, y={pm.grid.y}, z={pm.grid.z}, data={pm.grid.data})."
         )
     if not args and not kwargs:
-        args, kwargs = jax.tree.unflatten(pm._traced.arg_tree, pm._traced.arg_avals)
-    args, kwargs = jax.tree.map(_abstract, (args, kwargs))
+        args, kwargs = pm._traced.example_call()
+    args, kwargs = jax.tree.map(lambda x: x if is_static(x) else _abstract(x), (args, kwargs))
     traced_pm = pm._with_mesh(abstract_stage_mesh(pm.grid))
     params = jax.tree.unflatten(
         pm.plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]
     )
     pullback_tree = {}
 
-    def forward(p, a, k):
+    call_tree = jax.tree.structure((args, kwargs))
+    leaves = jax.tree.leaves((args, kwargs))
+    static = {i: x for i, x in enumerate(leaves) if is_static(x)}  # baked in, not traced
+
+    def forward(p, dynamic):
+        values = iter(dynamic)
+        a, k = jax.tree.unflatten(call_tree, [static[i] if i in static else next(values)
+                                              for i in range(len(leaves))])  # fmt: skip
         out, pullback = jax.vjp(lambda q: traced_pm.apply(q, *a, **k), p)
         residuals, pullback_tree["tree"] = jax.tree.flatten(pullback)
         return out, residuals
 
     fwd, (out_shapes, residual_shapes) = jax.make_jaxpr(forward, return_shape=True)(
-        params, args, kwargs
+        params, [x for i, x in enumerate(leaves) if i not in static]
     )
     cotangents = jax.tree.map(_cotangent, out_shapes)
     bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(pullback_tree["tree"], r)(ct))(

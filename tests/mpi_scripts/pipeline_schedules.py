@@ -2,7 +2,7 @@
 
 Every task is padded to TASK seconds and stage 1's first task stalls for STALL
 seconds (the ``delay`` hook), so the comparison is about the order of work,
-not about this machine's noise. Rank 0 prints one JSON line per schedule
+not about this machine's noise (the stall dwarfs a tiny model's compute). Rank 0 prints one JSON line per schedule
 summary: makespan, idle fraction per stage, how many forwards stage 0 ran
 before its first backward, and stage 0's peak number of microbatches in flight.
 """
@@ -17,7 +17,7 @@ from axonn_jax.runtime import trace
 
 info = axonn_jax.init()
 assert info.distributed and info.process_count == 2
-M, LIMIT, TASK, STALL = 8, 4, 0.05, 1.0
+M, LIMIT, TASK, STALL = 8, 4, 0.1, 2.0
 
 
 def delay(stage, kind, mb):
