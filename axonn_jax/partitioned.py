@@ -30,7 +30,7 @@ from axonn_jax.partitioner.layout import Layout, replicated, to_spec
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.planner import batch_problems, plan_layouts
 from axonn_jax.partitioner.stages import plan_stages
-from axonn_jax.partitioner.trace import TracedModel, inline_calls, trace_model
+from axonn_jax.partitioner.trace import TracedModel, call_leaves, inline_calls, trace_model
 from axonn_jax.runtime.executor import Executor, live
 from axonn_jax.runtime.mesh import local_stages
 from axonn_jax.runtime.step_report import StepReport, step_report
@@ -82,7 +82,8 @@ class Partitioned:
         layouts = plan_layouts(traced, grid, jaxpr=jaxpr, **options)
         cut = plan_stages(traced, jaxpr.jaxpr, grid.pipeline, boundaries=stages)
         self.plan: Plan = Plan.build(traced, grid, layouts, cut)
-        self._programs[self._signature(traced.arg_avals)] = (traced, jaxpr, layouts)
+        self._programs[self._signature(traced.arg_avals) + (traced.arg_tree, traced.static_args)] = (
+            traced, jaxpr, layouts)
         self._mesh = None
         self._stage_meshes = None
         self._stage_layout = None
@@ -276,7 +277,7 @@ class Partitioned:
         ``jax.grad``; gradients come back in the parameter layout. Outputs keep
         their batch dim split over (data, z); other dims are gathered.
         """
-        arg_leaves = jax.tree.leaves((args, kwargs))
+        arg_leaves, _ = call_leaves(args, kwargs)
         traced, jaxpr, layouts = self._program(args, kwargs)
         param_leaves = jax.tree.leaves(params)
         if len(param_leaves) != len(self.plan.params):
@@ -400,11 +401,12 @@ class Partitioned:
         return twin
 
     def _program(self, args, kwargs):
+        leaves, static = call_leaves(args, kwargs)
         avals = tuple(
             jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
-            for a in jax.tree.leaves((args, kwargs))
+            for a in leaves
         )
-        key = self._signature(avals)
+        key = self._signature(avals) + (jax.tree.structure((args, kwargs)), static)
         if key not in self._programs:
             traced = trace_model(self.model, *args, **kwargs)
             problems = batch_problems([a.shape for a in traced.arg_avals], self.grid)
