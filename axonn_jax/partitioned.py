@@ -21,6 +21,7 @@ import copy
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -215,7 +216,7 @@ class Partitioned:
         processes of its stage and then sent to the others (MPI).
         """
         leaves = self._param_leaves(params)
-        self.check_params(params)
+        self.check_params(params, dtypes=False)
         out: list = [None] * len(leaves)
         groups: dict = {}
         for i, leaf in enumerate(leaves):
@@ -233,8 +234,12 @@ class Partitioned:
                     out[i] = a if out[i] is None else out[i]
         return jax.tree.unflatten(self.plan.param_tree, out)
 
-    def check_params(self, params) -> None:
-        """Raise ``ValueError`` naming the first leaf that does not match the plan."""
+    def check_params(self, params, *, dtypes: bool = True) -> None:
+        """Raise ``ValueError`` naming the first leaf that does not match the plan.
+
+        ``dtypes=False`` accepts floating leaves of another precision (the
+        half-precision device parameters of ``train_step(precision=...)``).
+        """
         from axonn_jax.partitioner.trace import path_string
 
         leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(
@@ -262,7 +267,9 @@ class Partitioned:
                     f"parameter '{p.path}' has shape {shape}, the plan expects {p.shape} "
                     f"(grid {self.grid}). Remedy: re-partition for this model size."
                 )
-            if dtype != np.dtype(p.dtype):
+            planned = np.dtype(p.dtype)
+            both_float = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(planned, jnp.floating)
+            if dtype != planned and (dtypes or not both_float):
                 raise ValueError(
                     f"parameter '{p.path}' has dtype {dtype}, the plan expects {p.dtype}. "
                     "Remedy: cast the params (e.g. jax.tree.map(lambda x: x.astype(...))) or "
@@ -354,20 +361,27 @@ class Partitioned:
         options = PipelineOptions(microbatches, schedule, limit, timeout, remat, delay)
         return PipelinedValueAndGrad(self, loss_fn, inputs=inputs, options=options)
 
-    def train_step(self, loss_fn: Callable, optimizer, **options):
+    def train_step(self, loss_fn: Callable, optimizer, *, precision: str = "fp32",
+                   offload: bool = False, update_on: str = "host",
+                   bucket_bytes: int = 64 * 2**20, **options):  # fmt: skip
         """A complete step ``(params, opt_state, batch) → (params, opt_state, loss)``.
 
         ``optimizer`` is any optax ``GradientTransformation``; ``step.init(params)``
-        makes its state. Options are those of :meth:`value_and_grad`.
+        returns ``(device params, opt_state)``. ``precision`` ("fp32", "bf16",
+        "fp16" with dynamic loss scaling) sets the device dtype of parameters and
+        gradients (fp32 master weights); ``offload=True`` keeps master weights and
+        optimizer state in host memory (``update_on`` "host", or "device" streamed
+        in ``bucket_bytes`` buckets). Other options are those of :meth:`value_and_grad`.
 
         Example:
-            >>> step = pm.train_step(loss_fn, optax.adamw(1e-3), microbatches=4)  # doctest: +SKIP
-            >>> opt_state = step.init(params)                                     # doctest: +SKIP
-            >>> params, opt_state, loss = step(params, opt_state, tokens)         # doctest: +SKIP
+            >>> step = pm.train_step(loss_fn, optax.adamw(1e-3), precision="bf16")  # doctest: +SKIP
+            >>> params, opt_state = step.init(params)                              # doctest: +SKIP
+            >>> params, opt_state, loss = step(params, opt_state, tokens)          # doctest: +SKIP
         """
         from axonn_jax.training import TrainStep
 
-        return TrainStep(self, self.value_and_grad(loss_fn, **options), optimizer)
+        return TrainStep(self, loss_fn, optimizer, precision=precision, offload=offload,
+                         update_on=update_on, bucket_bytes=bucket_bytes, **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
     def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:

@@ -178,7 +178,8 @@ class PipelinedValueAndGrad:
         layout = pm.stage_layout
         leaves = pm._param_leaves(params)
         stage_params = {
-            s: [_on(leaves[i], programs[s].param_sharding(i)) for i in programs[s].flow.params]
+            s: [_on(_planned(leaves[i], pm.plan.params[i]), programs[s].param_sharding(i))
+                for i in programs[s].flow.params]
             for s in layout.local
         }
         args_cache: dict = {}
@@ -280,6 +281,11 @@ def _check_batch(leaves, microbatches: int, grid) -> int:
             "multiple of it, or fewer microbatches."
         )
     return size
+
+
+def _planned(x: jax.Array, param) -> jax.Array:
+    """A (possibly half-precision) parameter in the dtype the stage programs were built for."""
+    return x if x.dtype == np.dtype(param.dtype) else x.astype(param.dtype)
 
 
 def _sharding_of(x):

@@ -43,6 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices-per-process", type=int, default=None,
                    help="simulated CPU devices per process (default: 8 / #processes)")  # fmt: skip
     p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="device dtype of parameters and gradients (fp32 master weights)")
+    p.add_argument("--offload", action="store_true",
+                   help="master weights and optimizer state in host memory")
+    p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
+                   help="activation checkpointing policy")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
     p.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true",
@@ -121,14 +127,17 @@ def main(argv=None) -> int:
     def inputs(batch):
         return (batch[:, :-1],)
 
-    options = dict(inputs=inputs, microbatches=args.microbatches)
+    options = dict(inputs=inputs, microbatches=args.microbatches, remat=args.remat)
     if grid.pipeline > 1:
         options["schedule"] = args.schedule
-    train_step = pm.train_step(next_byte_loss, optimizer, **options)
-    opt_state = train_step.init(params)
+    train_step = pm.train_step(next_byte_loss, optimizer, precision=args.precision,
+                               offload=args.offload, **options)  # fmt: skip
+    params, opt_state = train_step.init(params)  # params now in --precision on the devices
     evaluate = pm.value_and_grad(next_byte_loss, **options)  # the loss; gradients unused
     if grid.pipeline == 1:
-        evaluate = jax.jit(evaluate)
+        from axonn_jax.precision import as_planned
+
+        evaluate = jax.jit(lambda p, b, f=evaluate: f(as_planned(p, pm.plan), b))
 
     valid = batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1)
 
@@ -180,7 +189,7 @@ def main(argv=None) -> int:
     if grid.pipeline > 1:  # the last step's tasks on every rank (a collective)
         train_step.value_and_grad.trace(out / "trace.json", out / "timeline.png",
                                         title=f"{args.schedule} schedule, {grid}")
-    full = pm.gather(params)  # a collective: every rank takes part
+    full = jax.tree.map(lambda a: a.astype(np.float32), pm.gather(params))  # a collective
     if info.is_main:
         if first_step:  # resumed: keep the rows of the steps before the checkpoint
             rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows

@@ -152,7 +152,7 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=(1, 4, 8),
     init, ref_grads, ref_losses, ref_final = reference(case, batch)
     step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m)
     params = pm.shard(init)
-    opt_state = step.init(params)
+    params, opt_state = step.init(params)
     losses = []
     for _ in range(STEPS):
         params, opt_state, loss = step(params, opt_state, batch)

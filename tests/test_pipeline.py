@@ -68,7 +68,7 @@ def test_compiles_once_across_steps(gpt_two_stages, caplog):
     batch = case.batch(4)
     step = pm.train_step(case.loss, optax.adamw(1e-3), inputs=case.inputs, microbatches=4)
     params = jax.tree.map(lambda x: x.copy(), params)  # the step donates its inputs
-    opt_state = step.init(params)
+    params, opt_state = step.init(params)
     params, opt_state, _ = step(params, opt_state, batch)
     _, programs = step.value_and_grad._setup(case.inputs(case.batch(1)), {})
     assert all(isinstance(f, Compiled) for f in (programs[0].forward, programs[0].backward,

@@ -128,7 +128,7 @@ ok("per-stage optimizer states")
 # --- the pipeline runtime's own layout: pm.init and TrainStep.init --------------
 pipelined = axonn_jax.partition(model, Grid(pipeline=2, x=2, z=2), tokens)
 params = pipelined.init(jax.random.key(1))
-opt_state = pipelined.train_step(lambda out, batch: 0.0, optimizer).init(params)
+params, opt_state = pipelined.train_step(lambda out, batch: 0.0, optimizer).init(params)
 ckpt.save(3, params, opt_state)
 ckpt.wait()
 back = ckpt.restore(3, params=pipelined.param_shardings, opt_state=opt_state)
