@@ -1,0 +1,251 @@
+"""``axonn-jax``: plan grids for a model on a machine, and profile this machine.
+
+Examples::
+
+    axonn-jax plan --gpus 1024 --machine perlmutter \\
+        --layers 42 --hidden 12288 --heads 96 --seq 2048 --batch 8192 --vocab 51200
+    axonn-jax plan --gpus 64 --machine frontier --model mypkg.models:make --top 5 --json
+    axonn-jax profile --devices 8 --out this-machine.json
+    axonn-jax plan --gpus 8 --machine this-machine.json --layers 2 --hidden 256 ...
+    axonn-jax machines
+
+``--model module:factory`` imports ``module`` and calls ``factory()``, which
+returns ``(flax_model, example_inputs)`` (a tuple of arrays or
+``jax.ShapeDtypeStruct``, or a single one); the dims are read from the
+partitioner's plan of that model (no devices are used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="rank the (x, y, z, data, pipeline) grids for a model",
+                          description="Rank every grid for N GPUs by predicted step time.")  # fmt: skip
+    plan.add_argument("--gpus", type=int, required=True, help="number of GPUs (devices)")
+    plan.add_argument("--machine", required=True,
+                      help="built-in profile (see `axonn-jax machines`) or a profile JSON file")  # fmt: skip
+    model = plan.add_argument_group("model (GPT flags, or --model)")
+    for flag, what in zip(GPT_FLAGS, ("transformer blocks", "hidden size", "attention heads",
+                                      "sequence length", "global batch in sequences",
+                                      "vocabulary size")):  # fmt: skip
+        model.add_argument(f"--{flag}", type=int, help=what)
+    model.add_argument("--ffn", type=int, help="MLP hidden size (default 4 × hidden)")
+    model.add_argument("--untied", action="store_true", help="untied output head")
+    model.add_argument("--model", help="module:factory returning (flax model, example inputs)")
+    plan.add_argument("--top", type=int, default=10, help="how many configurations (default 10)")
+    plan.add_argument("--json", action="store_true", help="print JSON: one object per configuration")
+    plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed",
+                      help="mixed: bf16 weights, fp32 master + Adam (20 B/param); fp32: 16 B/param")  # fmt: skip
+    plan.add_argument("--no-recompute", action="store_true",
+                      help="no activation checkpointing (default: checkpoint every block)")  # fmt: skip
+    plan.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
+                      help="optimizer state in host memory (auto: whichever is faster and fits)")  # fmt: skip
+    plan.add_argument("--no-pipeline", action="store_true", help="only grids with pipeline = 1")
+    plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
+    plan.add_argument("--efficiency", type=float,
+                      help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
+
+    prof = sub.add_parser("profile", help="measure this machine and write a profile JSON",
+                          description="Collective bandwidth/latency by group, GEMM rate, memory.")  # fmt: skip
+    prof.add_argument("--devices", type=int, default=8,
+                      help="devices to profile; on CPU this many are simulated (default 8)")  # fmt: skip
+    prof.add_argument("--out", default="machine-profile.json", help="where to write the profile")
+    prof.add_argument("--name", help="profile name (default measured-<platform>-<devices>)")
+    prof.add_argument("--repeats", type=int, default=7,
+                      help="timed runs per measurement, the best is kept (default 7)")  # fmt: skip
+
+    machines = sub.add_parser("machines", help="list the built-in machine profiles")
+    return ap, {"plan": plan, "profile": prof, "machines": machines}
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``axonn-jax`` script; returns the exit status (2: bad arguments)."""
+    parser, commands = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(commands["plan"], args)
+    if args.command == "profile":
+        return _profile(commands["profile"], args)
+    return _machines()
+
+
+# --- plan -------------------------------------------------------------------
+def _plan(parser: argparse.ArgumentParser, args) -> int:
+    from axonn_jax.perf import machines
+    from axonn_jax.perf.options import Options
+    from axonn_jax.search import search
+
+    if args.gpus < 1:
+        parser.error(f"--gpus must be >= 1, got {args.gpus}")
+    if args.top < 1:
+        parser.error(f"--top must be >= 1, got {args.top}")
+    if args.microbatches is not None and args.microbatches < 1:
+        parser.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
+    try:
+        machine = machines.get(args.machine)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.efficiency is not None:
+        machine = machine.with_efficiency(args.efficiency)
+    spec = _spec(parser, args)
+    options = Options(precision=args.precision, recompute=not args.no_recompute)
+    t0 = time.perf_counter()
+    result = search(spec, args.gpus, machine, options=options, top=args.top,
+                    offload=args.offload, pipeline=not args.no_pipeline,
+                    microbatches=args.microbatches)  # fmt: skip
+    seconds = time.perf_counter() - t0
+    if args.json:
+        print(json.dumps([p.as_dict() for p in result.ranked], indent=2))
+    else:
+        print(_table(spec, machine, options, args.gpus, result, seconds))
+    if not result.ranked:
+        print(
+            f"axonn-jax plan: no grid of {args.gpus} GPUs divides and fits {spec.name} "
+            f"({result.summary()}). Remedy: more GPUs, --offload on, a machine with more "
+            "memory, or model dims with more factors of 2.",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _spec(parser, args):
+    from axonn_jax.perf.spec import gpt_spec
+
+    given = [f for f in GPT_FLAGS if getattr(args, f) is not None]
+    if args.model:
+        if given:
+            parser.error(f"--model cannot be combined with the GPT flags (got --{', --'.join(given)})")
+        return _spec_from_factory(parser, args.model)
+    missing = [f for f in GPT_FLAGS if getattr(args, f) is None]
+    if missing:
+        parser.error(
+            f"a model is needed: either --model module:factory, or all of --{', --'.join(GPT_FLAGS)} "
+            f"(missing --{', --'.join(missing)})"
+        )
+    for flag in GPT_FLAGS + ("ffn",):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag} must be >= 1, got {value}")
+    if args.hidden % args.heads:
+        parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    return gpt_spec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                    batch=args.batch, vocab=args.vocab, ffn=args.ffn, tied=not args.untied)  # fmt: skip
+
+
+def _spec_from_factory(parser, target: str):
+    from axonn_jax.perf.traced import spec_from_model
+
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        parser.error(f"--model must be module:factory (e.g. mypkg.models:make_gpt), got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to the caller
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        parser.error(f"--model {target}: cannot import {module_name!r}: {e}")
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        parser.error(f"--model {target}: {module_name!r} has no callable {attr!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        parser.error(
+            f"--model {target}: the factory must return (flax model, example inputs), got "
+            f"{type(made).__name__}"
+        )
+    model, inputs = made
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    try:
+        return spec_from_model(model, *inputs, name=f"{target} ({type(model).__name__})")
+    except (TypeError, ValueError) as e:
+        parser.error(f"--model {target}: cannot plan the model: {e}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def _table(spec, machine, options, gpus, result, seconds) -> str:
+    head = (
+        f"{spec.name}: {spec.num_params / 1e9:.2f}B parameters, {spec.tokens:,} tokens per step, "
+        f"on {gpus} × {machine.name}\n"
+        f"compute at {machine.peak_tflops:g} TFLOP/s × {machine.efficiency:g}; "
+        f"{options.precision} precision; "
+        f"{'activation checkpointing' if options.recompute else 'no recompute'}; "
+        f"{result.summary()}; searched in {seconds:.2f} s"
+    )
+    cols = ("rank", "x", "y", "z", "data", "pipe", "mb", "offload", "comm s", "compute s",
+            "step s", "bubble", "params GiB", "grads GiB", "optim GiB", "activ GiB",
+            "total GiB")  # fmt: skip
+    rows = [cols]
+    for i, p in enumerate(result.ranked, 1):
+        g, m = p.grid, p.memory
+        rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
+                     str(p.options.microbatches), "yes" if p.options.offload else "no",
+                     f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
+                     f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),
+                     _gib(m.activations), _gib(m.device)))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = [head, ""]
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --- profile ----------------------------------------------------------------
+def _profile(parser, args) -> int:
+    if args.devices < 2:
+        parser.error(f"--devices must be >= 2 (collectives need a group), got {args.devices}")
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:  # CPU: simulate the devices
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
+    import jax
+
+    from axonn_jax.perf import machines
+    from axonn_jax.perf.microbench import measure_machine
+
+    devices = jax.devices()
+    if len(devices) < args.devices:
+        parser.error(
+            f"--devices {args.devices}: this process sees {len(devices)} {devices[0].platform} "
+            "devices (JAX was initialised before the flag could take effect, or there are fewer)"
+        )
+    machine = measure_machine(devices[: args.devices], name=args.name, repeats=args.repeats)
+    machines.save(machine, args.out)
+    print(f"wrote {args.out}: {machine.name}, GEMM {machine.peak_tflops * 1e3:.1f} GFLOP/s per device")
+    print("group (inner, size)   bandwidth GB/s   latency us")
+    for key in sorted(machine.intra_node):
+        print(f"{str(key):>19}   {machine.intra_node[key]:14.3g}   {machine.latency_us[key]:10.1f}")
+    return 0
+
+
+def _machines() -> int:
+    from axonn_jax.perf.machines import BUILTIN
+
+    for m in BUILTIN.values():
+        print(f"{m.name}: {m.gpus_per_node} GPUs/node, {m.peak_tflops:g} TFLOP/s, "
+              f"{m.memory_gib:g} GiB, inter-node {m.inter_node_gbps:g} GB/s\n  source: {m.source}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

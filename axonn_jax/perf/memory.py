@@ -1,0 +1,105 @@
+"""Bytes one device holds during a training step, by kind. Pure.
+
+* parameters, gradients, optimizer state: the device's shard of every
+  parameter (layer weights are split over x, y and z), times the bytes of
+  :class:`~axonn_jax.perf.options.Precision`; with offload the master
+  weights, their gradients and the optimizer state live in host memory;
+* buffers: gathered (z) weight blocks — without recompute the compiled step
+  keeps every gathered block for the backward pass; with recompute one
+  block's weights and weight gradients — plus the offload bucket buffer;
+* activations kept for backward for the microbatches in flight (one, or up
+  to ``pipeline`` on the first stage), split over data·z and the axis of
+  each :class:`~axonn_jax.perf.spec.Activation`; under recompute only block
+  inputs and one block's working set.
+
+The pipeline's stages are assumed balanced (``1/pipeline`` of the blocks each);
+embeddings, the head and the logits are charged to every stage.
+
+Example:
+    >>> from axonn_jax import Grid
+    >>> from axonn_jax.perf.options import Options
+    >>> from axonn_jax.perf.spec import gpt_spec
+    >>> spec = gpt_spec(layers=2, hidden=64, heads=4, seq=32, batch=8, vocab=256)
+    >>> on, off = (memory(spec, Grid(z=2), Options(offload=o)) for o in (True, False))
+    >>> on.optimizer, off.optimizer > 0
+    (0.0, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from axonn_jax.grid import Grid
+from axonn_jax.perf.options import Options
+from axonn_jax.perf.spec import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device (``host``: bytes per device kept in host memory)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float
+
+    @property
+    def device(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(params=self.params, grads=self.grads, optimizer=self.optimizer,
+                    activations=self.activations, buffers=self.buffers,
+                    device_total=self.device, host=self.host)  # fmt: skip
+
+
+def local_params(spec: ModelSpec, grid: Grid) -> float:
+    """Parameter elements stored on one device of a (balanced) pipeline stage."""
+    return sum(
+        p.local_elements(grid) * p.count / (grid.pipeline if p.per_block else 1)
+        for p in spec.params
+    )
+
+
+def memory(spec: ModelSpec, grid: Grid, options: Options) -> Memory:
+    """Bytes per device of ``spec`` on ``grid`` (see module docstring)."""
+    b = options.bytes
+    n = local_params(spec, grid)
+    offload = options.offload
+    params = n * (b.param + (0 if offload else b.master))
+    grads = n * (b.grad + (0 if offload else b.master_grad))
+    optimizer = 0.0 if offload else n * b.optimizer
+    host = n * b.offloaded_bytes_per_param if offload else 0.0
+    # the offload bucket buffer streams the host state through the device: never more than it
+    bucket = min(16 * options.bucket_bytes, host) if offload else 0.0
+    return Memory(params, grads, optimizer, _activations(spec, grid, options),
+                  bucket + _gathered(spec, grid, options), host)  # fmt: skip
+
+
+def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:
+    if grid.z == 1:
+        return 0.0
+    stage_blocks = spec.layers / grid.pipeline
+    outside = sum(p.use_elements(grid) * p.count for p in spec.params if p.depth and not p.per_block)
+    per_block = sum(p.use_elements(grid) * p.count for p in spec.params
+                    if p.depth and p.per_block) / spec.layers  # fmt: skip
+    kept_blocks = 1 if options.recompute else stage_blocks
+    # gathered weights (kept blocks) + one block's gathered weight gradients
+    return options.bytes.param * (outside + per_block * (kept_blocks + 1))
+
+
+def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
+    microbatches = options.microbatches
+    tokens = spec.tokens / (grid.batch_shards * microbatches)
+    in_flight = min(microbatches, grid.pipeline) if grid.pipeline > 1 else 1  # first stage
+    total = 0.0
+    for a in spec.activations:
+        elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
+        if a.kind == "checkpoint":
+            elements /= grid.pipeline
+        elif a.kind == "block":
+            elements /= spec.layers if options.recompute else grid.pipeline
+        total += elements * (a.itemsize or options.bytes.activation)
+    return total * tokens * in_flight

@@ -1,0 +1,273 @@
+"""What the performance model needs to know about a model: a :class:`ModelSpec`. Pure.
+
+A spec lists the parameters (shape, which tensor axis splits each dim where
+the parameter is used, whether it is additionally split over z), the matmuls
+of one training step (m × k times k × n, and which axes split k and n), the
+activations kept for the backward pass, and a few scalars (tokens, batch,
+layers). It is grid-independent: :mod:`~axonn_jax.perf.comm`,
+:mod:`~axonn_jax.perf.memory` and :mod:`~axonn_jax.perf.step` evaluate it for
+any :class:`~axonn_jax.Grid`.
+
+Two builders: :func:`gpt_spec` (analytical, instant, for the CLI's model
+flags) and :func:`axonn_jax.perf.traced.spec_from_model` (read from a traced
+:class:`~axonn_jax.Plan`, for any Flax model).
+
+Example:
+    >>> spec = gpt_spec(layers=2, hidden=64, heads=4, seq=32, batch=8, vocab=256)
+    >>> spec.num_params
+    118528
+    >>> spec.tokens
+    256
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from axonn_jax.grid import X, Y, Grid
+
+#: Axis names a parameter or matmul dim can be split over in the spec.
+TENSOR_SPLITS = (X, Y)
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """A parameter as it is used: ``axes[d]`` splits dim ``d`` (``None``: not split).
+
+    ``depth`` marks matmul and embedding weights, which are also split over z
+    (gathered for use; their gradient is reduce-scattered over z).
+    ``count`` identical copies; ``per_block``: inside a repeated block
+    (recomputed, so re-gathered, under activation checkpointing).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    depth: bool = False
+    count: int = 1
+    per_block: bool = True
+
+    def __post_init__(self) -> None:
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"parameter {self.name!r}: {len(self.axes)} axes for shape {self.shape}")
+        for axis in self.axes:
+            if axis is not None and axis not in TENSOR_SPLITS:
+                raise ValueError(f"parameter {self.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
+        object.__setattr__(self, "_size", math.prod(self.shape))
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def use_elements(self, grid: Grid) -> float:
+        """Elements of one copy on one device where it is used (after the z gather)."""
+        factor = 1
+        for axis in self.axes:
+            if axis:
+                factor *= getattr(grid, axis)
+        return self._size / factor
+
+    def local_elements(self, grid: Grid) -> float:
+        """Elements of one copy stored on one device."""
+        return self.use_elements(grid) / (grid.z if self.depth else 1)
+
+    def divides(self, grid: Grid) -> bool:
+        """True if every split dim divides, and (for depth weights) some dim also takes z."""
+        for size, axis in zip(self.shape, self.axes):
+            if axis and size % grid.axis_size(axis):
+                return False
+        if not self.depth or grid.z == 1:
+            return True
+        return any(
+            size % ((grid.axis_size(axis) if axis else 1) * grid.z) == 0
+            for size, axis in zip(self.shape, self.axes)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MatMul:
+    """``O[m, n] = I[m, k] · W[k, n]`` with a parameter ``W`` (whole batch: m = all tokens).
+
+    ``in_axis`` splits k (and the input's feature dim), ``out_axis`` splits n;
+    a normal layer is ``(y, x)``, a transposed one ``(x, y)``. The forward
+    all-reduces the output over ``in_axis``; the backward all-reduces dI over
+    ``out_axis``. ``recomputed``: part of a block that activation
+    checkpointing runs forward again in the backward pass.
+    """
+
+    name: str
+    m: int
+    k: int
+    n: int
+    in_axis: str | None
+    out_axis: str | None
+    count: int = 1
+    recomputed: bool = True
+    fused: int = 1
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs of one copy on the whole batch."""
+        return 2.0 * self.m * self.k * self.n
+
+
+#: Kinds of kept activations: the block input (kept even under activation
+#: checkpointing), the rest of a block (recomputed under checkpointing, so only
+#: one block's worth is alive), and everything outside the blocks.
+ACTIVATION_KINDS = ("checkpoint", "block", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """Activation elements kept per token for backward, split over ``axis`` (batch over data·z).
+
+    ``itemsize`` overrides the activation dtype (e.g. 4 for float32 logits).
+    """
+
+    name: str
+    per_token: float
+    axis: str | None
+    count: int = 1
+    kind: str = "block"
+    itemsize: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTIVATION_KINDS:
+            raise ValueError(f"activation {self.name!r}: kind {self.kind!r} not in {ACTIVATION_KINDS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the performance model reads about a model (see module docstring)."""
+
+    name: str
+    params: tuple[Param, ...]
+    matmuls: tuple[MatMul, ...]
+    activations: tuple[Activation, ...]
+    batch: int  # leading (sample) dim of the inputs; split over data·z
+    tokens: int  # rows of the activations for the whole batch (batch × seq)
+    layers: int  # repeated blocks (a pipeline has at most this many stages)
+    hidden: int  # activation elements per token crossing a block boundary (split over y)
+    attention_flops: float = 0.0  # forward FLOPs of activation × activation matmuls
+    attention_axis: str | None = X  # the axis that splits their heads
+    norms: int = 0  # normalisations over the y-split hidden dim (each all-reduces statistics)
+    norm_stats: int = 2  # per-token statistics one norm all-reduces (LayerNorm: 2, RMSNorm: 1)
+
+    def __post_init__(self) -> None:
+        for m in self.matmuls:
+            for axis in (m.in_axis, m.out_axis):
+                if axis is not None and axis not in TENSOR_SPLITS:
+                    raise ValueError(f"matmul {m.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
+        if self.batch < 1 or self.tokens < 1 or self.layers < 1:
+            raise ValueError(
+                f"spec {self.name!r}: batch={self.batch}, tokens={self.tokens}, "
+                f"layers={self.layers} must all be >= 1"
+            )
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.size * p.count for p in self.params)
+
+    def train_flops(self, *, recompute: bool) -> float:
+        """FLOPs of one training step on the whole batch (forward + backward [+ recompute])."""
+        total = 0.0
+        for m in self.matmuls:
+            total += m.count * m.flops * (4 if recompute and m.recomputed else 3)
+        return total + self.attention_flops * (4 if recompute else 3)
+
+    def problems(self, grid: Grid) -> list[str]:
+        """Why ``grid`` cannot split this model exactly (empty: it can)."""
+        out = []
+        if self.batch % grid.batch_shards:
+            out.append(f"batch {self.batch} is not divisible by data·z = {grid.batch_shards}")
+        if grid.pipeline > self.layers:
+            out.append(f"pipeline={grid.pipeline} exceeds the {self.layers} blocks")
+        for p in self.params:
+            if not p.divides(grid):
+                out.append(f"parameter {p.name} {p.shape} split {p.axes} (+z) does not divide {grid}")
+        return out
+
+
+def gpt_spec(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    vocab: int,
+    ffn: int | None = None,
+    tied: bool = True,
+    bias: bool = True,
+    name: str | None = None,
+) -> ModelSpec:
+    """The spec of :class:`axonn_jax.models.GPT` (pre-norm LayerNorm blocks, learned positions).
+
+    ``batch`` is in sequences of ``seq`` tokens. Parameters, matmuls and
+    layouts are exactly what the partitioner plans for that model
+    (``tests/test_perf_model.py`` checks this against a traced plan).
+    """
+    for key, value in dict(layers=layers, hidden=hidden, heads=heads, seq=seq,
+                           batch=batch, vocab=vocab).items():  # fmt: skip
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"gpt_spec: {key} must be a positive int, got {value!r}")
+    if hidden % heads:
+        raise ValueError(
+            f"gpt_spec: hidden={hidden} is not divisible by heads={heads}; choose a hidden "
+            "size that is a multiple of the number of heads"
+        )
+    f = 4 * hidden if ffn is None else ffn
+    h, hd, L, m = hidden, hidden // heads, layers, batch * seq
+    P = Param
+    params = [
+        P("embed/embedding", (vocab, h), (None, Y), depth=True, per_block=False),
+        P("pos_embed", (seq, h), (None, Y), per_block=False),
+        P("norm_final/scale", (h,), (Y,), per_block=False),
+        P("norm_final/bias", (h,), (Y,), per_block=False),
+        P("block/attn/qkv/kernel", (h, heads, hd), (Y, X, None), depth=True, count=3 * L),
+        P("block/attn/out/kernel", (heads, hd, h), (X, None, Y), depth=True, count=L),
+        P("block/mlp/fc_in/kernel", (h, f), (Y, X), depth=True, count=L),
+        P("block/mlp/fc_out/kernel", (f, h), (X, Y), depth=True, count=L),
+        P("block/norm/scale+bias", (h,), (Y,), count=4 * L),
+    ]
+    if bias:
+        params += [
+            P("block/attn/qkv/bias", (heads, hd), (X, None), count=3 * L),
+            P("block/attn/out/bias", (h,), (Y,), count=L),
+            P("block/mlp/fc_in/bias", (f,), (X,), count=L),
+            P("block/mlp/fc_out/bias", (h,), (Y,), count=L),
+        ]
+    if not tied:
+        params.append(P("head/kernel", (h, vocab), (Y, X), depth=True, per_block=False))
+    M = MatMul
+    matmuls = [
+        M("attn/qkv", m, h, h, Y, X, count=3 * L, fused=3),
+        M("attn/out", m, h, h, X, Y, count=L),
+        M("mlp/fc_in", m, h, f, Y, X, count=L),
+        M("mlp/fc_out", m, f, h, X, Y, count=L),
+        M("head", m, h, vocab, Y, None if tied else X, recomputed=False),
+    ]
+    A = Activation
+    activations = [
+        A("block input", h, Y, count=L, kind="checkpoint"),
+        A("norm outputs and mlp input", 3 * h, Y, count=L),
+        A("q, k, v, attention output", 4 * h, X, count=L),
+        A("attention probabilities", heads * seq, X, count=L),
+        A("gelu input and output", 2 * f, X, count=L),
+        A("logits", vocab, None if tied else X, kind="other", itemsize=4),
+    ]
+    return ModelSpec(
+        name=name or f"GPT {L}L/{h}H/{heads}A seq {seq} batch {batch} vocab {vocab}",
+        params=tuple(params),
+        matmuls=tuple(matmuls),
+        activations=tuple(activations),
+        batch=batch,
+        tokens=m,
+        layers=L,
+        hidden=h,
+        attention_flops=L * 2 * (2.0 * m * seq * h),  # QKᵀ and AV, unmasked
+        attention_axis=X,
+        norms=2 * L + 1,
+        norm_stats=2,  # LayerNorm: mean and mean of squares
+    )

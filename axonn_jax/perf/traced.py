@@ -1,0 +1,191 @@
+"""Build a :class:`~axonn_jax.perf.spec.ModelSpec` from any Flax model by planning it. Pure.
+
+The model is traced on abstract inputs and planned for the one-device grid
+(layouts keep their logical x/y marks even on size-1 axes, so normal and
+transposed layers are known without devices). From the plan and the jaxpr:
+
+* parameters: shape, the x/y axis of each dim where used, and whether they
+  are depth (z) split: layer weights and embedding tables, as the planner does;
+* matmuls: every ``dot_general`` with a parameter operand gives m, k, n
+  (exact) and its axes (from the layer role; a parameter that is not a layer
+  weight but meets an activation, e.g. a tied embedding used as the output
+  head, contracts over the axis its layout carries);
+* matmuls between two activations (attention) count as FLOPs split over
+  data·z·x;
+* activations kept for backward: the activation operands of those matmuls
+  (a lower bound: elementwise intermediates are not counted);
+* blocks (for pipeline stages): the most repeated numbered path component
+  (``block_3``, ``blocks/3``); boundary width: k of the first weight matmul.
+
+Norm statistics all-reduces are not counted for traced models (they are for
+:func:`~axonn_jax.perf.spec.gpt_spec`).
+
+Example:
+    >>> import jax, jax.numpy as jnp                           # doctest: +SKIP
+    >>> from axonn_jax.models import GPT, GPTConfig            # doctest: +SKIP
+    >>> spec = spec_from_model(GPT(GPTConfig()), jax.ShapeDtypeStruct((8, 64), jnp.int32))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import re
+
+from axonn_jax.grid import X, Y, Grid
+from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.planner import plan_layouts
+from axonn_jax.partitioner.stages import equation_flops
+from axonn_jax.partitioner.trace import inline_calls, trace_model
+from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
+
+_NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
+
+
+def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
+    """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices."""
+    traced = trace_model(model, *example_args, **example_kwargs)
+    closed = inline_calls(traced.jaxpr)
+    grid = Grid()
+    plan = Plan.build(traced, grid, plan_layouts(traced, grid, jaxpr=closed))
+    jaxpr = closed.jaxpr
+    n_params = traced.num_params
+    origin = _param_origins(jaxpr, n_params)
+    roles = {i: p.role for i, p in enumerate(plan.params)}
+
+    matmuls, saved, looked_up = [], {}, set()
+    attention_flops, attention_saved = 0.0, {}
+    for eqn in jaxpr.eqns:
+        name_ = eqn.primitive.name
+        if name_ == "gather" and eqn.invars[0] in origin:
+            looked_up.add(origin[eqn.invars[0]])
+        if name_ != "dot_general":
+            continue
+        lhs, rhs = eqn.invars
+        sides = [origin.get(v) if not R.is_literal(v) else None for v in (lhs, rhs)]
+        if sides[0] is None and sides[1] is None:
+            attention_flops += equation_flops(eqn)
+            for v in (lhs, rhs):
+                attention_saved[v] = math.prod(R.shape_of(v))
+            continue
+        if sides[0] is not None and sides[1] is not None:
+            continue  # a product of two parameters: no activation, no layer
+        w_side = 0 if sides[0] is not None else 1
+        p = sides[w_side]
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        w_var, act_var = (lhs, rhs) if w_side == 0 else (rhs, lhs)
+        w_shape = R.shape_of(w_var)
+        k = math.prod(w_shape[d] for d in (lc if w_side == 0 else rc))
+        n = math.prod(w_shape) // max(k, 1)
+        m = math.prod(R.shape_of(eqn.outvars[0])) // max(n, 1)
+        in_axis, out_axis = _axes(roles[p], plan.params[p].use)
+        path = plan.params[p].path
+        matmuls.append(MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path)))
+        saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
+
+    if not matmuls:
+        raise ValueError(
+            f"{type(model).__name__}: no matmul with a parameter was found, so there is "
+            "nothing for the 4D grid to split. Remedy: plan a model with Dense/Embed layers."
+        )
+    tokens = max(mm.m for mm in matmuls)
+    params = [
+        Param(p.path, p.shape, tuple(_tensor_axis(d) for d in p.use),
+              depth=p.role in ("normal", "transposed") or i in looked_up,
+              per_block=_in_block(p.path))  # fmt: skip
+        for i, p in enumerate(plan.params)
+    ]
+    activations = [Activation("matmul input", size / tokens, axis) for size, axis in saved.values()]
+    activations += [Activation("attention operand", size / tokens, X)
+                    for size in attention_saved.values()]  # fmt: skip
+    layers = _blocks(traced.param_paths)
+    hidden = matmuls[0].k
+    activations.append(Activation("block input", hidden, Y, count=layers, kind="checkpoint"))
+    arg0 = traced.arg_avals[0].shape if traced.arg_avals else ()
+    return ModelSpec(
+        name=name or type(model).__name__,
+        params=_merge_params(params),
+        matmuls=_merge_matmuls(matmuls),
+        activations=_merge_activations(activations),
+        batch=arg0[0] if arg0 else 1,
+        tokens=tokens,
+        layers=layers,
+        hidden=hidden,
+        attention_flops=attention_flops,
+        attention_axis=X,
+    )
+
+
+def _param_origins(jaxpr, n_params: int) -> dict:
+    """Var → parameter index, through casts, reshapes, transposes and broadcasts."""
+    origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
+    for eqn in jaxpr.eqns:
+        live = [v for v in eqn.invars if not R.is_literal(v)]
+        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1 and live[0] in origin:
+            origin[eqn.outvars[0]] = origin[live[0]]
+    return origin
+
+
+def _tensor_axis(axes: tuple[str, ...]) -> str | None:
+    return next((a for a in axes if a in (X, Y)), None)
+
+
+def _axes(role: str, use) -> tuple[str | None, str | None]:
+    if role == "normal":
+        return Y, X
+    if role == "transposed":
+        return X, Y
+    used = [a for dim in use for a in dim if a in (X, Y)]
+    return (used[0] if used else None), None
+
+
+def _in_block(path: str) -> bool:
+    return any(_NUMBERED.match(part) for part in path.split("/"))
+
+
+def _blocks(paths) -> int:
+    """How many times the most repeated numbered path component repeats."""
+    seen: dict[tuple, set] = collections.defaultdict(set)
+    for path in paths:
+        parts = path.split("/")
+        for depth, part in enumerate(parts):
+            match = _NUMBERED.match(part)
+            if match:
+                seen[(tuple(parts[:depth]), match.group(1))].add(int(match.group(2)))
+                break
+    return max((len(v) for v in seen.values()), default=1)
+
+
+def _merge_params(params) -> tuple[Param, ...]:
+    groups: dict[tuple, list[Param]] = collections.defaultdict(list)
+    for p in params:
+        groups[(p.shape, p.axes, p.depth, p.per_block)].append(p)
+    return tuple(
+        Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
+              ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block)  # fmt: skip
+        for ps in groups.values()
+    )
+
+
+def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
+    groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
+    for m in matmuls:
+        groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed)].append(m)
+    return tuple(
+        MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
+               ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
+               recomputed=ms[0].recomputed)  # fmt: skip
+        for ms in groups.values()
+    )
+
+
+def _merge_activations(activations) -> tuple[Activation, ...]:
+    counts: collections.Counter = collections.Counter()
+    first: dict[tuple, Activation] = {}
+    for a in activations:
+        key = (a.name, a.per_token, a.axis, a.kind)
+        counts[key] += a.count
+        first.setdefault(key, a)
+    return tuple(dataclasses.replace(first[key], count=n) for key, n in counts.items())

@@ -1,0 +1,413 @@
+"""Performance model, grid search and ``axonn-jax`` CLI.
+
+* ``layer_volumes`` equals eqs (1)–(5) of SC'24 on hand-computed cases;
+* the whole-model count reduces to those equations for one layer, equals a
+  hand-computed two-layer case, and equals the bytes and the number of
+  collectives of a compiled GPT train step (scalar loss reductions excluded:
+  they come from the user's loss);
+* eq. 7 reproduces the published Perlmutter table;
+* the search only returns grids whose product is N and that divide the model;
+* offloading never needs more device memory;
+* the CLI prints a table and JSON, and rejects bad arguments with exit status 2.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from axonn_jax import Grid
+from axonn_jax.cli import main
+from axonn_jax.perf import machines
+from axonn_jax.perf.comm import collectives, elements_by
+from axonn_jax.perf.memory import memory
+from axonn_jax.perf.options import Options
+from axonn_jax.perf.paper import layer_volumes
+from axonn_jax.perf.spec import MatMul, ModelSpec, Param, gpt_spec
+from axonn_jax.perf.step import predict
+from axonn_jax.search import grids, search
+
+SMALL_GPT = dict(layers=2, hidden=64, heads=4, seq=32, batch=8, vocab=256)
+
+
+# --- eqs (1)-(5) ---------------------------------------------------------------
+# m, k, n, grid, transposed -> (ag_z, rs_z, ar_y, ar_x, ar_data), computed by hand:
+#   ag_z = (z-1)·k·n/(x·y·z), rs_z = (z-1)/z·k·n/(x·y), ar_y = 2(y-1)/y·m·n/(z·x),
+#   ar_x = 2(x-1)/x·m·k/(z·y), ar_data = 2(d-1)/d·k·n/(x·y·z); transposed swaps x and y.
+HAND = [
+    # 1·512·256/8 = 16384; 2·½·1024·256/4 = 65536; 2·½·1024·512/4 = 131072
+    ((1024, 512, 256, dict(x=2, y=2, z=2, data=2), False), (16384, 16384, 65536, 131072, 16384)),
+    # x=4,y=1,z=1,d=2: ar_x = 2·¾·100·60 = 9000; ar_data = 2·½·60·40/4 = 600
+    ((100, 60, 40, dict(x=4, y=1, z=1, data=2), False), (0, 0, 0, 9000, 600)),
+    # transposed: the equations see x and y swapped: y=4 acts as Gx=4, so ar_x = 9000 again
+    ((100, 60, 40, dict(x=1, y=4, z=1, data=2), True), (0, 0, 0, 9000, 600)),
+    # and x=4 acts as Gy=4: ar_y = 2·¾·100·40 = 6000
+    ((100, 60, 40, dict(x=4, y=1, z=1, data=2), True), (0, 0, 6000, 0, 600)),
+    # z=4 only (FSDP): ag = 3·64·32/4 = 1536, rs = ¾·64·32 = 1536
+    ((8, 64, 32, dict(x=1, y=1, z=4, data=1), False), (1536, 1536, 0, 0, 0)),
+    # x=2,y=4,z=2,d=1: ag = 1·96·48/16 = 288; rs = ½·96·48/8 = 288;
+    # ar_y = 2·¾·64·48/(2·2) = 1152; ar_x = 2·½·64·96/(2·4) = 768
+    ((64, 96, 48, dict(x=2, y=4, z=2, data=1), False), (288, 288, 1152, 768, 0)),
+    # same, transposed (x=4, y=2 in the equations): ar_y = 2·½·64·48/(2·4) = 384;
+    # ar_x = 2·¾·64·96/(2·2) = 2304
+    ((64, 96, 48, dict(x=2, y=4, z=2, data=1), True), (288, 288, 384, 2304, 0)),
+]
+
+
+@pytest.mark.parametrize("case, expected", HAND)
+def test_layer_volumes_hand_computed(case, expected):
+    m, k, n, grid, transposed = case
+    v = layer_volumes(m, k, n, transposed=transposed, **grid)
+    assert tuple(v) == ("ag_z", "rs_z", "ar_y", "ar_x", "ar_data")
+    assert tuple(v.values()) == pytest.approx(expected, abs=0)
+
+
+def test_layer_volumes_transposed_is_x_y_swapped():
+    for x, y in [(1, 2), (2, 4), (8, 1), (3, 5)]:
+        a = layer_volumes(48, 120, 240, x=x, y=y, z=2, data=3, transposed=True)
+        b = layer_volumes(48, 120, 240, x=y, y=x, z=2, data=3)
+        assert a == b
+
+
+@pytest.mark.parametrize("bad", [dict(m=0), dict(x=-1), dict(z=1.5), dict(data=True)])
+def test_layer_volumes_rejects_bad_arguments(bad):
+    args = dict(m=8, k=8, n=8, x=1, y=1, z=1, data=1) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        layer_volumes(**args)
+
+
+# --- what the kernels send --------------------------------------------------------
+def _one_layer(m, k, n, transposed):
+    in_axis, out_axis = ("x", "y") if transposed else ("y", "x")
+    return ModelSpec(
+        name="one layer",
+        params=(Param("w", (k, n), (in_axis, out_axis), depth=True),),
+        matmuls=(MatMul("w", m, k, n, in_axis, out_axis),),
+        activations=(),
+        batch=16,
+        tokens=m,
+        layers=1,
+        hidden=k,
+    )
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("g", [dict(x=2, y=2, z=2, data=2), dict(x=4, z=2), dict(y=8),
+                               dict(z=4, data=2), dict(x=2, y=4, z=2, data=3)])  # fmt: skip
+def test_one_layer_reduces_to_the_paper(g, transposed):
+    grid = Grid(**g)
+    m, k, n = 96 * grid.batch_shards, 48, 72
+    paper = layer_volumes(m // grid.data, k, n, transposed=transposed,
+                          x=grid.x, y=grid.y, z=grid.z, data=grid.data)  # fmt: skip
+    for recompute in (False, True):
+        by_what = elements_by(collectives(_one_layer(m, k, n, transposed), grid,
+                                          recompute=recompute), "what")  # fmt: skip
+        again = 2 if recompute else 1
+        assert by_what.get("weight gather", 0) == pytest.approx(paper["ag_z"])
+        assert by_what.get("weight re-gather", 0) == pytest.approx(paper["ag_z"] * (again - 1))
+        assert by_what.get("weight-gradient scatter", 0) == pytest.approx(paper["rs_z"])
+        # eq. 3 is the forward all-reduce over the layer's input axis (x when transposed),
+        # eq. 4 the backward one over its output axis
+        assert by_what.get("layer output", 0) == pytest.approx(again * paper["ar_y"])
+        assert by_what.get("input gradient", 0) == pytest.approx(paper["ar_x"])
+        assert by_what.get("weight-gradient shard", 0) == pytest.approx(paper["ar_data"])
+
+
+def test_whole_model_hand_computed():
+    """A normal and a transposed layer (64→128→64) with a bias, m = 512 tokens, x=y=z=data=2.
+
+    Per device (ring elements): rows = 512/(data·z) = 128.
+      weight gathers: each block is 64·128/(x·y) = 2048, (z-1)/z of it: 1024 each -> 2048
+      scatters: the same, 2048; data all-reduce of z-shards: 2·½·1024 = 1024 each -> 2048
+      layer outputs: normal 2·½·128·128/2 = 8192 (y), transposed 2·½·128·64/2 = 4096 (x)
+      input gradients: normal 2·½·128·64/2 = 4096 (x), transposed 2·½·128·128/2 = 8192 (y)
+      bias [128] split over x: 64 elements, all-reduced over data·z = 4: 2·¾·64 = 96
+    """
+    spec = ModelSpec(
+        name="two layers",
+        params=(Param("fc1", (64, 128), ("y", "x"), depth=True),
+                Param("fc2", (128, 64), ("x", "y"), depth=True),
+                Param("b1", (128,), ("x",))),  # fmt: skip
+        matmuls=(MatMul("fc1", 512, 64, 128, "y", "x"), MatMul("fc2", 512, 128, 64, "x", "y")),
+        activations=(),
+        batch=8,
+        tokens=512,
+        layers=1,
+        hidden=64,
+    )
+    cs = collectives(spec, Grid(x=2, y=2, z=2, data=2), recompute=False)
+    got = {(c.what, c.axes): c.elements for c in cs}
+    assert got == {
+        ("weight gather", ("z",)): 2048,
+        ("weight-gradient scatter", ("z",)): 2048,
+        ("weight-gradient shard", ("data",)): 2048,
+        ("layer output", ("y",)): 8192,
+        ("layer output", ("x",)): 4096,
+        ("input gradient", ("x",)): 4096,
+        ("input gradient", ("y",)): 8192,
+        ("other parameter gradients", ("data", "z")): 96,
+    }
+    assert {c.what: c.calls for c in cs if c.what.startswith("weight")} == {
+        "weight gather": 2, "weight-gradient scatter": 2, "weight-gradient shard": 1}
+
+
+def _compiled_collectives(grid: Grid):
+    from axonn_jax.models import GPT, GPTConfig, next_token_loss
+    from axonn_jax.partitioned import partition
+    from axonn_jax.runtime.hlo import collectives as hlo_collectives
+
+    c = SMALL_GPT
+    model = GPT(GPTConfig(vocab_size=c["vocab"], num_layers=c["layers"], hidden=c["hidden"],
+                          num_heads=c["heads"], max_seq_len=c["seq"]))  # fmt: skip
+    tokens = jax.ShapeDtypeStruct((c["batch"], c["seq"]), jnp.int32)
+    pm = partition(model, grid, tokens)
+    params = jax.eval_shape(pm.init, jax.random.key(0))
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          params, pm.param_shardings)  # fmt: skip
+    opt = optax.adamw(1e-3)
+
+    def step(p, s, t):
+        loss, grads = jax.value_and_grad(lambda q: next_token_loss(pm.apply(q, t), t))(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), tokens).compile().as_text()
+    return [x for x in hlo_collectives(text, num_devices=8) if not x.trivial]
+
+
+def _compare_with_hlo(grid: Grid):
+    found = _compiled_collectives(grid)
+    hlo_bytes, hlo_calls = collections.Counter(), collections.Counter()
+    for c in found:
+        # the user's loss is a scalar reduced over the batch axes: not part of the model
+        scalar = sum(4 for dtype, dims in c.shapes if dims == ())
+        wire = c.wire_bytes * (1 - scalar / c.result_bytes)
+        hlo_bytes[c.kind] += wire
+        hlo_calls[c.kind] += 1 if wire else 0
+    ours = collectives(gpt_spec(**SMALL_GPT), grid, recompute=False)
+    our_bytes = {k: 4 * v for k, v in elements_by(ours, "kind").items()}
+    our_calls = collections.Counter()
+    for c in ours:
+        our_calls[c.kind] += c.calls
+    assert our_bytes == pytest.approx(dict(hlo_bytes), rel=1e-12)
+    assert dict(our_calls) == dict(hlo_calls)
+
+
+def test_matches_compiled_gpt_step():
+    _compare_with_hlo(Grid(x=2, y=2, z=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("g", ["x=2,z=2,data=2", "y=2,z=2,data=2", "x=2,y=2,data=2"])
+def test_matches_compiled_gpt_step_more_grids(g):
+    _compare_with_hlo(Grid.parse(g))
+
+
+# --- eq. 7 ----------------------------------------------------------------------
+@pytest.mark.parametrize("inner, size, gbps", [
+    (1, 2, 76), (1, 4, 225), (1, 8, 80), (1, 64, 80),   # x: inside a node, then eq. 7
+    (2, 2, 76), (2, 4, 40), (2, 16, 40),                # inner product 2
+    (4, 2, 20), (4, 8, 20), (16, 4, 20), (64, 2, 20),   # ≥ 4: one GPU per node, shared links
+])  # fmt: skip
+def test_perlmutter_table_and_eq7(inner, size, gbps):
+    assert machines.get("perlmutter").bandwidth(inner, size) == gbps
+
+
+def test_eq7_across_nodes():
+    for m in machines.BUILTIN.values():
+        for inner in (1, 2, 4, 8, 16, 32):
+            size = 4 * m.gpus_per_node  # always crosses nodes
+            expected = m.inter_node_gbps / min(m.gpus_per_node, inner)
+            assert m.bandwidth(inner, size) == pytest.approx(expected)
+            assert m.seconds(1e9, 0, inner, size) == pytest.approx(1 / expected)
+
+
+def test_machine_profile_json_roundtrip(tmp_path):
+    for m in machines.BUILTIN.values():
+        path = tmp_path / f"{m.name}.json"
+        machines.save(m, str(path))
+        assert machines.load(str(path)) == m
+    with pytest.raises(ValueError, match="unknown machine 'nope'"):
+        machines.get("nope")
+
+
+# --- search, memory, step time ------------------------------------------------------
+def test_grids_enumerates_every_factorisation():
+    for n in (1, 8, 12, 64):
+        found = list(grids(n))
+        tuples = {(g.x, g.y, g.z, g.data, g.pipeline) for g in found}
+        assert len(tuples) == len(found)
+        assert all(g.size == n for g in found)
+        divisors = [d for d in range(1, n + 1) if n % d == 0]
+        brute = {t for t in itertools.product(divisors, repeat=5) if math.prod(t) == n}
+        assert tuples == brute
+    assert len(list(grids(8, pipeline=False))) == 20
+
+
+def test_search_returns_only_valid_configs():
+    spec = gpt_spec(layers=24, hidden=4096, heads=32, seq=2048, batch=512, vocab=51200)
+    result = search(spec, 64, machines.get("perlmutter"), top=1000)
+    assert result.ranked and result.considered == len(list(grids(64)))
+    assert result.feasible == len(result.ranked)
+    assert result.considered == result.feasible + sum(result.rejected.values())
+    steps = [p.step_seconds for p in result.ranked]
+    assert steps == sorted(steps)
+    device = machines.get("perlmutter").memory_gib * 2**30
+    for p in result.ranked:
+        g = p.grid
+        assert g.size == 64 and not spec.problems(g)
+        assert 4096 % (g.x * g.y) == 0 and 32 % g.x == 0 and 512 % (g.data * g.z) == 0
+        assert p.memory.device <= device
+        assert (spec.batch // g.batch_shards) % p.options.microbatches == 0
+    # heads = 12: x = 8 or 16 can never divide; they must be rejected, not ranked
+    odd = gpt_spec(layers=4, hidden=768, heads=12, seq=128, batch=64, vocab=1024)
+    ranked = search(odd, 16, machines.get("frontier"), top=1000).ranked
+    assert ranked and all(12 % p.grid.x == 0 for p in ranked)
+
+
+def test_offload_never_needs_more_device_memory():
+    spec = gpt_spec(layers=8, hidden=1024, heads=16, seq=512, batch=64, vocab=8192)
+    for g in grids(16):
+        if spec.problems(g):
+            continue
+        for precision in ("mixed", "fp32"):
+            for recompute in (False, True):
+                on = memory(spec, g, Options(precision, recompute, offload=True))
+                off = memory(spec, g, Options(precision, recompute, offload=False))
+                assert on.device <= off.device
+                assert on.optimizer == 0 < off.optimizer and on.host > 0 == off.host
+
+
+def test_microbatches_shortcut_is_exact():
+    spec = gpt_spec(layers=4, hidden=512, heads=8, seq=256, batch=64, vocab=4096)
+    machine = machines.get("frontier")
+    for g in (Grid(x=2, z=2, data=2, pipeline=2), Grid(y=2, z=4, pipeline=4), Grid(z=8)):
+        base = predict(spec, g, machine, Options(microbatches=2))
+        for mb in (1, 2, 4, 8):
+            exact = predict(spec, g, machine, Options(microbatches=mb)).step_seconds
+            assert base.step_seconds_with(mb) == pytest.approx(exact, rel=1e-12)
+
+
+def test_gpt_flops_are_ipdps_eq3():
+    b, s, l, h, v = 8, 2048, 24, 4096, 51200
+    spec = gpt_spec(layers=l, hidden=h, heads=32, seq=s, batch=b, vocab=v)
+    eq3 = 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    assert spec.train_flops(recompute=True) == pytest.approx(eq3, rel=1e-12)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gpt_spec_equals_the_traced_plan(tied):
+    from axonn_jax.models import GPT, GPTConfig
+    from axonn_jax.perf.traced import spec_from_model
+
+    c = SMALL_GPT | dict(layers=3)
+    model = GPT(GPTConfig(vocab_size=c["vocab"], num_layers=c["layers"], hidden=c["hidden"],
+                          num_heads=c["heads"], max_seq_len=c["seq"], tie_embeddings=tied))  # fmt: skip
+    traced = spec_from_model(model, jax.ShapeDtypeStruct((c["batch"], c["seq"]), jnp.int32))
+    analytic = gpt_spec(**c, tied=tied)
+
+    def params(spec):
+        out = collections.Counter()
+        for p in spec.params:
+            out[(p.shape, p.axes, p.depth, p.per_block)] += p.count
+        return out
+
+    def matmuls(spec):
+        out = collections.Counter()
+        for m in spec.matmuls:
+            out[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed)] += m.count
+        return out
+
+    assert params(traced) == params(analytic)
+    assert matmuls(traced) == matmuls(analytic)
+    assert traced.num_params == analytic.num_params == model.config.num_params()
+    assert (traced.batch, traced.tokens, traced.layers, traced.hidden) == (
+        analytic.batch, analytic.tokens, analytic.layers, analytic.hidden)
+    assert traced.attention_flops == analytic.attention_flops
+    for g in (Grid(x=2, y=2, z=2), Grid(z=4, data=2)):  # same weight and activation traffic
+        ours = [c for c in collectives(traced, g, recompute=True) if c.what != "norm statistics"]
+        ref = [c for c in collectives(analytic, g, recompute=True) if c.what != "norm statistics"]
+        assert elements_by(ours, "what") == pytest.approx(elements_by(ref, "what"))
+
+
+# --- command line -------------------------------------------------------------------
+GPT_ARGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "8",
+            "--vocab", "256"]  # fmt: skip
+
+
+def test_cli_table(capsys):
+    assert main(["plan", "--gpus", "8", "--machine", "frontier", "--top", "3", *GPT_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "on 8 × frontier" in out and "grids considered" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    assert all(math.prod(int(v) for v in r[1:6]) == 8 for r in rows)
+
+
+def test_cli_json(capsys):
+    assert main(["plan", "--gpus", "16", "--machine", "perlmutter", "--top", "4", "--json",
+                 *GPT_ARGS]) == 0  # fmt: skip
+    configs = json.loads(capsys.readouterr().out)
+    assert len(configs) == 4
+    for c in configs:
+        assert c["x"] * c["y"] * c["z"] * c["data"] * c["pipeline"] == 16
+        assert c["step_seconds"] >= c["comm_seconds"] > 0
+        assert {"params", "optimizer", "activations"} <= set(c["bytes_per_gpu"])
+    assert [c["step_seconds"] for c in configs] == sorted(c["step_seconds"] for c in configs)
+
+
+def test_cli_model_factory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "my_models.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from axonn_jax.models import GPT, GPTConfig\n"
+        "def make():\n"
+        "    cfg = GPTConfig(vocab_size=256, num_layers=2, hidden=64, num_heads=4, max_seq_len=32)\n"
+        "    return GPT(cfg), jax.ShapeDtypeStruct((8, 32), jnp.int32)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--gpus", "8", "--machine", "h100-node", "--model", "my_models:make",
+                 "--json", "--no-pipeline"]) == 0  # fmt: skip
+    from_model = json.loads(capsys.readouterr().out)
+    assert from_model and all(c["pipeline"] == 1 for c in from_model)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "8", "--machine", "frontier", "--layers", "2"], "missing --hidden"),
+    (["--gpus", "8", "--machine", "nope", *GPT_ARGS], "unknown machine 'nope'"),
+    (["--gpus", "0", "--machine", "frontier", *GPT_ARGS], "--gpus must be >= 1"),
+    (["--gpus", "8", "--machine", "frontier", "--model", "nocolon"], "module:factory"),
+    (["--gpus", "8", "--machine", "frontier", "--model", "x:y", *GPT_ARGS], "cannot be combined"),
+    (["--gpus", "8", "--machine", "frontier", "--model", "no_such_module_xyz:f"], "cannot import"),
+    (["--gpus", "8", "--machine", "frontier", "--top", "0", *GPT_ARGS], "--top must be >= 1"),
+    (["--gpus", "8", "--machine", "frontier", "--efficiency", "2", *GPT_ARGS], "--efficiency"),
+    (["--gpus", "8", "--machine", "frontier", *GPT_ARGS[:4], "--heads", "5", *GPT_ARGS[6:]],
+     "not divisible"),
+])  # fmt: skip
+def test_cli_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", *argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: axonn-jax plan" in err and message in err
+
+
+def test_cli_profile_then_plan(tmp_path, capsys):
+    out = tmp_path / "here.json"
+    assert main(["profile", "--devices", "8", "--out", str(out), "--repeats", "2"]) == 0
+    machine = machines.load(str(out))
+    assert machine.gpus_per_node == 8 and machine.peak_tflops > 0 and machine.latency_us
+    assert set(machine.intra_node) == {(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (4, 2)}
+    assert all(v > 0 for v in machine.intra_node.values())
+    capsys.readouterr()
+    assert main(["plan", "--gpus", "8", "--machine", str(out), "--json", "--precision", "fp32",
+                 "--no-recompute", *GPT_ARGS]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)
