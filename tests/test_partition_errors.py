@@ -106,3 +106,24 @@ def test_partitioning_is_pure_and_needs_no_devices():
     assert pm.plan.param("block_0/attn/out/kernel").role == "transposed"
     assert pm.plan.param("block_0/mlp/fc_in/kernel").role == "normal"
     assert pm.plan.param("block_0/mlp/fc_out/kernel").role == "transposed"
+
+
+def test_grid_not_matching_the_device_count(devices):
+    """Caught when the partitioned model first needs its devices, before any collective."""
+    pm = axonn_jax.partition(Narrow(), Grid(x=2, y=2), X)  # planning needs no devices
+    with pytest.raises(ValueError, match=r"Grid\(x=2, y=2.*needs 4 devices.*but 8 are available.*Remedy"):
+        pm.init(jax.random.key(0))
+
+
+def test_bad_planner_cli_arguments(capsys):
+    from axonn_jax import cli
+
+    for argv, message in [
+        (["plan", "--gpus", "0", "--machine", "perlmutter"], "--gpus must be >= 1, got 0"),
+        (["plan", "--gpus", "8", "--machine", "perlmutter", "--layers", "2"], "missing --hidden"),
+        (["plan", "--gpus", "8", "--machine", "no-such-machine", "--layers", "2"], "no-such-machine"),
+    ]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(argv)
+        assert exit_.value.code == 2
+        assert message in capsys.readouterr().err
