@@ -34,9 +34,8 @@ import numpy as np
 
 from axonn_jax.partitioner.provenance import EquationInfo, Provenance
 from axonn_jax.partitioner.trace import call_leaves, is_static, path_string
-from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.probe import NAN, ProbedStage, _is_drop, badness
-from axonn_jax.runtime.stage_program import is_float, place, stage_flows
+from axonn_jax.runtime.stage_program import is_float, place
 
 #: where a non-finite value was first seen, in the order the checks run
 WHERES = ("input", "parameter", "forward", "loss", "backward", "gradient")
@@ -187,21 +186,14 @@ class _Checker:
                 "simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{pm.grid.size}) and the same grid."
             )
-        from axonn_jax.partitioned import _output_layout
+        from axonn_jax.pipeline import executor_and_flows
 
         self.pm = pm
         traced, jaxpr, layouts = pm._program(args, kwargs)
         self.traced, self.jaxpr = traced, jaxpr
         root = type(pm.model).__name__
         self.prov = Provenance(traced, jaxpr, root=root)
-        executor = Executor(
-            jaxpr.jaxpr, jaxpr.consts, pm.grid,
-            param_storage=[p.storage for p in pm.plan.params],
-            arg_layouts=layouts.args, out_layouts=layouts.outs,
-        )  # fmt: skip
-        out_targets = [_output_layout(lay) for lay in layouts.outs]
-        flows = stage_flows(jaxpr.jaxpr, pm.plan.stages, traced.num_params,
-                            executor.layouts(), out_targets)  # fmt: skip
+        executor, flows = executor_and_flows(pm, traced, jaxpr, layouts)
         meshes = pm.stage_meshes
         self.stages = [ProbedStage(f, executor, pm.grid, meshes[f.index]) for f in flows]
         self.index = {id(e): k for k, e in enumerate(jaxpr.jaxpr.eqns)}

@@ -134,7 +134,7 @@ class Partitioned:
 
             users = [[st.index for st in self.plan.stages if p.path in st.params]
                      for p in self.plan.params]  # fmt: skip
-            self._stage_layout = StageLayout.from_users(users, self.stage_meshes, self.local_stages)
+            self._stage_layout = StageLayout.from_users(users, self.local_stages)
         return self._stage_layout
 
     @property

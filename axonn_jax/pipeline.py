@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,9 +32,7 @@ import numpy as np
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.dispatch import DispatchQueue, StepResult
 from axonn_jax.runtime.executor import Executor
-from axonn_jax.runtime.mesh import local_stages
 from axonn_jax.runtime.stage_program import StageProgram, batch_sharding, place, stage_flows
-from axonn_jax.runtime.transport import InProcessTransport, MpiTransport
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,8 +98,7 @@ class StageLayout:
     home: tuple[int | None, ...]
 
     @classmethod
-    def from_users(cls, users, meshes, local) -> StageLayout:
-        del meshes
+    def from_users(cls, users, local) -> StageLayout:
         home = []
         for stages in users:
             here = [s for s in stages if s in local] or ([0] if not stages and 0 in local else [])
@@ -140,16 +137,7 @@ class PipelinedValueAndGrad:
         cache = pm._stage_programs
         if key in cache:
             return cache[key]
-        executor = Executor(
-            jaxpr.jaxpr, jaxpr.consts, pm.grid,
-            param_storage=[p.storage for p in pm.plan.params],
-            arg_layouts=layouts.args, out_layouts=layouts.outs,
-        )  # fmt: skip
-        from axonn_jax.partitioned import _output_layout
-
-        out_targets = [_output_layout(lay) for lay in layouts.outs]
-        flows = stage_flows(jaxpr.jaxpr, pm.plan.stages, traced.num_params,
-                            executor.layouts(), out_targets)  # fmt: skip
+        executor, flows = executor_and_flows(pm, traced, jaxpr, layouts)
         meshes = pm.stage_meshes
         last = len(flows) - 1
         programs = [
@@ -243,7 +231,7 @@ class PipelinedValueAndGrad:
         grads: list = [None] * len(leaves)
         for s, stage_grads in result.grads.items():
             for i, g in zip(programs[s].flow.params, stage_grads):
-                g = _on(g, _sharding_of(leaves[i]))
+                g = _on(g, leaves[i].sharding)
                 grads[i] = g if grads[i] is None else grads[i] + g
         for i in range(len(leaves)):
             if layout.is_local(i) and grads[i] is None:  # used by no stage
@@ -262,6 +250,21 @@ class PipelinedValueAndGrad:
         comm = self.pm.transport.comm
         last_owner = min(d.process_index for d in self.pm.stage_meshes[-1].devices.flat)
         return np.float32(comm.bcast(local if comm.Get_rank() == last_owner else None, root=last_owner))
+
+
+def executor_and_flows(pm, traced, jaxpr, layouts):
+    """The model's executor and its per-stage data flows (``pm._program``'s outputs)."""
+    from axonn_jax.partitioned import _output_layout
+
+    executor = Executor(
+        jaxpr.jaxpr, jaxpr.consts, pm.grid,
+        param_storage=[p.storage for p in pm.plan.params],
+        arg_layouts=layouts.args, out_layouts=layouts.outs,
+    )  # fmt: skip
+    out_targets = [_output_layout(lay) for lay in layouts.outs]
+    flows = stage_flows(jaxpr.jaxpr, pm.plan.stages, traced.num_params,
+                        executor.layouts(), out_targets)  # fmt: skip
+    return executor, flows
 
 
 def _check_batch(leaves, microbatches: int, grid) -> int:
@@ -286,10 +289,6 @@ def _check_batch(leaves, microbatches: int, grid) -> int:
 def _planned(x: jax.Array, param) -> jax.Array:
     """A (possibly half-precision) parameter in the dtype the stage programs were built for."""
     return x if x.dtype == np.dtype(param.dtype) else x.astype(param.dtype)
-
-
-def _sharding_of(x):
-    return x.sharding
 
 
 def _on(x: jax.Array, sharding) -> jax.Array:

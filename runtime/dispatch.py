@@ -246,10 +246,7 @@ class DispatchQueue:
         st.forwards += 1
         st.backwards += 1
         self._accumulate(st, g_params)
-        if s > 0:
-            prev = self.programs[s - 1]
-            shardings = prev.outbound_shardings
-            self.transport.send(("B", s - 1, mb), g_in, [shardings[i] for i in prev.diff_out])
+        self._send_backward(s, mb, g_in)
         return loss
 
     def _backward(self, st, s, mb) -> None:
@@ -257,6 +254,10 @@ class DispatchQueue:
         jax.block_until_ready(g_in)
         st.backwards += 1
         self._accumulate(st, g_params)
+        self._send_backward(s, mb, g_in)
+
+    def _send_backward(self, s, mb, g_in) -> None:
+        """The inbound gradients of stage ``s`` go to stage ``s - 1`` (nothing for stage 0)."""
         if s > 0:
             prev = self.programs[s - 1]
             shardings = prev.outbound_shardings

@@ -69,18 +69,9 @@ class Collective:
         all-gather (g-1)/g·R, reduce-scatter (g-1)·R (R = the shard), all-reduce
         2(g-1)/g·R, all-to-all (g-1)/g·R, collective-permute R.
         """
-        g, size = self.group_size, self.result_bytes
-        if self.kind == "collective-permute":
-            return float(size)
-        if g <= 1:
-            return 0.0
-        factor = {
-            "all-gather": (g - 1) / g,
-            "reduce-scatter": g - 1,
-            "all-reduce": 2 * (g - 1) / g,
-            "all-to-all": (g - 1) / g,
-        }[self.kind]
-        return factor * size
+        from axonn_jax.partitioner.report import ring_wire_bytes
+
+        return ring_wire_bytes(self.kind, self.group_size, self.result_bytes)
 
     @property
     def trivial(self) -> bool:
