@@ -129,8 +129,13 @@ def compare_params(got, ref, init, ref_grads, what: str) -> list[str]:
 
 
 def run_case(name: str, grid: axonn_jax.Grid, microbatches=(1, 4, 8),
-             schedules=("message",), trajectory_microbatches: int = 4) -> list[str]:  # fmt: skip
-    """Grads for each microbatch count and schedule, then 5 AdamW steps; failure messages."""
+             schedules=("message",), trajectory_microbatches: int = 4,
+             offload: bool = False) -> list[str]:  # fmt: skip
+    """Grads for each microbatch count and schedule, then 5 AdamW steps; failure messages.
+
+    ``offload=True`` runs the 5 steps with fp32 master weights and AdamW state in
+    host memory (the same arithmetic, so the same bounds).
+    """
     case = build(name)
     example = case.batch(1)
     pm = axonn_jax.partition(case.model, grid, *case.inputs(example))
@@ -150,14 +155,15 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=(1, 4, 8),
     m = trajectory_microbatches
     batch = case.batch(m)
     init, ref_grads, ref_losses, ref_final = reference(case, batch)
-    step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m)
+    step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m,
+                         offload=offload)  # fmt: skip
     params = pm.shard(init)
     params, opt_state = step.init(params)
     losses = []
     for _ in range(STEPS):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
-    what = f"{name} {grid} m={m} AdamW"
+    what = f"{name} {grid} m={m} AdamW" + (" offloaded" if offload else "")
     if not np.allclose(losses, ref_losses, rtol=1e-5):
         failures.append(f"{what} losses {losses} != {ref_losses}")
     failures += compare_params(pm.gather(params), ref_final, init, ref_grads, what)

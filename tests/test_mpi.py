@@ -42,3 +42,16 @@ def test_failing_rank_aborts_the_whole_job(n):
     assert f"[axonn_jax rank {n - 1}] uncaught exception" in output
     assert f"deliberate failure on rank {n - 1}" in output
     assert "unexpectedly finished" not in output
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [2, 4])
+def test_killed_rank_ends_the_whole_job(n):
+    """One rank is SIGKILLed while the others wait in a collective: the job ends, no hang."""
+    import time
+
+    start = time.monotonic()
+    result = run_mpi(n, "fail_on_rank.py", str(n - 1), "kill", timeout=150)
+    assert result.returncode != 0
+    assert time.monotonic() - start < 120
+    assert "unexpectedly finished" not in result.stdout + result.stderr
