@@ -7,7 +7,9 @@ forward and its backward), other forwards need the previous stage's
 activation, backwards need the next stage's gradient; the last stage runs its
 backward right after its forward (one program). The queue posts the receive
 of the next message on every link before it computes, runs whichever ready
-task it finds (backward first, then the oldest microbatch), and hands outputs
+task it finds (backward first, then the oldest microbatch; on stage 0 each
+returning backward is followed at once by the next microbatch's forward, as
+in AxoNN, so the pipeline stays fed), and hands outputs
 to the transport without waiting. With ``schedule="1f1b"`` or ``"gpipe"`` each
 stage follows a fixed order instead, for comparison.
 
@@ -70,6 +72,7 @@ class _StageState:
     idle_since: float = 0.0
     peak: int = 0
     posted: set = dataclasses.field(default_factory=set)  # message keys with receives posted
+    last_kind: str = ""  # kind of the last task this stage ran
 
 
 class PipelineTimeout(RuntimeError):
@@ -158,6 +161,7 @@ class DispatchQueue:
             label = "FB" if kind == "F" and s == last else kind
             records.append(TaskRecord(s, label, mb, start - t0, end - t0, start - st.idle_since))
             st.idle_since = end
+            st.last_kind = kind
             if st.order is not None:
                 st.position += 1
             idle_deadline = time.perf_counter() + self.timeout
@@ -211,6 +215,11 @@ class DispatchQueue:
                     if self._ready(st, s, kind, mb):
                         return s, kind, mb
             return None
+        first = states.get(0)
+        if first is not None and first.last_kind == "B" and first.forwards < m \
+                and self._ready(first, 0, "F", first.forwards):  # fmt: skip
+            # AxoNN: each backward that returns to stage 0 injects one new microbatch at once
+            return 0, "F", first.forwards
         backward = [(mb, s) for s, st in states.items() for mb in st.cotangents
                     if self._ready(st, s, "B", mb)]  # fmt: skip
         if backward:

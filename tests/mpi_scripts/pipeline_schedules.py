@@ -17,7 +17,7 @@ from axonn_jax.runtime import trace
 
 info = axonn_jax.init()
 assert info.distributed and info.process_count == 2
-M, LIMIT, TASK, STALL = 8, 4, 0.1, 2.0
+M, LIMIT, TASK, STALL = 8, 6, 0.2, 2.0
 
 
 def delay(stage, kind, mb):
