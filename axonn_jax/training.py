@@ -42,6 +42,20 @@ def _none(x) -> bool:
     return x is None
 
 
+def state_shardings(optimizer: optax.GradientTransformation, params, param_shardings, mesh):
+    """Shardings of ``optimizer``'s state: parameter-like leaves follow their parameter.
+
+    Scalars such as the step count are replicated on ``mesh``. ``params`` may be
+    arrays or ShapeDtypeStructs; leaves that are ``None`` (other stages) stay ``None``.
+    """
+    abstract = jax.eval_shape(optimizer.init, params)
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, abstract, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=_none,
+    )  # fmt: skip
+
+
 class TrainStep:
     """``(params, opt_state, batch) → (params, opt_state, loss)``.
 
