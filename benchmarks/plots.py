@@ -1,0 +1,125 @@
+"""PNG plots for ``benchmarks/run.py`` (matplotlib, headless).
+
+Each function takes a benchmark's result dict and an output folder, writes one
+figure and returns its path; :func:`plot_all` makes every plot it has data for.
+
+Example::
+
+    from plots import plot_all
+    paths = plot_all({"gspmd_compare": result}, Path("benchmarks/results"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+KIND_COLOURS = {"all-gather": "#4c72b0", "all-reduce": "#dd8452", "reduce-scatter": "#55a868",
+                "all-to-all": "#c44e52", "collective-permute": "#8172b3"}  # fmt: skip
+FAMILY_COLOURS = {"axonn": "#4c72b0", "megatron": "#dd8452", "fsdp": "#55a868", "dp": "#8c8c8c"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def gspmd_collectives(result: dict, out: Path) -> Path:
+    """Stacked bars: wire MiB per device and step by collective kind, per approach."""
+    plt = _pyplot()
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    names = [r["name"] for r in rows]
+    left = [0.0] * len(rows)
+    for kind, colour in KIND_COLOURS.items():
+        values = [r["collectives"][kind]["wire_bytes"] / 2**20 for r in rows]
+        if any(values):
+            ax.barh(names, values, left=left, color=colour, label=kind)
+            left = [a + b for a, b in zip(left, values)]
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB sent per device per train step (ring algorithms)")
+    ax.set_title("Collective bytes: axonn_jax grids vs GSPMD")
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, out / "gspmd_collectives.png")
+
+
+def gspmd_memory(result: dict, out: Path) -> Path:
+    """Stacked bars per approach: params, optimizer state, temporaries (MiB per device)."""
+    plt = _pyplot()
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    names = [r["name"] for r in rows]
+    parts = {"parameters": [r["memory"]["params"] for r in rows],
+             "optimizer state": [r["memory"]["opt_state"] for r in rows],
+             "temporaries (XLA)": [r["memory"]["temp"] for r in rows]}  # fmt: skip
+    left = [0.0] * len(rows)
+    for (label, values), colour in zip(parts.items(), ("#4c72b0", "#55a868", "#c44e52")):
+        mib = [v / 2**20 for v in values]
+        ax.barh(names, mib, left=left, color=colour, label=label)
+        left = [a + b for a, b in zip(left, mib)]
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB per device")
+    ax.set_title("Memory per device: axonn_jax grids vs GSPMD")
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, out / "gspmd_memory.png")
+
+
+def gspmd_step_time(result: dict, out: Path) -> Path:
+    """Bars: median step time as a ratio to the baseline, coloured by family."""
+    plt = _pyplot()
+    rows = sorted(result["rows"], key=lambda r: r["step_ratio"])
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    ax.barh([r["name"] for r in rows], [r["step_ratio"] for r in rows],
+            color=[FAMILY_COLOURS.get(r["family"], "#8c8c8c") for r in rows])  # fmt: skip
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"median step time / {result['baseline']} (8 simulated CPU devices)")
+    ax.set_title("Step time ratio")
+    return _save(fig, out / "gspmd_step_time.png")
+
+
+def pipeline_bubble(result: dict, out: Path) -> Path | None:
+    """Idle fraction vs microbatches per schedule (uniform tasks), with the theory curve."""
+    runs = [r for r in result["results"] if r["mode"] == "uniform"]
+    if not runs:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ms = sorted({r["m"] for r in runs})
+    for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("message", "message-driven")):
+        by_m = {r["m"]: r["idle_mean"] for r in runs if r["schedule"] == schedule}
+        ax.plot(ms, [by_m[m] for m in ms], marker="o", label=label)
+    theory = {r["m"]: r["theory"] for r in runs}
+    ax.plot(ms, [theory[m] for m in ms], "k--", label="theory (p−1)/(m+p−1)")
+    ax.set_xlabel("microbatches m")
+    ax.set_ylabel("idle fraction (mean over stages)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ms, [str(m) for m in ms])
+    ax.set_ylim(0, 1)
+    ax.set_title("Pipeline bubble, uniform tasks")
+    ax.legend(fontsize=8)
+    return _save(fig, out / "pipeline_bubble.png")
+
+
+def plot_all(results: dict[str, dict], out: Path) -> list[Path]:
+    """Every plot whose benchmark result is in ``results`` (name -> result dict)."""
+    makers = {"gspmd_compare": (gspmd_collectives, gspmd_memory, gspmd_step_time),
+              "pipeline_bubble": (pipeline_bubble,)}  # fmt: skip
+    paths = []
+    for name, functions in makers.items():
+        if name in results:
+            for fn in functions:
+                path = fn(results[name], out)
+                if path is not None:
+                    paths.append(path)
+    return paths

@@ -1,0 +1,208 @@
+"""Markdown for ``benchmarks/run.py``: one summary row set and one section per benchmark.
+
+Every formatter takes the dict a benchmark's ``main()`` returned (after a JSON
+round trip) and returns markdown; :data:`FORMATTERS` maps benchmark names to
+``(summary, section)`` pairs. ``summary(result)`` gives ``(measure, value)``
+rows of the combined table: ratios measured within one run, absolute times
+only in parentheses.
+
+Example:
+    >>> summary, _ = FORMATTERS["partition_overhead"]
+    >>> summary({"ratio": 1.004, "plain_s": 0.0123, "axonn_s": 0.01235, "steps": 30})
+    [('train step on grid all-1, axonn_jax / plain jax.jit', '1.004 (12.3 ms plain)')]
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+Rows = list[tuple[str, str]]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms"
+
+
+# ---------------------------------------------------------------- overhead, planning
+
+
+def overhead_summary(r: dict) -> Rows:
+    return [("train step on grid all-1, axonn_jax / plain jax.jit",
+             f"{r['ratio']:.3f} ({_ms(r['plain_s'])} plain)")]  # fmt: skip
+
+
+def overhead_section(r: dict) -> str:
+    return (f"The user's jitted AdamW step with `pm.apply` on `Grid()` vs the same step with "
+            f"`model.apply`, same GPT ({r.get('params', 0):,} parameters) and batches, run "
+            f"alternately; median of {r['steps']} steps each: ratio **{r['ratio']:.3f}** "
+            f"(axonn_jax {_ms(r['axonn_s'])}, plain {_ms(r['plain_s'])}).")  # fmt: skip
+
+
+def planning_summary(r: dict) -> Rows:
+    return [(f"plan a {r['params'] / 1e9:.0f}B-parameter GPT for {r['gpus']:,} GPUs (abstract shapes)",
+             f"({r['seconds']:.1f} s)")]  # fmt: skip
+
+
+def planning_section(r: dict) -> str:
+    return (f"`partition()` of a {r['params'] / 1e9:.1f}B-parameter GPT for {r['gpus']:,} GPUs "
+            f"from abstract shapes on this machine: {r['seconds']:.1f} s; fp32 parameters per "
+            f"device {r['bytes_per_device'] / 2**30:.2f} GiB; {r['warnings']} plan warnings.")
+
+
+def report_summary(r: dict) -> Rows:
+    return [("`pm.report()` / `partition()` time, same model and grid", f"{r['ratio']:.2f}")]
+
+
+def report_section(r: dict) -> str:
+    return (f"Time of the first `pm.report()` (every collective and memory kind of a train step, "
+            f"traced on an abstract mesh) relative to `partition()` of the same model and grid: "
+            f"**{r['ratio']:.2f}** ({r['report_s']:.1f} s vs {r['partition_s']:.1f} s).")
+
+
+# ---------------------------------------------------------------- GSPMD comparison
+
+
+def _best(rows: list[dict], family: str, key) -> dict | None:
+    chosen = [r for r in rows if r["family"] == family]
+    return min(chosen, key=key) if chosen else None
+
+
+def gspmd_summary(r: dict) -> Rows:
+    rows = r["rows"]
+    wire = lambda x: x["wire_bytes"]  # noqa: E731
+    peak = lambda x: x["memory"]["peak"]  # noqa: E731
+    step = lambda x: x["step_ratio"]  # noqa: E731
+    out: Rows = []
+    for label, key, fmt in (("collective bytes per device and step", wire, "{:.2f} MiB"),
+                            ("peak memory per device", peak, "{:.2f} MiB"),
+                            ("step time", step, None)):  # fmt: skip
+        best = {f: _best(rows, f, key) for f in ("axonn", "megatron", "fsdp")}
+        if best["axonn"] is None:
+            continue
+        ours = key(best["axonn"])
+        parts = []
+        for family, title in (("megatron", "GSPMD Megatron"), ("fsdp", "GSPMD FSDP")):
+            if best[family] is not None and key(best[family]):
+                parts.append(f"{ours / key(best[family]):.2f}× best {title} ({best[family]['name'].split()[-1]})")
+        if fmt:  # bytes: absolute values are exact, not timings
+            parts.append(fmt.format(ours / 2**20) + " for ours")
+        else:
+            parts.append(f"{ours:.2f}× {r['baseline']}")
+        out.append((f"{label}: best axonn_jax grid ({best['axonn']['name'].split()[-1]}) vs GSPMD",
+                    "; ".join(parts)))  # fmt: skip
+    return out
+
+
+def gspmd_section(r: dict) -> str:
+    return r["table"]
+
+
+# ---------------------------------------------------------------- others
+
+
+def prediction_summary(r: dict) -> Rows:
+    return [(f"grid choice: Spearman ρ, predicted vs measured step time over {r['grids']} grids",
+             f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
+
+
+def prediction_section(r: dict) -> str:
+    text = r.get("markdown", "")
+    lines = [l for l in text.splitlines() if not l.startswith("# ")]  # its own title
+    return "\n".join(lines).strip() or f"Spearman ρ {r['spearman']:.3f}."
+
+
+def _bubble_row(r: dict, mode: str = "uniform") -> dict[str, dict] | None:
+    runs = [x for x in r["results"] if x["mode"] == mode]
+    if not runs:
+        return None
+    m = max(x["m"] for x in runs)
+    return {x["schedule"]: x for x in runs if x["m"] == m}
+
+
+def bubble_summary(r: dict) -> Rows:
+    row = _bubble_row(r)
+    if row is None:
+        return []
+    m = row["message"]["m"]
+    return [(f"pipeline bubble, {m} microbatches, uniform tasks: idle fraction message-driven "
+             "(GPipe, 1F1B; theory)",
+             f"{row['message']['idle_mean']:.2f} ({row['gpipe']['idle_mean']:.2f}, "
+             f"{row['1f1b']['idle_mean']:.2f}; {row['message']['theory']:.2f})")]  # fmt: skip
+
+
+def bubble_section(r: dict) -> str:
+    return r["table"]
+
+
+def checkpoint_summary(r: dict) -> Rows:
+    return [("checkpoint: async `save()` returns / orbax synchronous save",
+             f"{r['returns_vs_orbax']:.2f} (restore / orbax restore {r['restore_vs_orbax']:.2f})")]  # fmt: skip
+
+
+def checkpoint_section(r: dict) -> str:
+    return "\n".join([
+        f"Parameters + AdamW state ({r['bytes'] / 1e6:.1f} MB) of a GPT on x=2,y=2,z=2; medians, "
+        "as ratios to orbax's `StandardSave` / `StandardRestore` of the same pytree:",
+        "",
+        "| operation | ratio to orbax | (median) |",
+        "| --- | --- | --- |",
+        f"| axonn_jax `save()` returns | {r['returns_vs_orbax']:.2f} | ({_ms(r['returns'])}) |",
+        f"| axonn_jax save committed | {r['committed_vs_orbax']:.2f} | ({_ms(r['committed'])}) |",
+        f"| axonn_jax restore | {r['restore_vs_orbax']:.2f} | ({_ms(r['restore'])}) |",
+        f"| orbax save / restore | 1.00 | ({_ms(r['orbax_save'])} / {_ms(r['orbax_restore'])}) |",
+    ])  # fmt: skip
+
+
+def offload_summary(r: dict) -> Rows:
+    rows = r["results"]
+    base = rows.get("fp32, on device")
+    streamed = rows.get("bf16, offload, streamed buckets")
+    if not base or not streamed:
+        return []
+    return [("host offload: device model state, fp32 on device / bf16 offloaded (step time ratio)",
+             f"{base['model state device'] / streamed['model state device']:.2f}× less "
+             f"({streamed['time ratio']:.2f}× the fp32 step time)")]  # fmt: skip
+
+
+def offload_section(r: dict) -> str:
+    head = (f"Bytes per parameter per device on {r.get('grid', '?')} ({r.get('params', 0):,} "
+            "parameters); time ratio = median step time / fp32 on device, same run:")
+    return head + "\n\n" + r.get("table", "")
+
+
+def mfu_summary(r: dict) -> Rows:
+    if "skipped" in r:
+        return [("GPU MFU", r["skipped"])]
+    ours = r["axonn"]
+    value = f"{ours['mfu']:.1%}" if "mfu" in ours else "needs --peak-tflops"
+    return [(f"GPU MFU on {r['devices']}× {r['device']} ({r['dtype']})",
+             f"{value} (axonn_jax / plain jax.jit step time {r['ratio']:.3f})")]  # fmt: skip
+
+
+def mfu_section(r: dict) -> str:
+    if "skipped" in r:
+        return r["skipped"] + "."
+    lines = [f"GPT ({r['params']:,} parameters, {r['dtype']}) on {r['devices']}× {r['device']}; "
+             f"model FLOPs per step {r['model_flops']:.3g} (design.md §6 count, no recompute); "
+             f"peak {r['peak_tflops'] or '?'} TFLOP/s per device.", "",
+             "| step | TFLOP/s per device | MFU | XLA cost-analysis FLOPs / model FLOPs | (median) |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, title in (("axonn", "axonn_jax Grid(data=n)"), ("plain", "plain jax.jit, batch split")):
+        row = r[name]
+        mfu = f"{row['mfu']:.1%}" if "mfu" in row else "—"
+        lines.append(f"| {title} | {row['tflops_per_device']:.3g} | {mfu} | "
+                     f"{row['xla_flops'] / r['model_flops']:.2f} | ({_ms(row['step_s'])}) |")  # fmt: skip
+    return "\n".join(lines)
+
+
+FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
+    "partition_overhead": (overhead_summary, overhead_section),
+    "planning_time": (planning_summary, planning_section),
+    "report_time": (report_summary, report_section),
+    "gspmd_compare": (gspmd_summary, gspmd_section),
+    "grid_prediction": (prediction_summary, prediction_section),
+    "pipeline_bubble": (bubble_summary, bubble_section),
+    "checkpoint_save": (checkpoint_summary, checkpoint_section),
+    "memory_offload": (offload_summary, offload_section),
+    "gpu_mfu": (mfu_summary, mfu_section),
+}

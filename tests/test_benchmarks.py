@@ -1,0 +1,189 @@
+"""The benchmark runner and the GSPMD comparison (benchmarks/).
+
+Checks the hand-written GSPMD specs against their definitions, the HLO
+collective summary against the ring formula, the comparison's numbers against
+what they must be by construction (step-1 losses equal the single-device loss
+to rtol 1e-5, replicated parameters cost their full size per device, FSDP
+1/8 of it, pure data parallelism all-reduces every gradient), and the runner's
+handling of absent, failing and hanging benchmarks.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gspmd_compare  # noqa: E402
+import run  # noqa: E402
+from gspmd_specs import fsdp_specs, megatron_specs  # noqa: E402
+from sections import FORMATTERS  # noqa: E402
+
+
+def _gpt(**overrides):
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.models import GPT, GPTConfig
+
+    options = dict(vocab_size=64, num_layers=1, hidden=64, num_heads=8, max_seq_len=16)
+    options.update(overrides)
+    model = GPT(GPTConfig(**options))
+    tokens = jnp.zeros((8, 16), jnp.int32)
+    return model, jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+
+
+def test_megatron_specs_split_column_and_row_parallel_layers():
+    from jax.sharding import PartitionSpec as P
+
+    _, params = _gpt()
+    specs = megatron_specs(params, "tp", 8)
+    block = specs["block_0"]
+    for name in ("query", "key", "value"):  # kernel [hidden, heads, head_dim]
+        assert block["attn"][name]["kernel"] == P(None, "tp", None)
+        assert block["attn"][name]["bias"] == P("tp", None)
+    assert block["attn"]["out"]["kernel"] == P("tp", None, None)  # [heads, head_dim, hidden]
+    assert block["attn"]["out"]["bias"] == P()
+    assert block["mlp"]["fc_in"]["kernel"] == P(None, "tp")
+    assert block["mlp"]["fc_in"]["bias"] == P("tp")
+    assert block["mlp"]["fc_out"]["kernel"] == P("tp", None)
+    assert block["mlp"]["fc_out"]["bias"] == P()
+    assert specs["embed"]["embedding"] == P("tp", None)
+    assert specs["pos_embed"] == P()
+    assert block["norm_attn"]["scale"] == P()
+
+
+def test_megatron_specs_name_the_parameter_that_does_not_divide():
+    _, params = _gpt(num_heads=4, hidden=64)
+    with pytest.raises(ValueError, match=r"'block_0/attn/\w+/(kernel|bias)' of shape \((64, )?4, 16\).*'tp' of size 8"):
+        megatron_specs(params, "tp", 8)
+
+
+def test_fsdp_specs_split_the_largest_divisible_dim():
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    _, params = _gpt(vocab_size=60)  # the embedding's vocab dim (60) does not divide by 8
+    specs = fsdp_specs(params, "fsdp", 8)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))
+    assert len(spec_leaves) == len(jax.tree.leaves(params))
+    for leaf, spec in zip(jax.tree.leaves(params), spec_leaves):
+        split = [d for d, axis in enumerate(spec) if axis is not None]
+        divisible = [d for d in range(leaf.ndim) if leaf.shape[d] % 8 == 0]
+        assert len(split) == (1 if divisible else 0)
+        if divisible:
+            assert leaf.shape[split[0]] == max(leaf.shape[d] for d in divisible)
+    assert specs["embed"]["embedding"] == P(None, "fsdp")  # [60, 64]: the hidden dim
+
+
+def test_collective_summary_counts_ring_bytes_of_a_compiled_psum():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()), ("d",))
+    f = jax.shard_map(lambda x: jax.lax.psum(x, "d"), mesh=mesh, in_specs=P("d"), out_specs=P())
+    text = jax.jit(f).lower(jnp.ones((8 * 16,), jnp.float32)).compile().as_text()
+    summary = gspmd_compare.collective_summary(text)
+    assert summary["all-reduce"]["count"] == 1
+    assert summary["all-reduce"]["wire_bytes"] == pytest.approx(2 * 7 / 8 * 16 * 4)
+    assert sum(v["count"] for k, v in summary.items() if k != "all-reduce") == 0
+
+
+@pytest.mark.slow
+def test_gspmd_compare_numbers_hold_by_construction():
+    args = gspmd_compare.parse_args(["--layers", "1", "--hidden", "64", "--heads", "8", "--seq", "16",
+                                     "--batch", "8", "--vocab", "64", "--rounds", "1",
+                                     "--per-round", "1", "--grids", "x=2,y=2,z=2",
+                                     "--megatron", "8x1"])  # fmt: skip
+    result = gspmd_compare.measure(args)
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {gspmd_compare.BASELINE, "axonn x=2,y=2,z=2",
+                         "GSPMD Megatron tp=8,dp=1", "GSPMD FSDP fsdp=8"}  # fmt: skip
+    full = result["params"] * 4
+    base = rows[gspmd_compare.BASELINE]
+    assert base["memory"]["params"] == full  # replicated
+    assert rows["GSPMD FSDP fsdp=8"]["memory"]["params"] * 8 == full  # every dim divides by 8
+    assert rows["GSPMD FSDP fsdp=8"]["memory"]["opt_state"] >= 2 * full / 8  # mu, nu sharded too
+    # pure data parallelism: every gradient all-reduced over 8 devices, nothing gathered
+    assert base["collectives"]["all-reduce"]["wire_bytes"] >= 2 * 7 / 8 * full
+    assert base["collectives"]["all-gather"]["count"] == 0
+    assert rows["axonn x=2,y=2,z=2"]["memory"]["params"] < full / 4
+    # 1D tensor parallelism with a replicated batch all-reduces activations, gathers no weights
+    assert rows["GSPMD Megatron tp=8,dp=1"]["collectives"]["all-gather"]["count"] == 0
+    assert rows["GSPMD Megatron tp=8,dp=1"]["memory"]["params"] < full / 4
+    assert base["step_ratio"] == 1.0
+    for r in result["rows"]:
+        assert r["loss_rel_err"] <= gspmd_compare.LOSS_RTOL
+        assert r["name"] in result["table"]
+    summary = FORMATTERS["gspmd_compare"][0](result)
+    assert any("best axonn_jax grid (x=2,y=2,z=2)" in measure for measure, _ in summary)
+
+
+def test_runner_reports_absent_failing_and_hanging_benchmarks(tmp_path):
+    absent = run.run_benchmark(run.Benchmark("no_such_benchmark", "absent"), [], tmp_path)
+    assert absent.result is None and "absent" in absent.reason
+
+    code, tail = run.run_child([sys.executable, "-c", "raise ValueError('broken on purpose')"],
+                               run.child_env(1), 60, "t")  # fmt: skip
+    assert code == 1 and "broken on purpose" in run._failure(tail)
+    code, _ = run.run_child([sys.executable, "-c", "import time; time.sleep(60)"],
+                            run.child_env(1), 1, "t")  # fmt: skip
+    assert code is None
+
+    failed = run.Outcome(run.BENCHMARKS[0], ["--steps", "1"], reason="failed (exit 1): boom")
+    text = run.markdown([failed], [], run.environment("run.py"))
+    assert f"| {run.BENCHMARKS[0].name} | {run.BENCHMARKS[0].title} | not run: failed (exit 1): boom |" in text
+
+
+def test_results_render_again_from_results_json(tmp_path):
+    result = {"ratio": 1.02, "plain_s": 0.01, "axonn_s": 0.0102, "steps": 3, "params": 10}
+    outcomes = [run.Outcome(run.BENCHMARKS[0], ["--steps", "3"], result=result, seconds=4.0),
+                run.Outcome(run.BENCHMARKS[1], [], reason="timed out after 1 s")]  # fmt: skip
+    text = run.save(outcomes, run.environment("run.py"), tmp_path)
+    assert "| partition_overhead | train step on grid all-1, axonn_jax / plain jax.jit | 1.020 " in text
+    assert (tmp_path / "results.md").read_text() == text
+    again, env = run.load(tmp_path)
+    assert run.markdown(again, [], env) == text
+
+
+def test_child_env_sets_device_count_once(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=3 --xla_dump_to=x")
+    env = run.child_env(8)
+    assert env["XLA_FLAGS"].split() == ["--xla_dump_to=x", "--xla_force_host_platform_device_count=8"]
+    assert env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_gpu_mfu_skips_without_a_gpu():
+    import gpu_mfu
+
+    assert "no GPU here" in gpu_mfu.main([])["skipped"]
+
+
+@pytest.mark.slow
+def test_gpu_mfu_on_cpu_counts_flops_like_xla():
+    import gpu_mfu
+
+    r = gpu_mfu.main(["--allow-cpu", "--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "16",
+                      "--batch", "2", "--vocab", "64", "--steps", "1", "--dtype", "float32",
+                      "--peak-tflops", "1"])  # fmt: skip
+    # XLA also counts softmax, norms and the optimizer: a little above the matmul count
+    for name in ("axonn", "plain"):
+        assert 1.0 <= r[name]["xla_flops"] / r["model_flops"] <= 1.3, (name, r)
+    assert r["axonn"]["mfu"] > 0 and r["ratio"] > 0
+
+
+def test_jsonable_makes_results_json_safe():
+    import json
+
+    import numpy as np
+
+    value = {("x", 2): np.float32(1.5), "t": (1, float("nan")), "o": object}
+    out = run.jsonable(value)
+    assert json.loads(json.dumps(out)) == {"('x', 2)": 1.5, "t": [1, None], "o": str(object)}
