@@ -29,7 +29,8 @@ def _run(prefix, out, timeout=300):
 @pytest.mark.mpi
 def test_example_single_process_and_mpiexec_agree(tmp_path):
     stdout, single = _run([], tmp_path / "one")
-    assert "Plan for Grid(x=2, y=2, z=2" in stdout and "sample:" in stdout
+    assert "Plan for Grid(x=2, y=1, z=2, data=1, pipeline=2)" in stdout and "sample:" in stdout
+    assert (tmp_path / "one" / "timeline.png").stat().st_size > 0  # the default grid pipelines
     assert len(single) == 6 and single[-1] < single[0]
     _, two = _run([mpiexec(), "-n", "2"], tmp_path / "two")
     np.testing.assert_allclose(two, single, rtol=1e-5)
