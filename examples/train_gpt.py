@@ -23,6 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+# `import axonn_jax` initialises JAX at once under mpiexec; this script sets the
+# simulated device count first (configure_devices) and then calls axonn_jax.init().
+os.environ.setdefault("AXONN_JAX_AUTO_INIT", "0")
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -76,7 +80,6 @@ def configure_devices(args) -> None:
     automatic initialisation is switched off here and ``axonn_jax.init()`` is
     called explicitly once the device count is set.
     """
-    os.environ.setdefault("AXONN_JAX_AUTO_INIT", "0")
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
     from axonn_jax.runtime.launch import mpi_world_size
