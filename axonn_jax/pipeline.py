@@ -196,7 +196,7 @@ class PipelinedValueAndGrad:
         result = queue.run(stage_params, stage_args, loss_batch, m)
         self.last_result = result
         grads = self._combine(result, programs, leaves, m)
-        loss = self._loss(result, m)
+        loss = self._loss(result)
         return loss, jax.tree.unflatten(pm.plan.param_tree, grads)
 
     def _compile(self, programs, stage_params, stage_args, loss_batch) -> None:
@@ -241,12 +241,11 @@ class PipelinedValueAndGrad:
             grads = _sum_shared_across_processes(grads, layout, self.pm)
         return grads
 
-    def _loss(self, result: StepResult, m: int):
+    def _loss(self, result: StepResult):
+        """Mean microbatch loss, computed on the last stage and sent to every process."""
         local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
         if not self.pm.multiprocess:
             return np.float32(local)
-        from mpi4py import MPI
-
         comm = self.pm.transport.comm
         last_owner = min(d.process_index for d in self.pm.stage_meshes[-1].devices.flat)
         return np.float32(comm.bcast(local if comm.Get_rank() == last_owner else None, root=last_owner))

@@ -240,7 +240,3 @@ class MpiTransport:
                 self._lock.wait(timeout=0.1)
                 self._raise_sender_error()
         self._raise_sender_error()
-
-    def shutdown(self) -> None:
-        self._sends.put(None)
-        self._thread.join(timeout=5)
