@@ -13,8 +13,8 @@ import argparse
 import time
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The large GPT (87.6B parameters) and 1,024-device grid these benchmarks plan."""
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--hidden", type=int, default=12288)
     ap.add_argument("--heads", type=int, default=96)
@@ -22,6 +22,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab", type=int, default=51200)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--grid", default="x=8,y=4,z=4,data=8")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(ap)
     a = ap.parse_args(argv)
 
     import jax

@@ -21,14 +21,10 @@ GRIDS = ["x=2,y=2,z=2", "x=4,z=2", "y=2,z=2,data=2", "z=8", "data=8"]
 
 
 def main(argv=None) -> dict:
+    from planning_time import add_model_arguments
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--hidden", type=int, default=12288)
-    ap.add_argument("--heads", type=int, default=96)
-    ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=51200)
-    ap.add_argument("--batch", type=int, default=1024)
-    ap.add_argument("--grid", default="x=8,y=4,z=4,data=8")
+    add_model_arguments(ap)
     ap.add_argument("--compare", action="store_true", help="also compare with compiled programs")
     a = ap.parse_args(argv)
     if a.compare:

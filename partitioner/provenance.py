@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.stages import param_origins
 from axonn_jax.partitioner.trace import _CALLS, _inner
 
 #: how far back (in equations) :meth:`Provenance.nearest_params` looks
@@ -107,7 +108,7 @@ class Provenance:
         for k, eqn in enumerate(eqns):
             for v in eqn.outvars:
                 self.producer[v] = k
-        self.origin = _param_origins(self.jaxpr, traced.num_params)
+        self.origin = param_origins(self.jaxpr, traced.num_params)
 
     def direct_params(self, k: int) -> set[int]:
         """Parameters equation ``k`` reads (through casts and reshapes)."""
@@ -174,11 +175,3 @@ def _strip_root(name: str, root: str | None) -> str | None:
     return "/".join(parts) or None
 
 
-def _param_origins(jaxpr, num_params: int) -> dict:
-    """Variable → parameter index, for parameters and their cast/reshape chains."""
-    origin = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
-    for eqn in jaxpr.eqns:
-        live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1 and live[0] in origin:
-            origin[eqn.outvars[0]] = origin[live[0]]
-    return origin

@@ -61,18 +61,25 @@ def equation_flops(eqn) -> float:
     return float(out)
 
 
+def param_origins(jaxpr, num_params: int) -> dict:
+    """Variable → parameter index, for parameters and their cast/reshape/broadcast chains."""
+    origin = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    for eqn in jaxpr.eqns:
+        live = [v for v in eqn.invars if not R.is_literal(v)]
+        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1 and live[0] in origin:
+            origin[eqn.outvars[0]] = origin[live[0]]
+    return origin
+
+
 def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
     """Param index → equations that use it (through casts/reshapes/broadcasts)."""
-    origin = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    origin = param_origins(jaxpr, num_params)
     users: dict[int, list[int]] = {i: [] for i in range(num_params)}
     for k, eqn in enumerate(jaxpr.eqns):
-        sources = {origin[v] for v in eqn.invars if not R.is_literal(v) and v in origin}
-        if not sources:
-            continue
         live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1:
-            origin[eqn.outvars[0]] = origin[live[0]]
-            continue
+        sources = {origin[v] for v in live if v in origin}
+        if not sources or (eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1):
+            continue  # no parameter, or a parameter's own cast/reshape chain
         for p in sources:
             users[p].append(k)
     return users

@@ -37,7 +37,7 @@ from axonn_jax.grid import X, Y, Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.planner import plan_layouts
-from axonn_jax.partitioner.stages import equation_flops
+from axonn_jax.partitioner.stages import equation_flops, param_origins
 from axonn_jax.partitioner.trace import inline_calls, trace_model
 from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
 
@@ -52,7 +52,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     plan = Plan.build(traced, grid, plan_layouts(traced, grid, jaxpr=closed))
     jaxpr = closed.jaxpr
     n_params = traced.num_params
-    origin = _param_origins(jaxpr, n_params)
+    origin = param_origins(jaxpr, n_params)
     roles = {i: p.role for i, p in enumerate(plan.params)}
 
     matmuls, saved, looked_up = [], {}, set()
@@ -116,16 +116,6 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         attention_flops=attention_flops,
         attention_axis=X,
     )
-
-
-def _param_origins(jaxpr, n_params: int) -> dict:
-    """Var → parameter index, through casts, reshapes, transposes and broadcasts."""
-    origin = {v: i for i, v in enumerate(jaxpr.invars[:n_params])}
-    for eqn in jaxpr.eqns:
-        live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1 and live[0] in origin:
-            origin[eqn.outvars[0]] = origin[live[0]]
-    return origin
 
 
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
