@@ -5,6 +5,9 @@ PYTHON_VENV := .venv/bin/python
 # matches mpi4py (the MPICH wheel's); with a system MPI there is none there.
 WITH_VENV := PATH="$(CURDIR)/.venv/bin:$$PATH"
 PYTEST_ARGS ?=
+# Tests that launch mpiexec jobs run alone, after the others ran on TEST_WORKERS
+# processes (pytest-xdist); exit code 5 = no test selected by PYTEST_ARGS.
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
@@ -16,7 +19,8 @@ setup:
 	bash scripts/setup.sh
 
 test: setup
-	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q $(PYTEST_ARGS)
+	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q -n $(TEST_WORKERS) -m "not mpi" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q -m mpi $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: setup
 	$(WITH_VENV) $(PYTHON_VENV) examples/train_gpt.py $(DEMO_ARGS)

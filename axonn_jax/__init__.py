@@ -13,8 +13,9 @@ from axonn_jax.grid import Grid
 from axonn_jax.partitioned import Partitioned, partition
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.runtime.launch import ProcessInfo, init, process_info
+from axonn_jax.runtime.overlap import Overlap
 
-__all__ = ["Grid", "Partitioned", "Plan", "ProcessInfo", "init", "partition", "process_info"]
+__all__ = ["Grid", "Overlap", "Partitioned", "Plan", "ProcessInfo", "init", "partition", "process_info"]
 __version__ = "0.1.0"
 
 from axonn_jax.runtime import launch as _launch

@@ -34,6 +34,7 @@ from axonn_jax.partitioner.stages import plan_stages
 from axonn_jax.partitioner.trace import TracedModel, call_leaves, inline_calls, trace_model
 from axonn_jax.runtime.executor import Executor, live
 from axonn_jax.runtime.mesh import local_stages
+from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.step_report import StepReport, step_report
 
 
@@ -45,6 +46,7 @@ def partition(
     rules: Mapping[str, Sequence] | None = None,
     replicate: Sequence[str] = (),
     stages: Sequence[str] | None = None,
+    overlap: Overlap | str = Overlap(),
     **example_kwargs,
 ) -> Partitioned:
     """Plan ``model`` for ``grid`` from example inputs (arrays or ShapeDtypeStructs).
@@ -64,19 +66,27 @@ def partition(
         stages: with ``grid.pipeline > 1``, explicit stage boundaries: one
             parameter-path regex per stage after the first (e.g. ``["block_6"]``);
             by default stages are balanced by dynamic programming.
+        overlap: which communication overlaps to set up (OAG, ORS, OAR; all on
+            by default): an :class:`~axonn_jax.runtime.overlap.Overlap` or a
+            string such as ``"none"`` or ``"oag,ors"``. Values are identical
+            under every setting; only the collectives' scheduling windows differ.
     """
     if not isinstance(grid, Grid):
         raise TypeError(f"grid must be an axonn_jax.Grid, got {type(grid).__name__}")
     traced = trace_model(model, *example_args, **example_kwargs)
     options = dict(strict=strict, rules=dict(rules or {}), replicate=tuple(replicate))
-    return Partitioned(model, traced, grid, options, stages=stages)
+    if isinstance(overlap, str):
+        overlap = Overlap.parse(overlap)
+    return Partitioned(model, traced, grid, options, stages=stages, overlap=overlap)
 
 
 class Partitioned:
     """A model planned for a grid: sharded init, placement, and execution."""
 
-    def __init__(self, model, traced: TracedModel, grid: Grid, options: dict, *, stages=None):
+    def __init__(self, model, traced: TracedModel, grid: Grid, options: dict, *, stages=None,
+                 overlap: Overlap = Overlap()):  # fmt: skip
         self.model, self.grid, self._options = model, grid, options
+        self.overlap = overlap
         self._traced = traced
         self._programs: dict = {}
         jaxpr = inline_calls(traced.jaxpr)
@@ -297,6 +307,7 @@ class Partitioned:
             param_storage=[p.storage for p in self.plan.params],
             arg_layouts=layouts.args,
             out_layouts=out_targets,
+            overlap=self.overlap,
         )
         manual = frozenset(a for a in self.mesh.axis_names if self.grid.axis_size(a) > 1)
         if not manual:  # one device: nothing to communicate, no shard_map needed

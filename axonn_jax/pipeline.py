@@ -258,7 +258,7 @@ def executor_and_flows(pm, traced, jaxpr, layouts):
     executor = Executor(
         jaxpr.jaxpr, jaxpr.consts, pm.grid,
         param_storage=[p.storage for p in pm.plan.params],
-        arg_layouts=layouts.args, out_layouts=layouts.outs,
+        arg_layouts=layouts.args, out_layouts=layouts.outs, overlap=pm.overlap,
     )  # fmt: skip
     out_targets = [_output_layout(lay) for lay in layouts.outs]
     flows = stage_flows(jaxpr.jaxpr, pm.plan.stages, traced.num_params,

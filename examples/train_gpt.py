@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="master weights and optimizer state in host memory")
     p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
                    help="activation checkpointing policy")
+    p.add_argument("--overlap", default="all",
+                   help="communication overlap: all, none, or a comma list of oag, ors, oar")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
     p.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true",
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
     # batches hold seq + 1 tokens: the model reads [:, :-1] of a microbatch, the loss predicts [:, 1:]
     example = jnp.zeros((args.batch // args.microbatches, args.seq), jnp.int32)
 
-    pm = axonn_jax.partition(model, grid, example)
+    pm = axonn_jax.partition(model, grid, example, overlap=args.overlap)
     if info.is_main:
         print(pm.plan)
     params = pm.init(jax.random.key(args.seed))

@@ -71,6 +71,20 @@ def param_origins(jaxpr, num_params: int) -> dict:
     return origin
 
 
+def param_like_producers(jaxpr, num_params: int) -> dict:
+    """Variables computed from parameters/constants alone (casts, reshapes, broadcasts)
+    → the equation computing them. Such chains travel with their parameter: each
+    pipeline stage re-runs them, and the executor runs them when first needed."""
+    roots = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
+    made_by: dict = {}
+    for eqn in jaxpr.eqns:
+        live = [v for v in eqn.invars if not R.is_literal(v)]
+        if eqn.primitive.name in R.LAYOUT_PRESERVING and live and all(v in roots for v in live):
+            roots.update(eqn.outvars)
+            made_by.update((v, eqn) for v in eqn.outvars)
+    return made_by
+
+
 def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
     """Param index → equations that use it (through casts/reshapes/broadcasts)."""
     origin = param_origins(jaxpr, num_params)
@@ -88,14 +102,14 @@ def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
 def crossing_bytes(jaxpr, num_params: int) -> np.ndarray:
     """Bytes of activations alive across the boundary after each equation."""
     n = len(jaxpr.eqns)
-    param_like = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
+    param_like = set(param_like_producers(jaxpr, num_params))
+    param_like.update(jaxpr.invars[:num_params], jaxpr.constvars)
     defined = {v: -1 for v in jaxpr.invars[num_params:]}
     last_use: dict = {}
     for k, eqn in enumerate(jaxpr.eqns):
         live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in R.LAYOUT_PRESERVING and live and all(v in param_like for v in live):
-            param_like.update(eqn.outvars)  # a parameter's cast/reshape travels with it
-            continue
+        if eqn.outvars and eqn.outvars[0] in param_like:
+            continue  # a parameter's cast/reshape travels with it
         for v in live:
             last_use[v] = k
         for v in eqn.outvars:

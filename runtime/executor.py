@@ -12,6 +12,11 @@ axes so that their gradients are reduced over data and z at parameter size.
 Broadcasts are kept lazy until a consumer asks for a layout, so a bias or a
 norm scale is broadcast straight into the local shape of the activation it
 meets and its gradient is reduced at its own size.
+
+Parameters are gathered where :class:`~axonn_jax.runtime.overlap.Overlap`
+says: one layer ahead (OAG) or just in time; their cast/reshape chains run
+when first needed. Matmuls whose input gradient needs an all-reduce get the
+explicit backward of :func:`~axonn_jax.runtime.overlap.contraction` (OAR).
 """
 
 from __future__ import annotations
@@ -26,6 +31,11 @@ from jax import lax
 from axonn_jax.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, local_shape, used_axes
+from axonn_jax.partitioner.stages import param_like_producers
+from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
+
+#: primitives that start a "layer" for the gather prefetch (OAG)
+LAYER_PRIMITIVES = frozenset(["dot_general", "conv_general_dilated"])
 
 
 @dataclasses.dataclass
@@ -38,6 +48,21 @@ class _Lazy:
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
     literal: bool
+
+
+@dataclasses.dataclass
+class _Stored:
+    """A parameter's local shard, not yet read (gathered) for use."""
+
+    shard: jax.Array
+    storage: Layout
+
+
+@dataclasses.dataclass
+class _Deferred:
+    """A parameter cast/reshape equation, run when its output is first needed."""
+
+    eqn: object
 
 
 def vma(x) -> frozenset:
@@ -105,6 +130,54 @@ def use_layout(storage: Layout) -> Layout:
     return tuple(axes[:-1] if axes and axes[-1] == Z else axes for axes in storage)
 
 
+def needs_gather(storage: Layout, grid: Grid) -> bool:
+    """True if reading a parameter stored in ``storage`` all-gathers its depth (z) split."""
+    return grid.z > 1 and any(axes and axes[-1] == Z for axes in storage)
+
+
+def gather_points(jaxpr, num_params: int) -> tuple[dict, dict]:
+    """Where each parameter is needed, and where OAG prefetches it (pure, per jaxpr).
+
+    Returns ``(needs, prefetch)``: ``needs[id(eqn)]`` lists the parameters an
+    equation reads (through their cast chains); ``prefetch[id(eqn)]`` lists the
+    parameters of the *next* layer, to gather when this layer starts. A layer
+    starts at each matmul/convolution that reads parameters; a parameter first
+    read elsewhere (a bias, a norm scale) belongs to the layer of the last
+    matmul before that read.
+    """
+    made_by = param_like_producers(jaxpr, num_params)
+    index = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
+    sources: dict = {}  # param-derived variable → parameter indices it comes from
+    for v, i in index.items():
+        sources[v] = frozenset([i])
+    for eqn in jaxpr.eqns:
+        if eqn.outvars and eqn.outvars[0] in made_by:
+            got = frozenset().union(*(sources.get(v, frozenset()) for v in eqn.invars
+                                      if not R.is_literal(v)))  # fmt: skip
+            for v in eqn.outvars:
+                sources[v] = got
+    needs: dict = {}
+    layer_of: dict = {}
+    layers: list = []
+    for eqn in jaxpr.eqns:
+        if eqn.outvars and eqn.outvars[0] in made_by:
+            continue
+        read = sorted(frozenset().union(*(sources.get(v, frozenset()) for v in eqn.invars
+                                          if not R.is_literal(v))))  # fmt: skip
+        if not read:
+            continue
+        needs[id(eqn)] = read
+        if eqn.primitive.name in LAYER_PRIMITIVES:
+            layers.append(eqn)
+        for i in read:
+            layer_of.setdefault(i, max(len(layers) - 1, 0))
+    prefetch: dict = {}
+    for i, layer in layer_of.items():
+        if layer >= 1:
+            prefetch.setdefault(id(layers[layer - 1]), []).append(i)
+    return needs, prefetch
+
+
 class Executor:
     """Interpret ``jaxpr`` on local shards; call inside ``shard_map`` on a stage mesh."""
 
@@ -117,17 +190,22 @@ class Executor:
         param_storage: Sequence[Layout],
         arg_layouts: Sequence[Layout],
         out_layouts: Sequence[Layout],
+        overlap: Overlap = Overlap(),
     ):
         self.jaxpr, self.consts, self.grid = jaxpr, list(consts), grid
         self.param_storage = list(param_storage)
         self.arg_layouts = list(arg_layouts)
         self.out_layouts = list(out_layouts)
+        self.overlap = overlap
         self.ctx = R.Context(grid)
+        n = len(self.param_storage)
+        self._made_by = param_like_producers(jaxpr, n)
+        self._needs, self._prefetch = gather_points(jaxpr, n)
+        self._param_dependent = _dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
         env, lay = self.bind(params, args)
-        for eqn in self.jaxpr.eqns:
-            self._run(eqn, env, lay)
+        self.run(self.jaxpr.eqns, env, lay)
         return self.outputs(env, lay, self.jaxpr.outvars, self.out_layouts)
 
     def bind(self, params: Sequence[jax.Array], args: Sequence[jax.Array], *,
@@ -147,7 +225,7 @@ class Executor:
         for i, x in zip(param_vars, params):
             storage = self.param_storage[i]
             var = self.jaxpr.invars[i]
-            env[var], lay[var] = read_param(x, storage, self.grid), use_layout(storage)
+            env[var], lay[var] = _Stored(x, storage), use_layout(storage)
         for j, x in zip(arg_vars, args):
             var = self.jaxpr.invars[n + j]
             env[var], lay[var] = x, self.arg_layouts[j]
@@ -156,9 +234,57 @@ class Executor:
         return env, lay
 
     def run(self, eqns, env: dict, lay: dict) -> None:
-        """Execute ``eqns`` (in order) on the environment, in place."""
+        """Execute ``eqns`` (in order) on the environment, in place.
+
+        Parameter cast chains are deferred until first needed, and parameters
+        are gathered at the points :class:`Overlap` chooses.
+        """
         for eqn in eqns:
+            if eqn.outvars and eqn.outvars[0] in self._made_by:
+                for var in eqn.outvars:
+                    env[var] = _Deferred(eqn)
+                continue
+            self._gather_for(eqn, env)
             self._run(eqn, env, lay)
+
+    def _gather_for(self, eqn, env: dict) -> None:
+        """Read the parameters due at ``eqn``, tied to its activation inputs."""
+        params = self.jaxpr.invars
+        due = [i for i in self._needs.get(id(eqn), []) if isinstance(env.get(params[i]), _Stored)]
+        ahead = [i for i in self._prefetch.get(id(eqn), [])
+                 if isinstance(env.get(params[i]), _Stored)] if self.overlap.gather else []  # fmt: skip
+        tied = ahead if self.overlap.gather else due
+        tied = [i for i in tied if needs_gather(env[params[i]].storage, self.grid)]
+        if tied:
+            anchors = [v for v in eqn.invars if not R.is_literal(v) and v in env
+                       and not isinstance(env[v], (_Stored, _Deferred, _Lazy))]  # fmt: skip
+            # without ORS, the gradients of the activations computed from parameters
+            # (so differentiated) wait for these weights' gradient reductions
+            waiting = [] if self.overlap.reduce_scatter else [
+                v for v in anchors if v in self._param_dependent and is_float(env[v])]  # fmt: skip
+            shards, waited = tie([env[params[i]].shard for i in tied],
+                                 after=[env[v] for v in anchors],
+                                 backward_with=[env[v] for v in waiting])  # fmt: skip
+            for v, value in zip(waiting, waited):
+                env[v] = value
+            for i, shard in zip(tied, shards):
+                env[params[i]].shard = shard
+        for i in dict.fromkeys(tied + due):
+            stored = env[params[i]]
+            if isinstance(stored, _Stored):
+                env[params[i]] = read_param(stored.shard, stored.storage, self.grid)
+
+    def value(self, var, env: dict, lay: dict):
+        """``env[var]``, running a deferred parameter chain (or read) first."""
+        value = env[var]
+        if isinstance(value, _Stored):
+            env[var] = read_param(value.shard, value.storage, self.grid)
+        elif isinstance(value, _Deferred):
+            for v in value.eqn.invars:
+                if not R.is_literal(v):
+                    self.value(v, env, lay)
+            self._run(value.eqn, env, lay)
+        return env[var]
 
     def outputs(self, env: dict, lay: dict, outvars, targets: Sequence[Layout]) -> list:
         """Local values of ``outvars`` in layouts ``targets`` (one copy where replicated)."""
@@ -167,7 +293,7 @@ class Executor:
             if R.is_literal(var):
                 outs.append(jnp.asarray(var.val))
                 continue
-            value = self._materialise(env[var], lay[var], target, frozenset())
+            value = self._materialise(self.value(var, env, lay), lay[var], target, frozenset())
             outs.append(_one_copy(value, target))
         return outs
 
@@ -189,6 +315,9 @@ class Executor:
         return lay
 
     def _run(self, eqn, env, lay) -> None:
+        for var in eqn.invars:
+            if not R.is_literal(var):
+                self.value(var, env, lay)
         layouts = [
             ((),) * len(R.shape_of(v)) if R.is_literal(v) else lay[v] for v in eqn.invars
         ]
@@ -222,14 +351,34 @@ class Executor:
         )
         for i in lazy:
             values[i] = self._materialise(env[eqn.invars[i]], layouts[i], step.targets[i], together)
-        values = _match_vma(eqn, values)
-        outs = eqn.primitive.bind(*values, **step.params)
-        outs = outs if eqn.primitive.multiple_results else [outs]
+        outs = self._bind(eqn, values, step.params)
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
             axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
             if axes:
                 out = lax.psum(out, axes)
             env[var], lay[var] = out, step.outs[k]
+
+    def _bind(self, eqn, values: list, params: dict) -> list:
+        """Bind the primitive on local shards (operands marked varying alike)."""
+        if eqn.primitive.name == "dot_general" and all(
+            isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.inexact) for v in values
+        ):
+            together = vma(values[0]) | vma(values[1])
+            lhs_missing, rhs_missing = together - vma(values[0]), together - vma(values[1])
+            if lhs_missing or rhs_missing:  # a gradient all-reduce: order it (OAR)
+                out = contraction(
+                    lambda a, b: eqn.primitive.bind(a, b, **params),
+                    values[0],
+                    values[1],
+                    vary=_vary,
+                    lhs_missing=lhs_missing,
+                    rhs_missing=rhs_missing,
+                    overlap_all_reduce=self.overlap.all_reduce,
+                )
+                return [out]
+        values = _match_vma(eqn, values)
+        outs = eqn.primitive.bind(*values, **params)
+        return outs if eqn.primitive.multiple_results else [outs]
 
     def _materialise(self, value, src: Layout, dst: Layout, together: frozenset):
         """A concrete local array of ``value`` in layout ``dst``.
@@ -250,6 +399,15 @@ class Executor:
             operand = _vary(operand, together)
         shape = local_shape(value.out_shape, dst, self.grid)
         return lax.broadcast_in_dim(operand, shape, value.dims)
+
+
+def _dependents(jaxpr, roots) -> frozenset:
+    """Variables of ``jaxpr`` computed (transitively) from any of ``roots``."""
+    found = set(roots)
+    for eqn in jaxpr.eqns:
+        if any(not R.is_literal(v) and v in found for v in eqn.invars):
+            found.update(eqn.outvars)
+    return frozenset(found)
 
 
 def _match_vma(eqn, values: list) -> list:

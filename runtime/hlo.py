@@ -203,3 +203,118 @@ def mesh_axis_groups(device_ids: np.ndarray, axis_names, axes) -> frozenset:
     size = math.prod(device_ids.shape[i] for i in selected)
     moved = device_ids.transpose(others + selected).reshape(-1, size)
     return frozenset(frozenset(int(v) for v in row) for row in moved)
+
+
+# --- dependency structure (for checking scheduling windows) ----------------
+
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.+?)\s+(?P<op>[a-z][\w\-]*)\((?P<rest>.*)$"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One HLO instruction: its opcode, result shape text and operand names."""
+
+    name: str
+    opcode: str
+    shape: str
+    operands: tuple[str, ...]
+
+    @property
+    def dims(self) -> tuple[int, ...] | None:
+        """Dimensions of an array result (``None`` for tuples)."""
+        match = _ARRAY.fullmatch(self.shape.split("{")[0])
+        return _dims(match["dims"]) if match else None
+
+
+def computations(hlo_text: str) -> dict[str, list[Instruction]]:
+    """Instructions of every computation in ``hlo_text``, in printed order.
+
+    Example:
+        >>> text = "ENTRY e {\\n  a = f32[2]{0} parameter(0)\\n  b = f32[2]{0} negate(a)\\n}"
+        >>> [(i.name, i.operands) for i in computations(text)["e"]]
+        [('a', ()), ('b', ('a',))]
+    """
+    found: dict[str, list[Instruction]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if header and not line.startswith(" "):
+            current = found.setdefault(header.group(1), [])
+            continue
+        match = _INSTR.match(line)
+        if current is None or not match:
+            continue
+        rest = match["rest"]
+        depth, end = 1, len(rest)
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                end = i
+                break
+        operands = tuple(re.findall(r"%?([A-Za-z_][\w.\-]*)(?=\s*(?:,|$))", rest[:end]))
+        current.append(Instruction(match["name"], match["op"], match["shape"], operands))
+    return found
+
+
+def ancestors(instructions: list[Instruction]) -> dict[str, frozenset[str]]:
+    """Every instruction's transitive operands within one computation."""
+    by_name = {i.name: i for i in instructions}
+    memo: dict[str, frozenset[str]] = {}
+    for inst in instructions:  # printed order is a topological order
+        direct = [o for o in inst.operands if o in by_name]
+        memo[inst.name] = frozenset(direct).union(*(memo.get(o, frozenset()) for o in direct))
+    return memo
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncWindow:
+    """An asynchronous collective of a scheduled program and what runs while it is in flight."""
+
+    kind: str
+    start: str
+    done: str
+    matmuls_inside: tuple[str, ...]  # matmuls scheduled between start and done
+
+
+def _is_matmul_line(line: str, opcode: str) -> bool:
+    return opcode in ("dot", "convolution") or "gemm" in line or (
+        opcode == "fusion" and re.search(r'op_name="[^"]*(dot_general|conv_general)', line) is not None
+    )
+
+
+def async_windows(hlo_text: str) -> list[AsyncWindow]:
+    """``-start``/``-done`` pairs of collectives, in schedule order, with the matmuls between.
+
+    Reads the entry computation of a *compiled* (scheduled) module, e.g. GPU
+    ``Compiled.as_text()``; synchronous backends (CPU) have no pairs.
+
+    Example:
+        >>> text = '''ENTRY e {
+        ...   s = (f32[4]{0}, f32[8]{0}) all-gather-start(p), dimensions={0}
+        ...   d = f32[8,8]{1,0} dot(a, b)
+        ...   g = f32[8]{0} all-gather-done(s)
+        ... }'''
+        >>> [(w.kind, w.matmuls_inside) for w in async_windows(text)]
+        [('all-gather', ('d',))]
+    """
+    lines = hlo_text[hlo_text.find("ENTRY"):].splitlines()[1:]
+    open_: dict[str, tuple[str, list]] = {}
+    windows = []
+    for line in lines:
+        match = _INSTR.match(line)
+        if not match:
+            continue
+        name, opcode = match["name"], match["op"]
+        if opcode.endswith("-start") and opcode[: -len("-start")] in KINDS:
+            open_[name] = (opcode[: -len("-start")], [])
+        elif opcode.endswith("-done") and opcode[: -len("-done")] in KINDS:
+            start = re.findall(r"%?([A-Za-z_][\w.\-]*)", match["rest"])[0]
+            if start in open_:
+                kind, inside = open_.pop(start)
+                windows.append(AsyncWindow(kind, start, name, tuple(inside)))
+        elif _is_matmul_line(line, opcode):
+            for _, inside in open_.values():
+                inside.append(name)
+    return windows

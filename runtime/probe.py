@@ -117,7 +117,7 @@ class ProbedStage:
             while pending is not None and pending[1][0] == i:
                 t, (_, k) = pending
                 var = eqn.outvars[k]
-                value = env[var]
+                value = ex.value(var, env, lay)  # runs a deferred parameter chain
                 if isinstance(value, _Lazy):  # a broadcast not built yet: its operand is checked
                     flags.append(jnp.float32(FINITE))
                 else:

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from axonn_jax.grid import Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, to_spec
+from axonn_jax.partitioner.stages import param_like_producers
 from axonn_jax.runtime.executor import Executor, live
 
 
@@ -52,23 +53,9 @@ class StageFlow:
     outbound_layouts: tuple[Layout, ...]
 
 
-def _param_like(jaxpr, num_params: int) -> dict:
-    """Variables computed from parameters/constants alone → the equation computing them."""
-    roots = set(jaxpr.invars[:num_params]) | set(jaxpr.constvars)
-    made_by: dict = {}
-    for eqn in jaxpr.eqns:
-        live_in = [v for v in eqn.invars if not R.is_literal(v)]
-        if (eqn.primitive.name in R.LAYOUT_PRESERVING and live_in
-                and all(v in roots for v in live_in)):  # fmt: skip
-            roots.update(eqn.outvars)
-            for v in eqn.outvars:
-                made_by[v] = eqn
-    return made_by
-
-
 def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts) -> list[StageFlow]:
     """Split ``jaxpr`` (inlined, params first) into per-stage data flows."""
-    made_by = _param_like(jaxpr, num_params)
+    made_by = param_like_producers(jaxpr, num_params)
     params = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
     args = {v: j for j, v in enumerate(jaxpr.invars[num_params:])}
     stage_of: dict = {}  # activation variable → stage defining it

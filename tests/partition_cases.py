@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 
 import axonn_jax
+from axonn_jax.partitioner.trace import path_string
 from axonn_jax.models import (
     CNN,
     GPT,
@@ -170,7 +171,7 @@ def reference_apply(case: Case):
     return jax.tree.map(np.asarray, params), lambda p, *a: model.apply({"params": p}, *a)
 
 
-def trajectories(name: str, grid: dict):
+def trajectories(name: str, grid: dict, **partition_options):
     """Run both ways; returns dict(ref=..., part=...) with losses, grads, final params."""
     case = build(name)
     params, apply = reference_apply(case)
@@ -194,7 +195,7 @@ def trajectories(name: str, grid: dict):
         return losses, first_grads, p
 
     ref_losses, ref_grads, ref_params = run(apply, params)
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args)
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args, **partition_options)
     losses, grads, final = run(pm.apply, pm.shard(params))
     return {
         "pm": pm,
@@ -202,3 +203,31 @@ def trajectories(name: str, grid: dict):
         "ref": (ref_losses, jax.tree.map(np.asarray, ref_grads), jax.tree.map(np.asarray, ref_params)),
         "part": (losses, pm.gather(grads), pm.gather(final)),
     }
+
+
+def _leaves(tree):
+    return {path_string(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def assert_matches_reference(result: dict, label: str) -> None:
+    """The bounds of ``test_partition.py`` (its docstring): losses, step-1 grads, final params."""
+    ref_losses, ref_grads, ref_params = result["ref"]
+    losses, grads, params = result["part"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{label} losses")
+    ref_g, got_g = _leaves(ref_grads), _leaves(grads)
+    scale = max(np.max(np.abs(g)) for g in ref_g.values())
+    zero_grad = set()
+    for path, ref in ref_g.items():
+        err = np.max(np.abs(got_g[path] - ref))
+        bound = 1e-5 * np.max(np.abs(ref)) + 1e-6 * scale
+        assert err <= bound, f"{label} grad {path}: {err:.3e} > {bound:.3e}"
+        if np.max(np.abs(ref)) <= 1e-6 * scale:
+            zero_grad.add(path)
+    ref_p, got_p, init = _leaves(ref_params), _leaves(params), _leaves(result["init"])
+    for path, ref in ref_p.items():
+        if path in zero_grad:
+            err, bound = np.max(np.abs(got_p[path] - ref)), 2 * STEPS * LR
+        else:
+            err = np.linalg.norm(got_p[path] - ref)
+            bound = 1e-3 * np.linalg.norm(ref - init[path])
+        assert err <= bound, f"{label} param {path} after {STEPS} steps: {err:.3e} > {bound:.3e}"

@@ -20,14 +20,7 @@ simulated CPU devices, in fp32:
 import numpy as np
 import pytest
 from conftest import grid_id
-from partition_cases import GRIDS, LR, MODELS, STEPS, trajectories
-
-from axonn_jax.partitioner.trace import path_string
-import jax
-
-
-def _leaves(tree):
-    return {path_string(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+from partition_cases import GRIDS, MODELS, assert_matches_reference, trajectories
 
 
 #: every model on every grid, except that BERT and Llama (HuggingFace, like GPT-2, which
@@ -38,27 +31,7 @@ CASES = [(m, g) for m in MODELS for g in GRIDS
 
 @pytest.mark.parametrize("model,grid", CASES, ids=lambda v: grid_id(v) if isinstance(v, dict) else v)
 def test_train_steps_match_unpartitioned(model, grid, devices):
-    result = trajectories(model, grid)
-    ref_losses, ref_grads, ref_params = result["ref"]
-    losses, grads, params = result["part"]
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{model} {grid} losses")
-    ref_g, got_g = _leaves(ref_grads), _leaves(grads)
-    scale = max(np.max(np.abs(g)) for g in ref_g.values())
-    zero_grad = set()
-    for path, ref in ref_g.items():
-        err = np.max(np.abs(got_g[path] - ref))
-        bound = 1e-5 * np.max(np.abs(ref)) + 1e-6 * scale
-        assert err <= bound, f"{model} {grid} grad {path}: {err:.3e} > {bound:.3e}"
-        if np.max(np.abs(ref)) <= 1e-6 * scale:
-            zero_grad.add(path)
-    ref_p, got_p, init = _leaves(ref_params), _leaves(params), _leaves(result["init"])
-    for path, ref in ref_p.items():
-        if path in zero_grad:
-            err, bound = np.max(np.abs(got_p[path] - ref)), 2 * STEPS * LR
-        else:
-            err = np.linalg.norm(got_p[path] - ref)
-            bound = 1e-3 * np.linalg.norm(ref - init[path])
-        assert err <= bound, f"{model} {grid} param {path} after {STEPS} steps: {err:.3e} > {bound:.3e}"
+    assert_matches_reference(trajectories(model, grid), f"{model} {grid}")
 
 
 @pytest.mark.parametrize("model", ["gpt_linen", "mlp"])

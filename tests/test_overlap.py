@@ -1,0 +1,153 @@
+"""Communication overlap options (OAG, ORS, OAR): windows in the program, same numbers.
+
+The options act through ``optimization_barrier``s that XLA's GPU compiler keeps
+until after its latency-hiding scheduler has placed the asynchronous
+collectives (and then removes). XLA's CPU compiler removes them before
+scheduling (its collectives are synchronous), so on this machine the windows
+are checked in the HLO program handed to XLA: for each option, which
+collective may and may not depend on which matmul. The same program compiled
+for GPU is checked by ``benchmarks/overlap.py`` (async start/done pairs).
+
+Model: a 3-layer MLP (8 → 16 → 32 → 64) on x=y=z=2, so every layer's
+gathered weight, weight-gradient reduce-scatter and activations have distinct
+local shapes and can be named by shape.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from partition_cases import assert_matches_reference, trajectories
+
+import axonn_jax
+from axonn_jax.models import MLP
+from axonn_jax.runtime.hlo import ancestors, computations
+from axonn_jax.runtime.overlap import Overlap
+
+SETTINGS = [Overlap(*flags) for flags in itertools.product((True, False), repeat=3)]
+FEATURES = (16, 32, 64)
+#: per layer: (gathered weight, stored weight shard) local shapes on x=y=z=2
+GATHERED = [(4, 8), (8, 16), (16, 32)]
+SHARD = [(4, 4), (8, 8), (16, 16)]
+
+
+def _program(overlap: Overlap) -> tuple[list, list]:
+    """(forward, backward) instruction lists of the grad program handed to XLA."""
+    x = jnp.ones((16, 8), jnp.float32)
+    pm = axonn_jax.partition(MLP(features=FEATURES), axonn_jax.Grid(x=2, y=2, z=2), x,
+                             overlap=overlap)  # fmt: skip
+    params = pm.init(jax.random.key(0), x)
+
+    def loss(p):
+        return jnp.mean(pm.apply(p, x) ** 2)
+
+    text = jax.jit(jax.grad(loss)).lower(params).as_text(dialect="hlo")
+    bodies = [c for c in computations(text).values()
+              if any(i.opcode in ("all-gather", "reduce-scatter") for i in c)]  # fmt: skip
+    forward = next(c for c in bodies if any(i.opcode == "all-gather" for i in c))
+    backward = next(c for c in bodies if any(i.opcode == "reduce-scatter" for i in c))
+    return forward, backward
+
+
+def _one(instructions, opcode, dims):
+    found = [i for i in instructions if i.opcode == opcode and i.dims == dims]
+    assert len(found) == 1, (opcode, dims, [i.name for i in found])
+    return found[0].name
+
+
+def _dots(instructions, **where):
+    return [i.name for i in instructions if i.opcode == "dot" and all(
+        getattr(i, k) == v for k, v in where.items())]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def programs(devices):
+    return {str(o): _program(o) for o in (Overlap(), Overlap(False, False, False))}
+
+
+def _forward_windows(forward):
+    """For layers 1 and 2: does the weight's all-gather depend on the previous layer's matmul?"""
+    deps = ancestors(forward)
+    gathers = [_one(forward, "all-gather", GATHERED[l]) for l in range(3)]
+    matmuls = [next(d for d in _dots(forward) if gathers[l] in deps[d]) for l in range(3)]
+    return [matmuls[l - 1] in deps[gathers[l]] for l in (1, 2)], deps, gathers, matmuls
+
+
+def test_oag_prefetches_the_next_layers_gather(devices):
+    on, deps, gathers, matmuls = _forward_windows(_program(Overlap(gather=True))[0])
+    assert on == [False, False], "with OAG a layer's gather must not wait for the previous matmul"
+    assert matmuls[0] in deps[gathers[2]], "prefetch is one layer ahead, not earlier"
+    off, *_ = _forward_windows(_program(Overlap(gather=False))[0])
+    assert off == [True, True], "without OAG the gather is issued just in time"
+
+
+def _backward_parts(backward):
+    deps = ancestors(backward)
+    scatters = [_one(backward, "reduce-scatter", SHARD[l]) for l in range(3)]
+    by_name = {i.name: i for i in backward}
+    weight_grads, input_grads = {}, {}
+    for l in range(3):  # the weight-gradient matmul: the last matmul feeding the reduce-scatter
+        feeding = [d for d in _dots(backward) if d in deps[scatters[l]]]
+        weight_grads[l] = next(d for d in feeding if not any(d in deps[e] for e in feeding))
+    for l in (1, 2):  # input-gradient matmuls read the gathered weight (kept from forward)
+        input_grads[l] = next(d for d in _dots(backward) if d not in weight_grads.values()
+                              and by_name[d].dims == (8, FEATURES[l - 1] // 2))  # fmt: skip
+    reduces = {l: next(i.name for i in backward if i.opcode == "all-reduce"
+                       and input_grads[l] in deps[i.name] and i.dims == by_name[input_grads[l]].dims)
+               for l in (1, 2)}  # fmt: skip
+    return deps, scatters, weight_grads, input_grads, reduces
+
+
+def test_oar_runs_the_input_gradient_all_reduce_beside_the_weight_gradient_matmul(devices):
+    deps, _, dw, di, ar = _backward_parts(_program(Overlap(all_reduce=True))[1])
+    for l in (1, 2):
+        assert di[l] in deps[dw[l]], f"layer {l}: weight-gradient matmul ordered after dI matmul"
+        assert ar[l] not in deps[dw[l]], f"layer {l}: dI all-reduce free to overlap the dW matmul"
+    deps, _, dw, di, ar = _backward_parts(_program(Overlap(all_reduce=False))[1])
+    for l in (1, 2):
+        assert ar[l] in deps[dw[l]], f"layer {l}: without OAR the dW matmul waits for the all-reduce"
+
+
+def test_ors_defers_weight_gradient_reduce_scatters(devices):
+    # layer 2's weight is gathered one layer ahead (OAG), so without ORS its
+    # reduce-scatter must finish before layer 0's backward matmul starts.
+    deps, rs, dw, _, _ = _backward_parts(_program(Overlap(reduce_scatter=True))[1])
+    assert rs[2] not in deps[dw[0]] and rs[1] not in deps[dw[0]]
+    deps, rs, dw, _, _ = _backward_parts(_program(Overlap(reduce_scatter=False))[1])
+    assert rs[2] in deps[dw[0]], "without ORS the backward waits for the reduce-scatter"
+    # just-in-time gathers (no OAG): the wait is one layer earlier
+    deps, rs, dw, _, _ = _backward_parts(_program(Overlap(gather=False, reduce_scatter=False))[1])
+    assert rs[2] in deps[dw[1]] and rs[1] in deps[dw[0]]
+
+
+@pytest.mark.parametrize("overlap", SETTINGS, ids=str)
+def test_every_setting_gives_the_same_numbers(overlap, devices):
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)), jnp.float32)
+    base = axonn_jax.partition(MLP(features=FEATURES), axonn_jax.Grid(x=2, y=2, z=2), x)
+    pm = axonn_jax.partition(MLP(features=FEATURES), axonn_jax.Grid(x=2, y=2, z=2), x,
+                             overlap=overlap)  # fmt: skip
+    params = base.init(jax.random.key(0), x)
+
+    def grads(model):
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2)))(params)
+
+    (want_loss, want), (got_loss, got) = grads(base), grads(pm)
+    assert float(got_loss) == float(want_loss)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, y=2, z=2), dict(y=2, z=2, data=2)], ids=str)
+def test_no_overlap_gpt_matches_unpartitioned(grid, devices):
+    """The default (all on) is what every other equivalence test runs; this is all off."""
+    assert_matches_reference(trajectories("gpt_linen", grid, overlap="none"), f"gpt {grid} none")
+
+
+def test_parse_and_errors():
+    assert Overlap.parse("all") == Overlap()
+    assert Overlap.parse("ors") == Overlap(False, True, False)
+    assert str(Overlap.parse("oar,oag")) == "oag,oar"
+    with pytest.raises(ValueError, match="oag, ors, oar"):
+        Overlap.parse("oag,prefetch")
