@@ -72,10 +72,9 @@ class PipelineOptions:
     delay: Callable | None = None
 
     def __post_init__(self) -> None:
-        from axonn_jax.runtime.schedules import SCHEDULES
+        from axonn_jax.runtime.schedules import check_schedule
 
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        check_schedule(self.schedule)
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.limit is not None and self.limit < 1:

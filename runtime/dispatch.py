@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from axonn_jax.runtime.schedules import SCHEDULES, static_order
+from axonn_jax.runtime.schedules import check_schedule, static_order
 from axonn_jax.runtime.stage_program import StageProgram
 from axonn_jax.runtime.transport import Transport
 
@@ -105,8 +105,7 @@ class DispatchQueue:
         timeout: float = 60.0,
         delay: Callable[[int, str, int], float] | None = None,
     ):
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        check_schedule(schedule)
         self.programs, self.local = list(programs), list(local)
         self.transport, self.schedule = transport, schedule
         self.num_stages = len(self.programs)

@@ -20,6 +20,13 @@ Task = tuple[str, int]
 SCHEDULES = ("message", "1f1b", "gpipe")
 
 
+def check_schedule(name: str) -> str:
+    """``name`` if it is one of :data:`SCHEDULES`, else a ``ValueError`` listing them."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    return name
+
+
 def gpipe(stage: int, stages: int, microbatches: int) -> list[Task]:
     """All forwards, then all backwards (GPipe)."""
     forwards = [("F", mb) for mb in range(microbatches)]
