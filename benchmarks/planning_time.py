@@ -24,11 +24,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--grid", default="x=8,y=4,z=4,data=8")
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(ap)
-    a = ap.parse_args(argv)
-
+def plan_model(a: argparse.Namespace):
+    """``(pm, config, grid, seconds of partition())`` for the model of ``add_model_arguments``."""
     import jax
     import jax.numpy as jnp
 
@@ -41,7 +38,14 @@ def main(argv=None) -> dict:
     tokens = jax.ShapeDtypeStruct((a.batch, a.seq), jnp.int32)
     t0 = time.perf_counter()
     pm = axonn_jax.partition(GPT(config), grid, tokens)
-    seconds = time.perf_counter() - t0
+    return pm, config, grid, time.perf_counter() - t0
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(ap)
+    a = ap.parse_args(argv)
+    pm, config, grid, seconds = plan_model(a)
     plan = pm.plan
     result = {"seconds": seconds, "params": config.num_params(), "gpus": grid.size,
               "bytes_per_device": plan.param_bytes_per_device,

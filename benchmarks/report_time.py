@@ -21,7 +21,7 @@ GRIDS = ["x=2,y=2,z=2", "x=4,z=2", "y=2,z=2,data=2", "z=8", "data=8"]
 
 
 def main(argv=None) -> dict:
-    from planning_time import add_model_arguments
+    from planning_time import add_model_arguments, plan_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(ap)
@@ -32,22 +32,11 @@ def main(argv=None) -> dict:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    import jax
-    import jax.numpy as jnp
-
-    import axonn_jax
-    from axonn_jax.models import GPT, GPTConfig
-
-    config = GPTConfig(vocab_size=a.vocab, num_layers=a.layers, hidden=a.hidden,
-                       num_heads=a.heads, max_seq_len=a.seq)  # fmt: skip
-    grid = axonn_jax.Grid.parse(a.grid)
-    tokens = jax.ShapeDtypeStruct((a.batch, a.seq), jnp.int32)
-    t0 = time.perf_counter()
-    pm = axonn_jax.partition(GPT(config), grid, tokens)
+    pm, config, grid, partition_s = plan_model(a)
     t1 = time.perf_counter()
     report = pm.report()
     t2 = time.perf_counter()
-    result = {"partition_s": t1 - t0, "report_s": t2 - t1, "ratio": (t2 - t1) / (t1 - t0)}
+    result = {"partition_s": partition_s, "report_s": t2 - t1, "ratio": (t2 - t1) / partition_s}
     comm, mem = report.communication, report.memory
     print(f"GPT {a.layers}L/{a.hidden}H ({config.num_params() / 1e9:.1f}B params) on {grid}: "
           f"partition {result['partition_s']:.1f} s, report {result['report_s']:.1f} s "

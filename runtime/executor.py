@@ -31,7 +31,7 @@ from jax import lax
 from axonn_jax.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, local_shape, used_axes
-from axonn_jax.partitioner.stages import param_like_producers
+from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
 
 #: primitives that start a "layer" for the gather prefetch (OAG)
@@ -135,35 +135,25 @@ def needs_gather(storage: Layout, grid: Grid) -> bool:
     return grid.z > 1 and any(axes and axes[-1] == Z for axes in storage)
 
 
-def gather_points(jaxpr, num_params: int) -> tuple[dict, dict]:
+def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
     """Where each parameter is needed, and where OAG prefetches it (pure, per jaxpr).
 
-    Returns ``(needs, prefetch)``: ``needs[id(eqn)]`` lists the parameters an
-    equation reads (through their cast chains); ``prefetch[id(eqn)]`` lists the
-    parameters of the *next* layer, to gather when this layer starts. A layer
-    starts at each matmul/convolution that reads parameters; a parameter first
-    read elsewhere (a bias, a norm scale) belongs to the layer of the last
-    matmul before that read.
+    ``made_by`` is :func:`~axonn_jax.partitioner.stages.param_like_producers`
+    of ``jaxpr``. Returns ``(needs, prefetch)``: ``needs[id(eqn)]`` lists the
+    parameters an equation reads (through their cast chains);
+    ``prefetch[id(eqn)]`` lists the parameters of the *next* layer, to gather
+    when this layer starts. A layer starts at each matmul/convolution that reads
+    parameters; a parameter first read elsewhere (a bias, a norm scale) belongs
+    to the layer of the last matmul before that read.
     """
-    made_by = param_like_producers(jaxpr, num_params)
-    index = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
-    sources: dict = {}  # param-derived variable → parameter indices it comes from
-    for v, i in index.items():
-        sources[v] = frozenset([i])
-    for eqn in jaxpr.eqns:
-        if eqn.outvars and eqn.outvars[0] in made_by:
-            got = frozenset().union(*(sources.get(v, frozenset()) for v in eqn.invars
-                                      if not R.is_literal(v)))  # fmt: skip
-            for v in eqn.outvars:
-                sources[v] = got
+    origin = param_origins(jaxpr, num_params)
     needs: dict = {}
     layer_of: dict = {}
     layers: list = []
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in made_by:
             continue
-        read = sorted(frozenset().union(*(sources.get(v, frozenset()) for v in eqn.invars
-                                          if not R.is_literal(v))))  # fmt: skip
+        read = sorted({origin[v] for v in eqn.invars if not R.is_literal(v) and v in origin})
         if not read:
             continue
         needs[id(eqn)] = read
@@ -200,7 +190,7 @@ class Executor:
         self.ctx = R.Context(grid)
         n = len(self.param_storage)
         self._made_by = param_like_producers(jaxpr, n)
-        self._needs, self._prefetch = gather_points(jaxpr, n)
+        self._needs, self._prefetch = gather_points(jaxpr, n, self._made_by)
         self._param_dependent = _dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
@@ -361,7 +351,7 @@ class Executor:
     def _bind(self, eqn, values: list, params: dict) -> list:
         """Bind the primitive on local shards (operands marked varying alike)."""
         if eqn.primitive.name == "dot_general" and all(
-            isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.inexact) for v in values
+            isinstance(v, jax.Array) and is_float(v) for v in values
         ):
             together = vma(values[0]) | vma(values[1])
             lhs_missing, rhs_missing = together - vma(values[0]), together - vma(values[1])

@@ -4,8 +4,10 @@ XLA decides *when* each collective runs from the program's data flow; on GPU
 it also splits collectives into asynchronous ``-start``/``-done`` pairs and
 lets the latency-hiding scheduler put compute between them. What a framework
 controls is the window each collective may occupy. The three options set
-those windows with ``optimization_barrier`` (which XLA lowers to control
-dependencies, so they hold on every backend) and leave the values unchanged:
+those windows with optimisation barriers and leave the values unchanged.
+XLA:GPU keeps the barriers until after its scheduler has run, so they shape
+the GPU schedule; XLA:CPU drops them before scheduling (its collectives are
+synchronous), so on CPU they change nothing:
 
 ==========  ===================================  ===================================
 option      on (default)                         off (AxoNN's unoverlapped baseline)

@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from mpi_util import run_mpi
+from precision_cases import loss_scaled_step
 
 import axonn_jax
 from axonn_jax.models import GPT, GPTConfig
@@ -28,7 +29,6 @@ from axonn_jax.precision import (
     LossScale,
     Precision,
     all_finite,
-    as_planned,
     cast_floating,
     combine_finite,
 )
@@ -86,17 +86,7 @@ def fp16_gpt():
     params, state = opt.init(pm.init(jax.random.key(0)))
     batch_split = NamedSharding(pm.mesh, P(("data", "z")))
 
-    @jax.jit
-    def step(params, state, scale, tokens, weights):
-        def loss_fn(p):
-            logits = pm.apply(as_planned(p, pm.plan), tokens)
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
-            return scale.scale_loss((ce.mean(axis=1) * weights).mean())
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        finite = all_finite(grads)  # global: one jit over the sharded gradients
-        params, state = opt.update(grads, state, params, finite=finite, grad_scale=scale.scale)
-        return params, state, scale.update(finite), finite
+    step = loss_scaled_step(pm, opt)
 
     def weights(blown_up_rows=()):
         w = np.ones(8, np.float32)

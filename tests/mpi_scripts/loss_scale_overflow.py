@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from axonn_jax.models import GPT, GPTConfig  # noqa: E402
 from axonn_jax.offload import MasterOptimizer  # noqa: E402
-from axonn_jax.precision import LossScale, all_finite, as_planned, mpi_all_finite  # noqa: E402
+from axonn_jax.precision import LossScale, all_finite, mpi_all_finite  # noqa: E402
+from precision_cases import loss_scaled_step  # noqa: E402
 
 assert info.distributed and jax.process_count() == 2, "run with mpiexec -n 2"
 rank = info.process_index
@@ -64,17 +65,7 @@ def weights(blow_up: bool):
     return jax.make_array_from_callback((8,), batch, lambda i: np.full(len(range(8)[i[0]]), value, np.float32))
 
 
-@jax.jit
-def step(params, state, scale, tokens, weights):
-    def loss_fn(p):
-        logits = pm.apply(as_planned(p, pm.plan), tokens)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
-        return scale.scale_loss((ce.mean(axis=1) * weights).mean())
-
-    _, grads = jax.value_and_grad(loss_fn)(params)
-    finite = all_finite(grads)
-    params, state = opt.update(grads, state, params, finite=finite, grad_scale=scale.scale)
-    return params, state, scale.update(finite), finite
+step = loss_scaled_step(pm, opt)
 
 
 scale = LossScale.create(2.0**14, growth_interval=2)
