@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from axonn_jax.grid import BATCH_AXES, Z, Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes
+from axonn_jax.partitioner.pointwise import replaced_rules
 from axonn_jax.partitioner.trace import TracedModel, inline_calls
 
 
@@ -109,7 +110,8 @@ def plan_layouts(
         if not new_hints:
             break
         hints.update(new_hints)
-    return walk.result()
+    planned = walk.result()
+    return dataclasses.replace(planned, notes=planned.notes + replaced_rules(traced.jaxpr))
 
 
 def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:

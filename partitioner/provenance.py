@@ -20,7 +20,7 @@ import dataclasses
 
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.stages import param_origins
-from axonn_jax.partitioner.trace import _CALLS, _inner
+from axonn_jax.partitioner.trace import inlined_body
 
 #: how far back (in equations) :meth:`Provenance.nearest_params` looks
 MAX_SEARCH = 256
@@ -76,12 +76,11 @@ def name_stacks(closed) -> list[tuple[str, str]]:
     def walk(jaxpr, prefix: str) -> None:
         for eqn in jaxpr.eqns:
             name = _join(prefix, str(eqn.source_info.name_stack))
-            inner = _inner(eqn)
-            prim = eqn.primitive.name
-            if inner is not None and (prim in _CALLS or prim.startswith("custom_")):
+            inner = inlined_body(eqn)
+            if inner is not None:
                 walk(inner[0], name)
             else:
-                out.append((prim, name))
+                out.append((eqn.primitive.name, name))
 
     walk(closed.jaxpr, "")
     return out

@@ -54,6 +54,8 @@ ELEMENTWISE = frozenset(
     population_count clz imag stop_gradient optimization_barrier""".split()
 )
 PASS_THROUGH = frozenset(["sharding_constraint", "mesh_cast", "pvary", "pcast"])
+#: calls the inliner keeps only when pointwise (partitioner.pointwise): elementwise as a whole
+POINTWISE_CALLS = frozenset(["custom_jvp_call"])
 #: ops whose output is a parameter's value in another shape (planning follows them)
 LAYOUT_PRESERVING = frozenset(["convert_element_type", "copy", "copy_p", "reduce_precision",
                                "transpose", "broadcast_in_dim", "squeeze", "reshape"])
@@ -97,7 +99,7 @@ def is_literal(var) -> bool:
 def rule(eqn, layouts: list[Layout | None], ctx: Context) -> Step:
     """Dispatch to the rule of ``eqn.primitive`` (or the replicate fallback)."""
     name = eqn.primitive.name
-    if name in ELEMENTWISE or name in PASS_THROUGH:
+    if name in ELEMENTWISE or name in PASS_THROUGH or name in POINTWISE_CALLS:
         return elementwise(eqn, layouts, ctx)
     handler = _RULES.get(name)
     if handler is not None:

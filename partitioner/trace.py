@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
+from axonn_jax.partitioner.pointwise import body, keeps_whole
+
 
 @dataclasses.dataclass(frozen=True)
 class TracedModel:
@@ -198,7 +200,9 @@ def inline_calls(closed) -> Any:
     """Flatten nested ``jit``/``pjit``/``custom_jvp``/``custom_vjp``/``remat`` calls.
 
     Returns a new ClosedJaxpr whose equations are primitives only (control flow
-    such as ``scan``/``while``/``cond`` is kept as one opaque equation).
+    such as ``scan``/``while``/``cond`` is kept as one opaque equation), except
+    pointwise custom-JVP calls such as ``jax.nn.relu``, kept whole so that
+    their derivative rule survives (:mod:`~axonn_jax.partitioner.pointwise`).
     """
     inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(
         *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
@@ -209,14 +213,12 @@ def inline_calls(closed) -> Any:
 _CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin"}
 
 
-def _inner(eqn):
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        if key in eqn.params:
-            inner = eqn.params[key]
-            if isinstance(inner, jex_core.ClosedJaxpr):
-                return inner.jaxpr, inner.consts
-            return inner, ()
-    return None
+def inlined_body(eqn) -> tuple | None:
+    """``(jaxpr, consts)`` of a call that :func:`inline_calls` flattens, else None."""
+    name = eqn.primitive.name
+    if not (name in _CALLS or name.startswith("custom_")) or keeps_whole(eqn):
+        return None
+    return body(eqn)
 
 
 def _eval_inlined(jaxpr, consts, args):
@@ -231,13 +233,12 @@ def _eval_inlined(jaxpr, consts, args):
         env[var] = val
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
-        name = eqn.primitive.name
-        inner = _inner(eqn)
-        if inner is not None and (name in _CALLS or name.startswith("custom_")):
+        inner = inlined_body(eqn)
+        if inner is not None:
             inner_jaxpr, inner_consts = inner
             outs = _eval_inlined(inner_jaxpr, inner_consts, invals[-len(inner_jaxpr.invars) :])
-        else:
-            outs = eqn.primitive.bind(*invals, **eqn.params)
+        else:  # a primitive, or a call kept whole (partitioner.pointwise)
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for var, val in zip(eqn.outvars, outs):

@@ -33,6 +33,8 @@ from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, local_shape, used_axes
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
+from axonn_jax.runtime.pointwise import bind_custom_jvp
+from axonn_jax.runtime.varying import match_vma, vary, vma
 
 #: primitives that start a "layer" for the gather prefetch (OAG)
 LAYER_PRIMITIVES = frozenset(["dot_general", "conv_general_dilated"])
@@ -63,12 +65,6 @@ class _Deferred:
     """A parameter cast/reshape equation, run when its output is first needed."""
 
     eqn: object
-
-
-def vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over (shard_map's varying-manual-axes type)."""
-    mat = getattr(jax.typeof(x), "mat", None)
-    return frozenset(getattr(mat, "varying", ()) or ())
 
 
 def live(layout: Layout, grid: Grid) -> Layout:
@@ -360,13 +356,14 @@ class Executor:
                     lambda a, b: eqn.primitive.bind(a, b, **params),
                     values[0],
                     values[1],
-                    vary=_vary,
                     lhs_missing=lhs_missing,
                     rhs_missing=rhs_missing,
                     overlap_all_reduce=self.overlap.all_reduce,
                 )
                 return [out]
-        values = _match_vma(eqn, values)
+        values = match_vma(values, [v.aval.dtype for v in eqn.invars])
+        if eqn.primitive.name in R.POINTWISE_CALLS:
+            return bind_custom_jvp(params, values)
         outs = eqn.primitive.bind(*values, **params)
         return outs if eqn.primitive.multiple_results else [outs]
 
@@ -386,7 +383,7 @@ class Executor:
         operand = value.operand
         if not value.literal:
             operand = relayout(operand, value.operand_layout, tuple(need), self.grid)
-            operand = _vary(operand, together)
+            operand = vary(operand, together)
         shape = local_shape(value.out_shape, dst, self.grid)
         return lax.broadcast_in_dim(operand, shape, value.dims)
 
@@ -398,27 +395,6 @@ def _dependents(jaxpr, roots) -> frozenset:
         if any(not R.is_literal(v) and v in found for v in eqn.invars):
             found.update(eqn.outvars)
     return frozenset(found)
-
-
-def _match_vma(eqn, values: list) -> list:
-    """Mark every operand varying over the union of the operands' varying axes.
-
-    ``jnp`` functions insert these casts when tracing; binding primitives
-    directly (as the interpreter does) must do it itself. Their transposes are
-    the gradient reductions over the batch axes.
-    """
-    together = frozenset().union(*(vma(v) for v in values))
-    if not together:
-        return values
-    return [_vary(value, together, var.aval.dtype) for var, value in zip(eqn.invars, values)]
-
-
-def _vary(value, axes: frozenset, dtype=None):
-    """``value`` marked varying over ``axes`` (those it does not vary over yet)."""
-    missing = tuple(sorted(axes - vma(value)))
-    if not missing:
-        return value
-    return lax.pcast(jnp.asarray(value, dtype=dtype), missing, to="varying")
 
 
 def _one_copy(x: jax.Array, layout: Layout) -> jax.Array:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 import traceback
 
 #: Environment variables that MPI launchers set to the world size.
@@ -32,6 +33,12 @@ _WORLD_SIZE_VARS = (
     "PMIX_SIZE",  # PMIx launchers
     "MV2_COMM_WORLD_SIZE",  # MVAPICH
 )
+
+#: Seconds a failing rank waits between printing its message and ``MPI_Abort``.
+#: The launcher forwards each rank's output asynchronously and tears the job
+#: down as soon as it hears of the abort; without the wait, a loaded machine
+#: can lose the very message that says why the job ended.
+ABORT_GRACE_SECONDS = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +126,7 @@ def abort(message: str, exit_code: int = 1) -> None:
     if mpi_world_size() > 1:
         from mpi4py import MPI
 
+        time.sleep(ABORT_GRACE_SECONDS)  # let the launcher forward the message first
         MPI.COMM_WORLD.Abort(exit_code)
     os._exit(exit_code)
 

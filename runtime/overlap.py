@@ -46,6 +46,8 @@ from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import batching, mlir
 
+from axonn_jax.runtime.varying import vary
+
 _NAMES = {"oag": "gather", "ors": "reduce_scatter", "oar": "all_reduce"}
 
 
@@ -156,7 +158,6 @@ def contraction(
     lhs: jax.Array,
     rhs: jax.Array,
     *,
-    vary: Callable[[jax.Array, frozenset], jax.Array],
     lhs_missing: frozenset,
     rhs_missing: frozenset,
     overlap_all_reduce: bool,

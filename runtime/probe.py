@@ -30,7 +30,8 @@ from jax import lax
 from axonn_jax.grid import Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, to_spec
-from axonn_jax.runtime.executor import Executor, _Lazy, live, vma
+from axonn_jax.runtime.executor import Executor, _Lazy, live
+from axonn_jax.runtime.varying import vma
 from axonn_jax.runtime.stage_program import StageFlow, is_float
 
 NAN, INF, FINITE = 2.0, 1.0, 0.0

@@ -8,6 +8,7 @@ arrays: output, loss, and gradients of every parameter (and of the input).
 
 from __future__ import annotations
 
+import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -112,24 +113,49 @@ def fetch(array: jax.Array) -> np.ndarray:
     return np.asarray(jax.jit(lambda a: a, out_shardings=replicated)(array).addressable_data(0))
 
 
-def run_case(name: str, grid: Grid, devices=None, seed: int = 0):
-    """Return ``(reference, sharded)``, each a dict of NumPy arrays."""
-    module, fn4d, specs_fn, make_input, in_spec, out_spec, diff_input = CASES[name]
+@functools.cache
+def reference_of(name: str, seed: int = 0) -> tuple[dict, np.ndarray, np.ndarray, dict]:
+    """Plain Flax on one device, once per case: ``(params, inputs, probe, reference)``.
+
+    The reference maps ``out``, ``loss``, ``loss_terms`` and ``grad…`` to NumPy
+    arrays; every grid the case runs on is compared against the same one.
+    """
+    module, _, _, make_input, _, _, diff_input = CASES[name]
     rng = np.random.default_rng(seed)
     inputs = make_input(rng)
     params = jax.tree.map(np.asarray, module.init(jax.random.key(seed), inputs)["params"])
     out_shape = jax.eval_shape(lambda p, a: module.apply({"params": p}, a), params, inputs).shape
     probe = rng.standard_normal(out_shape).astype(np.float32)
-    argnums = (0, 1) if diff_input else 0
 
     def ref_loss(p, a):
         out = module.apply({"params": p}, a)
         return jnp.sum(out * probe), out
 
-    (ref_value, ref_out), ref_grads = jax.value_and_grad(ref_loss, argnums, has_aux=True)(
-        params, inputs
-    )
+    (value, out), grads = jax.value_and_grad(ref_loss, (0, 1) if diff_input else 0,
+                                             has_aux=True)(params, inputs)  # fmt: skip
+    reference = {
+        "out": np.asarray(out),
+        "loss": np.asarray(value),
+        # the loss is a cancelling sum: its error is bounded relative to sum |terms|
+        "loss_terms": np.asarray(np.sum(np.abs(np.asarray(out) * probe))),
+        **_grad_entries(grads, diff_input, np.asarray),
+    }
+    return params, inputs, probe, reference
 
+
+def _grad_entries(tree, diff_input: bool, to_numpy) -> dict[str, np.ndarray]:
+    param_grads, input_grad = tree if diff_input else (tree, None)
+    entries = {"grad" + jax.tree_util.keystr(path): to_numpy(leaf)
+               for path, leaf in jax.tree_util.tree_leaves_with_path(param_grads)}  # fmt: skip
+    if input_grad is not None:
+        entries["grad_input"] = to_numpy(input_grad)
+    return entries
+
+
+def run_case(name: str, grid: Grid, devices=None, seed: int = 0):
+    """Return ``(reference, sharded)``, each a dict of NumPy arrays."""
+    _, fn4d, specs_fn, _, in_spec, out_spec, diff_input = CASES[name]
+    params, inputs, probe, reference = reference_of(name, seed)
     mesh = grid.stage_meshes(devices)[0]
     specs = specs_fn()
     sharded_params = jax.tree.map(lambda v, s: place(v, mesh, s), params, specs)
@@ -141,25 +167,10 @@ def run_case(name: str, grid: Grid, devices=None, seed: int = 0):
         out = forward(p, a)
         return jnp.sum(out * probe_), out
 
-    step = jax.jit(jax.value_and_grad(loss, argnums, has_aux=True))
+    step = jax.jit(jax.value_and_grad(loss, (0, 1) if diff_input else 0, has_aux=True))
     (value, out), grads = step(sharded_params, sharded_inputs, sharded_probe)
-    reference = {
-        "out": np.asarray(ref_out),
-        "loss": np.asarray(ref_value),
-        # the loss is a cancelling sum: its error is bounded relative to sum |terms|
-        "loss_terms": np.asarray(np.sum(np.abs(np.asarray(ref_out) * probe))),
-    }
-    sharded = {"out": fetch(out), "loss": fetch(value)}
-    for tag, tree in (("ref", ref_grads), ("sharded", grads)):
-        target = reference if tag == "ref" else sharded
-        param_grads, input_grad = tree if diff_input else (tree, None)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(param_grads):
-            target["grad" + jax.tree_util.keystr(path)] = (
-                np.asarray(leaf) if tag == "ref" else fetch(leaf)
-            )
-        if input_grad is not None:
-            target["grad_input"] = np.asarray(input_grad) if tag == "ref" else fetch(input_grad)
-    return reference, sharded
+    sharded = {"out": fetch(out), "loss": fetch(value), **_grad_entries(grads, diff_input, fetch)}
+    return dict(reference), sharded
 
 
 def max_scaled_error(reference: dict, sharded: dict) -> dict[str, float]:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from xla_flags import xla_flags
+
 TESTS = Path(__file__).resolve().parent
 SCRIPTS = TESTS / "mpi_scripts"
 
@@ -32,7 +34,7 @@ def run_mpi(
     """Run ``mpi_scripts/<script>`` on ``n`` ranks; returns the finished process."""
     full_env = dict(os.environ)
     full_env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+        XLA_FLAGS=xla_flags(devices_per_process),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(TESTS), full_env.get("PYTHONPATH", "")]),
         PYTHONUNBUFFERED="1",

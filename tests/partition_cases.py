@@ -8,6 +8,7 @@ user-style ``jax.jit`` train step, and returns both trajectories.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -171,38 +172,44 @@ def reference_apply(case: Case):
     return jax.tree.map(np.asarray, params), lambda p, *a: model.apply({"params": p}, *a)
 
 
+def _train(case: Case, apply_fn, start_params):
+    """``STEPS`` AdamW steps: (losses, step-1 grads, final params)."""
+    optimizer = optax.adamw(LR)
+
+    def loss_fn(p):
+        return case.loss(apply_fn(p, *case.args), *case.args)
+
+    @jax.jit
+    def step(p, s):
+        loss, grads = jax.value_and_grad(loss_fn)(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss, grads
+
+    p, state, losses, first_grads = start_params, optimizer.init(start_params), [], None
+    for _ in range(STEPS):
+        p, state, loss, grads = step(p, state)
+        losses.append(float(loss))
+        first_grads = grads if first_grads is None else first_grads
+    return losses, first_grads, p
+
+
+@functools.cache
+def reference_trajectory(name: str):
+    """The plain model's (initial params, (losses, step-1 grads, final params)), once per process."""
+    case = build(name)
+    params, apply = reference_apply(case)
+    losses, grads, final = _train(case, apply, params)
+    return params, (losses, jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, final))
+
+
 def trajectories(name: str, grid: dict, **partition_options):
     """Run both ways; returns dict(ref=..., part=...) with losses, grads, final params."""
     case = build(name)
-    params, apply = reference_apply(case)
-    optimizer = optax.adamw(LR)
-
-    def run(apply_fn, start_params):
-        def loss_fn(p):
-            return case.loss(apply_fn(p, *case.args), *case.args)
-
-        @jax.jit
-        def step(p, s):
-            loss, grads = jax.value_and_grad(loss_fn)(p)
-            updates, s = optimizer.update(grads, s, p)
-            return optax.apply_updates(p, updates), s, loss, grads
-
-        p, state, losses, first_grads = start_params, optimizer.init(start_params), [], None
-        for _ in range(STEPS):
-            p, state, loss, grads = step(p, state)
-            losses.append(float(loss))
-            first_grads = grads if first_grads is None else first_grads
-        return losses, first_grads, p
-
-    ref_losses, ref_grads, ref_params = run(apply, params)
+    params, ref = reference_trajectory(name)
     pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args, **partition_options)
-    losses, grads, final = run(pm.apply, pm.shard(params))
-    return {
-        "pm": pm,
-        "init": params,
-        "ref": (ref_losses, jax.tree.map(np.asarray, ref_grads), jax.tree.map(np.asarray, ref_params)),
-        "part": (losses, pm.gather(grads), pm.gather(final)),
-    }
+    losses, grads, final = _train(case, pm.apply, pm.shard(params))
+    return {"pm": pm, "init": params, "ref": ref,
+            "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
 
 
 def _leaves(tree):

@@ -18,6 +18,9 @@ Bounds (fp32), the same as the partitioner's equivalence tests:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import pickle
 
 import jax
 import numpy as np
@@ -29,6 +32,7 @@ from axonn_jax.partitioner.trace import path_string
 
 SEQ, VOCAB, MB_ROWS = 16, 64, 4
 LR, STEPS = 1e-2, 5
+MICROBATCHES, TRAJECTORY_MICROBATCHES = (1, 4, 8), 4
 MODELS = ("gpt", "hf_gpt2")
 
 
@@ -68,8 +72,18 @@ def build(name: str) -> Case:
     raise KeyError(name)
 
 
-def reference(case: Case, batch, steps: int = STEPS):
-    """Plain Flax + optax: (initial params, first grads, losses, final params)."""
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """Plain Flax + optax on one device, as numpy trees."""
+
+    init: dict  # initial parameters
+    grads: dict  # gradients at ``init``
+    losses: list[float]  # one per step, the first at ``init``
+    final: dict  # parameters after ``len(losses)`` AdamW steps
+
+
+def reference(case: Case, batch, steps: int = STEPS) -> Reference:
+    """The plain computation on ``batch``: gradients at init, then ``steps`` AdamW steps."""
     args = case.inputs(batch)
     params = case.model.init(jax.random.key(0), *args)["params"]
 
@@ -90,7 +104,32 @@ def reference(case: Case, batch, steps: int = STEPS):
         losses.append(float(loss))
         first = grads if first is None else first
     to_np = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
-    return to_np(params), to_np(first), losses, to_np(p)
+    return Reference(to_np(params), to_np(first), losses, to_np(p))
+
+
+@functools.cache
+def references(name: str, microbatches: tuple[int, ...] = MICROBATCHES,
+               trajectory_microbatches: int = TRAJECTORY_MICROBATCHES) -> dict[int, Reference]:
+    """Per microbatch count, the reference on that batch (computed once per process).
+
+    The trajectory's count gets all ``STEPS`` AdamW steps; the others one step
+    (only their gradients are compared).
+    """
+    case = build(name)
+    counts = sorted({*microbatches, trajectory_microbatches})
+    return {m: reference(case, case.batch(m), STEPS if m == trajectory_microbatches else 1)
+            for m in counts}  # fmt: skip
+
+
+def save_references(name: str, path: str | os.PathLike) -> None:
+    """Write :func:`references` for ``name`` (default counts) to ``path`` for a launched job."""
+    with open(path, "wb") as f:
+        pickle.dump(references(name), f)
+
+
+def load_references(path: str | os.PathLike) -> dict[int, Reference]:
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _leaves(tree) -> dict:
@@ -128,43 +167,42 @@ def compare_params(got, ref, init, ref_grads, what: str) -> list[str]:
     return failures
 
 
-def run_case(name: str, grid: axonn_jax.Grid, microbatches=(1, 4, 8),
-             schedules=("message",), trajectory_microbatches: int = 4,
-             offload: bool = False) -> list[str]:  # fmt: skip
+def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
+             schedules=("message",), trajectory_microbatches: int = TRAJECTORY_MICROBATCHES,
+             offload: bool = False, refs: dict[int, Reference] | None = None) -> list[str]:  # fmt: skip
     """Grads for each microbatch count and schedule, then 5 AdamW steps; failure messages.
 
     ``offload=True`` runs the 5 steps with fp32 master weights and AdamW state in
-    host memory (the same arithmetic, so the same bounds).
+    host memory (the same arithmetic, so the same bounds). ``refs`` (from
+    :func:`load_references`) saves recomputing the reference in each process.
     """
     case = build(name)
+    refs = refs or references(name, tuple(microbatches), trajectory_microbatches)
     example = case.batch(1)
     pm = axonn_jax.partition(case.model, grid, *case.inputs(example))
     failures: list[str] = []
     for m in microbatches:
-        batch = case.batch(m)
-        init, ref_grads, ref_losses, _ = reference(case, batch, steps=1)
-        params = pm.shard(init)
+        batch, ref = case.batch(m), refs[m]
+        params = pm.shard(ref.init)
         for schedule in schedules:
             step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
                                      schedule=schedule)  # fmt: skip
             loss, grads = step(params, batch)
             what = f"{name} {grid} m={m} {schedule}"
-            if abs(float(loss) - ref_losses[0]) > 1e-5 * abs(ref_losses[0]):
-                failures.append(f"{what} loss {float(loss)} != {ref_losses[0]}")
-            failures += compare_grads(pm.gather(grads), ref_grads, what)
+            if abs(float(loss) - ref.losses[0]) > 1e-5 * abs(ref.losses[0]):
+                failures.append(f"{what} loss {float(loss)} != {ref.losses[0]}")
+            failures += compare_grads(pm.gather(grads), ref.grads, what)
     m = trajectory_microbatches
-    batch = case.batch(m)
-    init, ref_grads, ref_losses, ref_final = reference(case, batch)
+    batch, ref = case.batch(m), refs[m]
     step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m,
                          offload=offload)  # fmt: skip
-    params = pm.shard(init)
-    params, opt_state = step.init(params)
+    params, opt_state = step.init(pm.shard(ref.init))
     losses = []
     for _ in range(STEPS):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
     what = f"{name} {grid} m={m} AdamW" + (" offloaded" if offload else "")
-    if not np.allclose(losses, ref_losses, rtol=1e-5):
-        failures.append(f"{what} losses {losses} != {ref_losses}")
-    failures += compare_params(pm.gather(params), ref_final, init, ref_grads, what)
+    if not np.allclose(losses, ref.losses, rtol=1e-5):
+        failures.append(f"{what} losses {losses} != {ref.losses}")
+    failures += compare_params(pm.gather(params), ref.final, ref.init, ref.grads, what)
     return failures

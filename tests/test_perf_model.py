@@ -20,7 +20,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 

@@ -11,11 +11,10 @@ import jax
 import numpy as np
 import pytest
 from mpi_util import run_mpi
-from pipeline_cases import build, compare_grads, run_case
+from pipeline_cases import build, compare_grads, run_case, save_references
 
 import axonn_jax
 from axonn_jax.runtime import schedules, trace
-from axonn_jax.runtime.stage_program import stage_flows
 
 # pipeline 2 and 4, 4D-sharded stages, the repo's GPT and a third-party model
 SINGLE_PROCESS = [("gpt", "pipeline=2,x=2,z=2"), ("hf_gpt2", "pipeline=4,z=2")]
@@ -140,17 +139,32 @@ def test_bad_pipeline_inputs(gpt_two_stages):
         pm.value_and_grad(case.loss, inputs=case.inputs)(broken, case.batch(1))
 
 
+@pytest.fixture(scope="session")
+def saved_references(tmp_path_factory):
+    """Path of the plain Flax/optax results for a model, computed once in this process."""
+    folder = tmp_path_factory.mktemp("pipeline_references")
+
+    def path(model: str) -> str:
+        file = folder / f"{model}.pkl"
+        if not file.exists():
+            save_references(model, file)
+        return str(file)
+
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
-@pytest.mark.parametrize("n,model,grid,schedules_,offload", [
-    (2, "gpt", "pipeline=2", "message,1f1b", "offload"),
-    (2, "hf_gpt2", "pipeline=4", "message", ""),  # two stages per process
-    (4, "gpt", "pipeline=2,data=2", "message", ""),  # data parallel across processes in a stage
-    (4, "hf_gpt2", "pipeline=4", "message,gpipe", ""),
+@pytest.mark.parametrize("n,model,grid,options", [
+    (2, "gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"]),
+    (2, "hf_gpt2", "pipeline=4", []),  # two stages per process
+    (4, "gpt", "pipeline=2,data=2", []),  # data parallel across processes in a stage
+    (4, "hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"]),
 ])  # fmt: skip
-def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, schedules_, offload):
+def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, saved_references):
     per_process = axonn_jax.Grid.parse(grid).size // n
-    result = run_mpi(n, "pipeline_equivalence.py", model, grid, schedules_, offload,
+    result = run_mpi(n, "pipeline_equivalence.py", model, grid, *options,
+                     f"--references={saved_references(model)}",
                      devices_per_process=per_process, timeout=900)  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert result.stdout.count("OK rank") == n, result.stdout

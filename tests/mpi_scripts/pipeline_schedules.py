@@ -8,7 +8,6 @@ before its first backward, and stage 0's peak number of microbatches in flight.
 """
 
 import json
-import sys
 
 import axonn_jax
 from pipeline_cases import build
