@@ -172,12 +172,12 @@ def reference_apply(case: Case):
     return jax.tree.map(np.asarray, params), lambda p, *a: model.apply({"params": p}, *a)
 
 
-def _train(case: Case, apply_fn, start_params):
-    """``STEPS`` AdamW steps: (losses, step-1 grads, final params)."""
-    optimizer = optax.adamw(LR)
+def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR):
+    """``steps`` jitted AdamW steps of ``loss_fn``: (losses, step-1 grads, final params).
 
-    def loss_fn(p):
-        return case.loss(apply_fn(p, *case.args), *case.args)
+    Shared with ``pipeline_cases`` (one definition of the plain optax training).
+    """
+    optimizer = optax.adamw(lr)
 
     @jax.jit
     def step(p, s):
@@ -185,12 +185,16 @@ def _train(case: Case, apply_fn, start_params):
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss, grads
 
-    p, state, losses, first_grads = start_params, optimizer.init(start_params), [], None
-    for _ in range(STEPS):
+    p, state, losses, first_grads = params, optimizer.init(params), [], None
+    for _ in range(steps):
         p, state, loss, grads = step(p, state)
         losses.append(float(loss))
         first_grads = grads if first_grads is None else first_grads
     return losses, first_grads, p
+
+
+def _train(case: Case, apply_fn, start_params):
+    return adamw_trajectory(lambda p: case.loss(apply_fn(p, *case.args), *case.args), start_params)
 
 
 @functools.cache

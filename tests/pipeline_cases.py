@@ -25,6 +25,7 @@ import pickle
 import jax
 import numpy as np
 import optax
+from partition_cases import adamw_trajectory
 
 import axonn_jax
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
@@ -90,19 +91,7 @@ def reference(case: Case, batch, steps: int = STEPS) -> Reference:
     def loss_fn(p):
         return case.loss(case.model.apply({"params": p}, *args), batch)
 
-    optimizer = optax.adamw(LR)
-
-    @jax.jit
-    def step(p, s):
-        loss, grads = jax.value_and_grad(loss_fn)(p)
-        updates, s = optimizer.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss, grads
-
-    p, s, losses, first = params, optimizer.init(params), [], None
-    for _ in range(steps):
-        p, s, loss, grads = step(p, s)
-        losses.append(float(loss))
-        first = grads if first is None else first
+    losses, first, p = adamw_trajectory(loss_fn, params, steps, LR)
     to_np = lambda t: jax.tree.map(np.asarray, t)  # noqa: E731
     return Reference(to_np(params), to_np(first), losses, to_np(p))
 
