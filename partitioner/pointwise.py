@@ -40,18 +40,20 @@ def keeps_whole(eqn) -> bool:
     (shape,) = shapes
     if any(shape_of(v) not in (shape, ()) for v in eqn.invars):
         return False
-    return is_pointwise(body(eqn)[0], shape) and is_pointwise(jvp_rule(eqn)[0], shape)
+    num_primals = len(eqn.invars) - eqn.params["num_consts"]
+    return is_pointwise(body(eqn)[0], shape) and is_pointwise(
+        jvp_rule(eqn.params, num_primals)[0], shape
+    )
 
 
-def jvp_rule(eqn) -> tuple:
+def jvp_rule(params: dict, num_primals: int) -> tuple:
     """``(jaxpr, consts, out_zeros)`` of a ``custom_jvp_call``'s rule, every tangent nonzero.
 
-    The jaxpr maps ``(*primals, *tangents)`` (the call's operands after its
-    ``num_consts`` leading constants) to ``(*outputs, *nonzero output tangents)``;
-    ``out_zeros[i]`` says that output ``i``'s tangent is identically zero.
+    The jaxpr maps ``(*primals, *tangents)`` (the call's ``num_primals`` operands
+    after its ``num_consts`` leading constants) to ``(*outputs, *nonzero output
+    tangents)``; ``out_zeros[i]`` says that output ``i``'s tangent is identically zero.
     """
-    n = len(eqn.invars) - eqn.params["num_consts"]
-    return eqn.params["jvp_jaxpr_fun"].call_wrapped(*[False] * n)
+    return params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_primals)
 
 
 def body(eqn) -> tuple | None:
@@ -94,8 +96,10 @@ def replaced_rules(closed) -> tuple[str, ...]:
     def walk(jaxpr) -> None:
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
-            if name.startswith("custom_") and name.endswith("_call") and not keeps_whole(eqn):
-                inner = body(eqn)
+            if keeps_whole(eqn):
+                continue
+            inner = body(eqn)
+            if name.startswith("custom_") and name.endswith("_call"):
                 info = getattr(inner[0], "debug_info", None) if inner else None
                 function = getattr(info, "func_name", None) or "?"
                 notes.append(
@@ -104,8 +108,8 @@ def replaced_rules(closed) -> tuple[str, ...]:
                     "custom_jvp rules, like jax.nn.relu's, are kept); check its gradients if "
                     "the rule is not the derivative of the body"
                 )
-            if body(eqn) is not None and not keeps_whole(eqn):
-                walk(body(eqn)[0])
+            if inner is not None:
+                walk(inner[0])
 
     walk(closed.jaxpr)
     return tuple(dict.fromkeys(notes))

@@ -19,7 +19,7 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
-from axonn_jax.partitioner.pointwise import NESTED_CALLS, body
+from axonn_jax.partitioner.pointwise import NESTED_CALLS, body, jvp_rule
 from axonn_jax.runtime.varying import match_vma
 
 
@@ -61,9 +61,7 @@ def bind_custom_jvp(params: dict, values: Sequence[jax.Array]) -> list:
     @call_local.defjvp
     def call_local_jvp(primals, tangents):
         primals, tangents = primals[num_consts:], tangents[num_consts:]
-        rule, rule_consts, out_zeros = params["jvp_jaxpr_fun"].call_wrapped(
-            *[False] * len(primals)
-        )
+        rule, rule_consts, out_zeros = jvp_rule(params, len(primals))
         outs = evaluate(rule, rule_consts, [*primals, *tangents], shape)
         out_primals, nonzero = outs[: len(out_zeros)], iter(outs[len(out_zeros):])
         out_tangents = [lax.zeros_like_array(p) if zero else next(nonzero)
