@@ -34,44 +34,44 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _stacked_bars(names: list[str], parts: dict[str, tuple[list[float], str]], *,
+                  xlabel: str, title: str, path: Path) -> Path:
+    """Horizontal bars, one per name, stacked from ``{label: (MiB per name, colour)}``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.5))
+    left = [0.0] * len(names)
+    for label, (values, colour) in parts.items():
+        ax.barh(names, values, left=left, color=colour, label=label)
+        left = [a + b for a, b in zip(left, values)]
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
 def gspmd_collectives(result: dict, out: Path) -> Path:
     """Stacked bars: wire MiB per device and step by collective kind, per approach."""
-    plt = _pyplot()
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
-    names = [r["name"] for r in rows]
-    left = [0.0] * len(rows)
-    for kind, colour in KIND_COLOURS.items():
-        values = [r["collectives"][kind]["wire_bytes"] / 2**20 for r in rows]
-        if any(values):
-            ax.barh(names, values, left=left, color=colour, label=kind)
-            left = [a + b for a, b in zip(left, values)]
-    ax.invert_yaxis()
-    ax.set_xlabel("MiB sent per device per train step (ring algorithms)")
-    ax.set_title("Collective bytes: axonn_jax grids vs GSPMD")
-    ax.legend(loc="lower right", fontsize=8)
-    return _save(fig, out / "gspmd_collectives.png")
+    parts = {kind: ([r["collectives"][kind]["wire_bytes"] / 2**20 for r in rows], colour)
+             for kind, colour in KIND_COLOURS.items()}  # fmt: skip
+    return _stacked_bars([r["name"] for r in rows],
+                         {kind: part for kind, part in parts.items() if any(part[0])},
+                         xlabel="MiB sent per device per train step (ring algorithms)",
+                         title="Collective bytes: axonn_jax grids vs GSPMD",
+                         path=out / "gspmd_collectives.png")  # fmt: skip
 
 
 def gspmd_memory(result: dict, out: Path) -> Path:
     """Stacked bars per approach: params, optimizer state, temporaries (MiB per device)."""
-    plt = _pyplot()
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
-    names = [r["name"] for r in rows]
-    parts = {"parameters": [r["memory"]["params"] for r in rows],
-             "optimizer state": [r["memory"]["opt_state"] for r in rows],
-             "temporaries (XLA)": [r["memory"]["temp"] for r in rows]}  # fmt: skip
-    left = [0.0] * len(rows)
-    for (label, values), colour in zip(parts.items(), ("#4c72b0", "#55a868", "#c44e52")):
-        mib = [v / 2**20 for v in values]
-        ax.barh(names, mib, left=left, color=colour, label=label)
-        left = [a + b for a, b in zip(left, mib)]
-    ax.invert_yaxis()
-    ax.set_xlabel("MiB per device")
-    ax.set_title("Memory per device: axonn_jax grids vs GSPMD")
-    ax.legend(loc="lower right", fontsize=8)
-    return _save(fig, out / "gspmd_memory.png")
+    parts = {label: ([r["memory"][key] / 2**20 for r in rows], colour)
+             for label, key, colour in (("parameters", "params", "#4c72b0"),
+                                        ("optimizer state", "opt_state", "#55a868"),
+                                        ("temporaries (XLA)", "temp", "#c44e52"))}  # fmt: skip
+    return _stacked_bars([r["name"] for r in rows], parts, xlabel="MiB per device",
+                         title="Memory per device: axonn_jax grids vs GSPMD",
+                         path=out / "gspmd_memory.png")  # fmt: skip
 
 
 def gspmd_step_time(result: dict, out: Path) -> Path:
