@@ -1,6 +1,9 @@
 """axonn_jax: AxoNN's 4D hybrid parallelism for JAX and Flax.
 
-Public names are re-exported here; everything else is internal.
+Public names are re-exported here; everything else is internal. Importing has
+no side effects: the engine (:mod:`axonn_jax.runtime`) is loaded on first use,
+and under ``mpiexec`` JAX joins the other processes at the first device use
+or at :func:`init`.
 
 Example:
     >>> import axonn_jax
@@ -9,16 +12,44 @@ Example:
     8
 """
 
-from axonn_jax.grid import Grid
-from axonn_jax.partitioned import Partitioned, partition
-from axonn_jax.partitioner.plan import Plan
-from axonn_jax.runtime.launch import ProcessInfo, init, process_info
-from axonn_jax.runtime.overlap import Overlap
+from __future__ import annotations
 
-__all__ = ["Grid", "Overlap", "Partitioned", "Plan", "ProcessInfo", "init", "partition", "process_info"]
+import importlib
+from typing import Any
+
+from axonn_jax.partitioner.grid import Grid
+from axonn_jax.partitioner.plan import Plan
+
 __version__ = "0.1.0"
 
-from axonn_jax.runtime import launch as _launch
+#: public name → module that defines it (imported when the name is first used)
+_LAZY = {
+    "Partitioned": "axonn_jax.partitioned",
+    "partition": "axonn_jax.partitioned",
+    "ProcessInfo": "axonn_jax.runtime.launch",
+    "init": "axonn_jax.runtime.launch",
+    "process_info": "axonn_jax.runtime.launch",
+    "Overlap": "axonn_jax.runtime.overlap",
+    "mesh": "axonn_jax.runtime.mesh",
+    "stage_meshes": "axonn_jax.runtime.mesh",
+    "MasterOptimizer": "axonn_jax.runtime.offload",
+    "Precision": "axonn_jax.runtime.precision",
+    "LossScale": "axonn_jax.runtime.precision",
+    "as_planned": "axonn_jax.runtime.precision",
+    "apply_remat": "axonn_jax.runtime.remat",
+}
+_RENAMED = {"mesh": "build_mesh"}
 
-_launch.auto_init()
-del _launch
+__all__ = ["Grid", "Plan", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'axonn_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

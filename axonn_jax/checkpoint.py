@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.checkpoint_handler import (
     ShardedTreeHandler,
@@ -403,7 +404,7 @@ def _dtype_name(leaf) -> str:
 
 def _optimizer_target(optimizer, param_targets, param_tree, saved):
     """Optimizer-state target: leaves mirroring a parameter take its sharding."""
-    from axonn_jax.training import state_shardings
+    from axonn_jax.runtime.offload import optimizer_state_shardings
 
     shardings = [None if s is _ELSEWHERE else s for s in param_targets.values()]
     meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
@@ -417,4 +418,5 @@ def _optimizer_target(optimizer, param_targets, param_tree, saved):
         for p, s in zip(param_targets, shardings)
     ]
     params = jax.tree.unflatten(param_tree, abstract)
-    return state_shardings(optimizer, params, jax.tree.unflatten(param_tree, shardings), meshes[0])
+    return optimizer_state_shardings(optimizer, params, jax.tree.unflatten(param_tree, shardings),
+                                     NamedSharding(meshes[0], P()))

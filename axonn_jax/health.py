@@ -34,8 +34,11 @@ import numpy as np
 
 from axonn_jax.partitioner.provenance import EquationInfo, Provenance
 from axonn_jax.partitioner.trace import call_leaves, is_static, path_string
+from axonn_jax.runtime.executor import Executor
+from axonn_jax.partitioner.flows import is_float
+from axonn_jax.runtime.pipeline.runner import default_inputs
 from axonn_jax.runtime.probe import NAN, ProbedStage, _is_drop, badness
-from axonn_jax.runtime.stage_program import is_float, place
+from axonn_jax.runtime.sharded import place
 
 #: where a non-finite value was first seen, in the order the checks run
 WHERES = ("input", "parameter", "forward", "loss", "backward", "gradient")
@@ -141,8 +144,6 @@ def diagnose_step(pm, loss_fn: Callable, params, batch, *, inputs: Callable | No
         if not np.isfinite(loss):
             raise FloatingPointError(str(diagnose_step(pm, loss_fn, params, batch)))
     """
-    from axonn_jax.pipeline import default_inputs
-
     model_args = (inputs or default_inputs)(batch)
     return first_nonfinite(pm, params, *model_args, loss_fn=lambda out: loss_fn(out, batch))
 
@@ -186,23 +187,21 @@ class _Checker:
                 "simulated devices (XLA_FLAGS=--xla_force_host_platform_device_count="
                 f"{pm.grid.size}) and the same grid."
             )
-        from axonn_jax.pipeline import executor_and_flows
-
         self.pm = pm
-        traced, jaxpr, layouts = pm._program(args, kwargs)
-        self.traced, self.jaxpr = traced, jaxpr
+        program = pm.program_for(args, kwargs)
+        self.traced = program.traced
         root = type(pm.model).__name__
-        self.prov = Provenance(traced, jaxpr, root=root)
-        executor, flows = executor_and_flows(pm, traced, jaxpr, layouts)
+        self.prov = Provenance(program.traced, program.jaxpr, root=root)
+        executor = Executor(program, overlap=pm.overlap)
         meshes = pm.stage_meshes
-        self.stages = [ProbedStage(f, executor, pm.grid, meshes[f.index]) for f in flows]
-        self.index = {id(e): k for k, e in enumerate(jaxpr.jaxpr.eqns)}
+        self.stages = [ProbedStage(f, executor, meshes[f.index]) for f in program.stage_flows]
+        self.index = {id(e): k for k, e in enumerate(program.jaxpr.eqns)}
 
     # --- running -----------------------------------------------------------
     def find(self, params, args: tuple, kwargs: dict, loss_fn: Callable | None, *,
              intermediates: bool) -> NonFinite | None:  # fmt: skip
         """Run the checks on concrete values and report the first offender."""
-        leaves = self.pm._param_leaves(params)
+        leaves = self.pm.placed.param_leaves(params)
         self.pm.check_params(params)
         arg_leaves, _ = call_leaves(args, kwargs)  # arrays only: Python scalars are static
         found = self._inputs(args, kwargs) or self._params(leaves)
@@ -324,7 +323,7 @@ class _Checker:
         var = eqn.outvars[k]
         producer = self.prov.info(self.index[id(eqn)])
         readers = [j for j in self.prov.consumers(var) if j > producer.index and any(
-            not _is_drop(v) and is_float(v.aval) for v in self.jaxpr.jaxpr.eqns[j].outvars)]
+            not _is_drop(v) and is_float(v.aval) for v in self.prov.jaxpr.eqns[j].outvars)]
         if not readers:  # a model output: its gradient came from the loss
             return NonFinite("backward", _kind(flag), st.flow.index, len(self.stages),
                              equation=producer, shape=tuple(var.aval.shape),

@@ -1,6 +1,6 @@
 """A deterministic, resumable loader that gives every process its shard of the batch.
 
-The global batch of step ``n`` is :func:`axonn_jax.data.batch_at` (a pure
+The global batch of step ``n`` is :func:`axonn_jax.corpus.batch_at` (a pure
 function of ``(seed, n)``), laid out for a stage mesh ``(data, z, y, x)``:
 the batch dim is split over ``(data, z)`` and replicated over ``x`` and ``y``,
 the layout ``pm.apply`` expects. The array is built with
@@ -24,8 +24,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.data import batch_at, window_starts
-from axonn_jax.grid import BATCH_AXES
+from axonn_jax.corpus import batch_at, window_starts
+from axonn_jax.partitioner.grid import BATCH_AXES
 
 _STATE_KEYS = ("step", "seed", "batch", "seq", "microbatches", "num_tokens")
 
@@ -34,7 +34,7 @@ class Loader:
     """Global batches of ``seq + 1``-token windows, sharded for ``mesh``.
 
     Args:
-        tokens: the corpus, a 1-D integer array (e.g. :func:`~axonn_jax.data.stdlib_corpus`).
+        tokens: the corpus, a 1-D integer array (e.g. :func:`~axonn_jax.corpus.stdlib_corpus`).
         batch: global batch size (sequences per step, all microbatches together).
         seq: sequence length; each row holds ``seq + 1`` tokens (inputs and shifted labels).
         mesh: a stage mesh with axes ``data`` and ``z`` (``pm.mesh`` or
@@ -61,7 +61,7 @@ class Loader:
         if self.tokens.ndim != 1 or not np.issubdtype(self.tokens.dtype, np.integer):
             raise ValueError(
                 f"tokens must be a 1-D integer array, got shape {self.tokens.shape} and dtype "
-                f"{self.tokens.dtype}. Remedy: pass e.g. axonn_jax.data.stdlib_corpus()."
+                f"{self.tokens.dtype}. Remedy: pass e.g. axonn_jax.corpus.stdlib_corpus()."
             )
         for name, value in (("batch", batch), ("seq", seq), ("microbatches", microbatches)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

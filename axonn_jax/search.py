@@ -22,7 +22,7 @@ import collections
 import dataclasses
 from collections.abc import Iterator
 
-from axonn_jax.grid import Grid
+from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.memory import memory
 from axonn_jax.perf.options import Options

@@ -46,7 +46,7 @@ def measure(args) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import axonn_jax
-    from axonn_jax.grid import BATCH_AXES
+    from axonn_jax.partitioner.grid import BATCH_AXES
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
 
     devices = jax.devices()

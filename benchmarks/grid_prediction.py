@@ -69,7 +69,7 @@ def build_steps(args, grids):
     from jax.sharding import PartitionSpec as P
 
     import axonn_jax
-    from axonn_jax.grid import BATCH_AXES
+    from axonn_jax.partitioner.grid import BATCH_AXES
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
 
     config = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden=args.hidden,

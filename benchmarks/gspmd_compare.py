@@ -69,7 +69,7 @@ def axonn_approach(model, grid_text: str, tokens) -> Approach:
     from jax.sharding import PartitionSpec as P
 
     import axonn_jax
-    from axonn_jax.grid import BATCH_AXES
+    from axonn_jax.partitioner.grid import BATCH_AXES
 
     grid = axonn_jax.Grid.parse(grid_text)
     pm = axonn_jax.partition(model, grid, jax.ShapeDtypeStruct(tokens.shape, jnp.int32))

@@ -42,10 +42,10 @@ def measure(layers: int, hidden: int, batch: int, seq: int, steps: int, bucket_b
     import optax
 
     import axonn_jax
-    from axonn_jax.memory import MemoryReport, array_bytes, compiled_bytes, local_param_count
+    from axonn_jax.runtime.memory import MeasuredMemory, array_bytes, compiled_bytes, local_param_count
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
-    from axonn_jax.offload import MasterOptimizer
-    from axonn_jax.precision import as_planned
+    from axonn_jax.runtime.offload import MasterOptimizer
+    from axonn_jax.runtime.precision import as_planned
 
     config = GPTConfig(vocab_size=256, num_layers=layers, hidden=hidden,
                        num_heads=max(1, hidden // 64), max_seq_len=seq)  # fmt: skip
@@ -87,7 +87,7 @@ def measure(layers: int, hidden: int, batch: int, seq: int, steps: int, bucket_b
             "step temp": step_program["temp"].device / n,
         }
         row["model state device"] = row["params"] + row["grads"] + row["master+opt device"] + row["buffers"]
-        report = MemoryReport.measure(opt, params, state, extra={"grads": grad_program["outputs"],
+        report = MeasuredMemory.measure(opt, params, state, extra={"grads": grad_program["outputs"],
                                                                  "buffers": update_program["temp"]})
         row["planned model state device"] = report.model_state_per_param("device", "planned")
         results[name] = row

@@ -118,7 +118,6 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if "jax" not in sys.modules:
-        os.environ.setdefault("AXONN_JAX_AUTO_INIT", "0")
         flags = os.environ.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"

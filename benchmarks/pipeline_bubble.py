@@ -42,7 +42,7 @@ def worker(args) -> None:
     """Runs on every rank under mpiexec; rank 0 prints JSON results."""
     sys.path.insert(0, str(ROOT / "tests"))
     import axonn_jax
-    from axonn_jax.runtime import trace
+    from axonn_jax.runtime.pipeline import timeline as trace
 
     info = axonn_jax.init()
     import jax

@@ -56,7 +56,7 @@ def _compare(grid_text: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     import axonn_jax
-    from axonn_jax.grid import BATCH_AXES
+    from axonn_jax.partitioner.grid import BATCH_AXES
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
     from axonn_jax.runtime.hlo import collectives
 

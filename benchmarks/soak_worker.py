@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import os
 import sys
 import time
 from pathlib import Path
@@ -82,8 +81,6 @@ def main(argv: list[str]) -> int:
     own, example_args = argv[2 : argv.index("--")], argv[argv.index("--") + 1 :]
     if own:
         raise SystemExit(usage)
-    os.environ.setdefault("AXONN_JAX_AUTO_INIT", "0")  # the example initialises after XLA_FLAGS
-
     from axonn_jax.partitioned import Partitioned
 
     rows: list[dict] = []

@@ -23,10 +23,6 @@ import sys
 import time
 from pathlib import Path
 
-# `import axonn_jax` initialises JAX at once under mpiexec; this script sets the
-# simulated device count first (configure_devices) and then calls axonn_jax.init().
-os.environ.setdefault("AXONN_JAX_AUTO_INIT", "0")
-
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -67,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.microbatches < 1:
         p.error(f"--microbatches must be >= 1, got {args.microbatches}")
     try:
-        from axonn_jax.grid import Grid
+        from axonn_jax.partitioner.grid import Grid
 
         Grid.parse(args.grid)
     except (TypeError, ValueError) as exc:
@@ -76,17 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def configure_devices(args) -> None:
-    """Simulated CPU devices, set before JAX starts (no effect on GPUs).
-
-    ``import axonn_jax`` would initialise JAX at once under mpiexec, so the
-    automatic initialisation is switched off here and ``axonn_jax.init()`` is
-    called explicitly once the device count is set.
-    """
+    """Simulated CPU devices, set before JAX starts (no effect on GPUs)."""
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
+    from axonn_jax.partitioner.grid import Grid
     from axonn_jax.runtime.launch import mpi_world_size
-
-    from axonn_jax.grid import Grid
 
     count = args.devices_per_process or max(1, Grid.parse(args.grid).size // mpi_world_size())
     os.environ["XLA_FLAGS"] = (
@@ -104,7 +94,7 @@ def main(argv=None) -> int:
     import optax
 
     import axonn_jax
-    from axonn_jax.data import batch_at, split, stdlib_corpus
+    from axonn_jax.corpus import batch_at, split, stdlib_corpus
     from axonn_jax.models import GPT, GPTConfig
 
     info = axonn_jax.init()
@@ -140,7 +130,7 @@ def main(argv=None) -> int:
     params, opt_state = train_step.init(params)  # params now in --precision on the devices
     evaluate = pm.value_and_grad(next_byte_loss, **options)  # the loss; gradients unused
     if grid.pipeline == 1:
-        from axonn_jax.precision import as_planned
+        from axonn_jax.runtime.precision import as_planned
 
         evaluate = jax.jit(lambda p, b, f=evaluate: f(as_planned(p, pm.plan), b))
 

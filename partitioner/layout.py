@@ -8,7 +8,7 @@ dim over y). An axis appears at most once in a layout. Axes of size 1 are kept
 that axis is not used) and cost nothing.
 
 Example:
-    >>> from axonn_jax import Grid
+    >>> from axonn_jax.partitioner.grid import Grid
     >>> local_shape((8, 4, 32), ((("data", "z")), (), ("y",)), Grid(z=2, y=4, data=2))
     (2, 4, 8)
 """
@@ -19,7 +19,7 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.grid import Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, Z, Grid
 
 Layout = tuple[tuple[str, ...], ...]
 
@@ -83,3 +83,20 @@ def without(layout: Layout, dims) -> Layout:
 def describe(layout: Layout) -> str:
     """``[(data,z), -, y]`` — compact text for reports."""
     return "[" + ", ".join(",".join(a) if a else "-" for a in layout) + "]"
+
+
+def live(layout: Layout, grid: Grid) -> Layout:
+    """``layout`` without its size-1 axes (logical only: nothing to communicate)."""
+    return tuple(tuple(a for a in axes if grid.axis_size(a) > 1) for axes in layout)
+
+
+def use_layout(storage: Layout) -> Layout:
+    """A parameter's layout where it is read: its stored layout without the depth (z) split."""
+    return tuple(axes[:-1] if axes and axes[-1] == Z else axes for axes in storage)
+
+
+def output_layout(layout: Layout) -> Layout:
+    """Model outputs keep a (data, z) batch split on dim 0; everything else is gathered."""
+    if layout and layout[0] == BATCH_AXES:
+        return (BATCH_AXES,) + replicated(len(layout) - 1)
+    return replicated(len(layout))

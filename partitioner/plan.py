@@ -14,10 +14,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from axonn_jax.grid import Grid
+from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, describe, factor, to_spec
-from axonn_jax.partitioner.planner import Fallback, PlannedLayouts
+from axonn_jax.partitioner.propagation import Fallback, PlannedLayouts
 from axonn_jax.partitioner.report import MemoryReport
+from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.stages import Stage
 
 
@@ -30,7 +31,7 @@ class ParamPlan:
     dtype: str
     storage: Layout  # stored layout (what PartitionSpec says)
     use: Layout  # layout after the depth (z) gather, where it is consumed
-    role: str  # "normal", "transposed", "follows activation", "replicated", ...
+    role: ParamRole
 
     @property
     def spec(self) -> jax.sharding.PartitionSpec:
@@ -58,19 +59,11 @@ class Plan:
 
     @classmethod
     def build(cls, traced, grid: Grid, layouts: PlannedLayouts, stages=()) -> Plan:
-        params = []
-        for path, aval in zip(traced.param_paths, traced.param_avals):
-            use = layouts.use[path]
-            if path in layouts.layers:
-                role = "normal" if layouts.layers[path][0] == "y" else "transposed"
-            elif any(use):
-                role = "follows activation"
-            else:
-                role = "replicated"
-            params.append(
-                ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)),
-                          layouts.storage[path], use, role)  # fmt: skip
-            )
+        params = [
+            ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)), layouts.storage[path],
+                      layouts.use[path], layouts.roles[path])  # fmt: skip
+            for path, aval in zip(traced.param_paths, traced.param_avals)
+        ]
         return cls(
             grid=grid,
             params=tuple(params),
@@ -119,7 +112,7 @@ class Plan:
         rows = [("parameter", "shape", "stored as", "role", "bytes/device")]
         for p in self.params:
             rows.append((p.path, "×".join(map(str, p.shape)) or "scalar", describe(p.storage),
-                         p.role, f"{p.bytes_per_device(g):,}"))  # fmt: skip
+                         p.role.value, f"{p.bytes_per_device(g):,}"))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
             f"Plan for {g}: {len(self.params)} parameters, "

@@ -9,7 +9,7 @@ is identified by the parameters nearest to it in the data flow
 to the first equations that read a parameter.
 
 Example:
-    >>> prov = Provenance(traced, inline_calls(traced.jaxpr))   # doctest: +SKIP
+    >>> prov = Provenance(program.traced, program.jaxpr)         # doctest: +SKIP
     >>> prov.describe(7)                                        # doctest: +SKIP
     "equation 7 'log' in layer 'layer_2' (parameters nearby: layer_2/bias)"
 """
@@ -90,12 +90,12 @@ class Provenance:
     """Layer names and nearest parameters of the equations of an inlined model jaxpr."""
 
     def __init__(self, traced, inlined, *, root: str | None = None):
-        """``traced``: the :class:`TracedModel`; ``inlined``: ``inline_calls(traced.jaxpr)``.
+        """``traced``: the :class:`TracedModel`; ``inlined``: its inlined Jaxpr (``program.jaxpr``).
 
         ``root``: the name the root module has in linen name stacks (its class
         name), stripped from layer names.
         """
-        self.jaxpr = inlined.jaxpr
+        self.jaxpr = inlined
         self.paths = traced.param_paths
         eqns = self.jaxpr.eqns
         self.layers: list[str | None] = [None] * len(eqns)

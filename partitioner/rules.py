@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from axonn_jax.grid import X, Y, Grid
+from axonn_jax.partitioner.grid import X, Y, Grid
 from axonn_jax.partitioner.layout import (
     Layout,
     divides,

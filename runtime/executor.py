@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axonn_jax.grid import BATCH_AXES, DATA, Z, Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.layout import Layout, local_shape, used_axes
+from axonn_jax.partitioner.layout import Layout, live, local_shape, use_layout, used_axes
+from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
 from axonn_jax.runtime.pointwise import bind_custom_jvp
@@ -65,11 +66,6 @@ class _Deferred:
     """A parameter cast/reshape equation, run when its output is first needed."""
 
     eqn: object
-
-
-def live(layout: Layout, grid: Grid) -> Layout:
-    """``layout`` without its size-1 axes (logical only: nothing to communicate)."""
-    return tuple(tuple(a for a in axes if grid.axis_size(a) > 1) for axes in layout)
 
 
 def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
@@ -122,10 +118,6 @@ def read_param(x: jax.Array, storage: Layout, grid: Grid) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def use_layout(storage: Layout) -> Layout:
-    return tuple(axes[:-1] if axes and axes[-1] == Z else axes for axes in storage)
-
-
 def needs_gather(storage: Layout, grid: Grid) -> bool:
     """True if reading a parameter stored in ``storage`` all-gathers its depth (z) split."""
     return grid.z > 1 and any(axes and axes[-1] == Z for axes in storage)
@@ -167,24 +159,16 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
 class Executor:
     """Interpret ``jaxpr`` on local shards; call inside ``shard_map`` on a stage mesh."""
 
-    def __init__(
-        self,
-        jaxpr,
-        consts: Sequence,
-        grid: Grid,
-        *,
-        param_storage: Sequence[Layout],
-        arg_layouts: Sequence[Layout],
-        out_layouts: Sequence[Layout],
-        overlap: Overlap = Overlap(),
-    ):
-        self.jaxpr, self.consts, self.grid = jaxpr, list(consts), grid
-        self.param_storage = list(param_storage)
-        self.arg_layouts = list(arg_layouts)
-        self.out_layouts = list(out_layouts)
+    def __init__(self, program: Program, *, overlap: Overlap = Overlap()):
+        self.program = program
+        self.jaxpr, self.consts, self.grid = program.jaxpr, list(program.consts), program.grid
+        self.param_storage = list(program.param_storage)
+        self.arg_layouts = list(program.arg_layouts)
+        self.out_layouts = list(program.output_layouts)
         self.overlap = overlap
-        self.ctx = R.Context(grid)
+        self.ctx = R.Context(self.grid)
         n = len(self.param_storage)
+        jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
         self._needs, self._prefetch = gather_points(jaxpr, n, self._made_by)
         self._param_dependent = _dependents(jaxpr, jaxpr.invars[:n])
@@ -282,23 +266,6 @@ class Executor:
             value = self._materialise(self.value(var, env, lay), lay[var], target, frozenset())
             outs.append(_one_copy(value, target))
         return outs
-
-    def layouts(self) -> dict:
-        """Layout of every variable, without computing anything (the rules alone)."""
-        lay: dict = {}
-        n = len(self.param_storage)
-        for var, storage in zip(self.jaxpr.invars[:n], self.param_storage):
-            lay[var] = use_layout(storage)
-        for var, layout in zip(self.jaxpr.invars[n:], self.arg_layouts):
-            lay[var] = layout
-        for var in self.jaxpr.constvars:
-            lay[var] = ((),) * len(var.aval.shape)
-        for eqn in self.jaxpr.eqns:
-            layouts = [((),) * len(R.shape_of(v)) if R.is_literal(v) else lay[v] for v in eqn.invars]
-            step = R.rule(eqn, layouts, self.ctx)
-            for var, out in zip(eqn.outvars, step.outs):
-                lay[var] = out
-        return lay
 
     def _run(self, eqn, env, lay) -> None:
         for var in eqn.invars:

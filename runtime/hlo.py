@@ -23,7 +23,7 @@ import re
 
 import numpy as np
 
-KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+from axonn_jax.partitioner.report import KINDS, ring_wire_bytes
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -69,8 +69,6 @@ class Collective:
         all-gather (g-1)/g·R, reduce-scatter (g-1)·R (R = the shard), all-reduce
         2(g-1)/g·R, all-to-all (g-1)/g·R, collective-permute R.
         """
-        from axonn_jax.partitioner.report import ring_wire_bytes
-
         return ring_wire_bytes(self.kind, self.group_size, self.result_bytes)
 
     @property

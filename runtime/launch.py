@@ -7,9 +7,14 @@ devices, and installs an abort path so that an uncaught exception on any rank
 ends the whole job (``MPI_Abort``) instead of leaving the other ranks blocked in
 a collective. In a single process it does nothing.
 
-``import axonn_jax`` calls :func:`init` automatically when it detects an MPI
-launch with more than one rank (set ``AXONN_JAX_AUTO_INIT=0`` to opt out and
-call it yourself before touching any JAX array).
+Importing axonn_jax has no side effects: :func:`init` runs at the first
+device use (building a mesh, ``axonn_jax.partition``) or when called. Under
+``mpiexec`` call ``axonn_jax.init()`` before touching JAX arrays yourself
+(JAX must join the other processes before its backends start).
+
+:class:`HostComm` carries small host objects between the processes (all-gather,
+broadcast, logical AND, barrier): with :mod:`axonn_jax.runtime.pipeline.transport`
+the only code that speaks MPI.
 
 Example:
     >>> import axonn_jax
@@ -25,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+from typing import Any
 
 #: Environment variables that MPI launchers set to the world size.
 _WORLD_SIZE_VARS = (
@@ -97,7 +103,7 @@ def init(
             raise RuntimeError(
                 f"axonn_jax.init() found {world} MPI ranks but JAX's backends are already "
                 "initialised in this process, so jax.distributed can no longer join them. "
-                "Remedy: `import axonn_jax` (or call axonn_jax.init()) before creating "
+                "Remedy: call axonn_jax.init() at the top of the script, before creating "
                 "any JAX array or calling jax.devices()."
             )
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -147,7 +153,71 @@ def install_abort_hook() -> None:
     sys.excepthook = hook
 
 
-def auto_init() -> None:
-    """Called by ``import axonn_jax``: initialise when launched by MPI with >1 ranks."""
-    if mpi_world_size() > 1 and os.environ.get("AXONN_JAX_AUTO_INIT", "1") != "0":
-        init()
+class HostComm:
+    """Small host objects between the processes of one communicator (picklable values).
+
+    Collective: every process of the communicator makes the same calls in the
+    same order.
+
+    Example (under ``mpiexec -n 2``)::
+
+        comm = world()
+        comm.allgather(jax.process_index())   # [0, 1] on both ranks
+        comm.all_true(rank_ok)                # False everywhere if any rank is not ok
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm  # an mpi4py communicator
+
+    @classmethod
+    def duplicate_world(cls) -> HostComm:
+        """A communicator of its own over every process (a ``Dup`` of ``COMM_WORLD``)."""
+        from mpi4py import MPI
+
+        return cls(MPI.COMM_WORLD.Dup())
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.comm.Get_size()
+
+    def allgather(self, obj: Any) -> list:
+        """Every process's ``obj``, in rank order, on every process."""
+        return self.comm.allgather(obj)
+
+    def gather(self, obj: Any, root: int = 0) -> list | None:
+        """Every process's ``obj`` on ``root`` (``None`` elsewhere)."""
+        return self.comm.gather(obj, root=root)
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every process."""
+        return self.comm.bcast(obj if self.rank == root else None, root=root)
+
+    def all_true(self, flag: Any) -> bool:
+        """Logical AND of ``flag`` over the processes."""
+        from mpi4py import MPI
+
+        return bool(self.comm.allreduce(bool(flag), op=MPI.LAND))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+
+_WORLD: HostComm | None = None
+
+
+def world() -> HostComm | None:
+    """A :class:`HostComm` over every process of the job, or ``None`` in a single process."""
+    global _WORLD
+    if mpi_world_size() <= 1:
+        return None
+    import jax
+
+    if jax.process_count() <= 1:
+        return None
+    if _WORLD is None:
+        _WORLD = HostComm.duplicate_world()
+    return _WORLD

@@ -7,8 +7,8 @@ stage owns a contiguous block of processes.
 
 Example:
     >>> import jax
-    >>> from axonn_jax import Grid
-    >>> mesh = Grid(x=2, z=2, data=2).mesh()            # doctest: +SKIP
+    >>> from axonn_jax.partitioner.grid import Grid
+    >>> mesh = build_mesh(Grid(x=2, z=2, data=2))       # doctest: +SKIP
     >>> mesh.axis_names
     ('pipeline', 'data', 'z', 'y', 'x')
 """
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from axonn_jax.grid import MESH_AXES, STAGE_AXES, Grid
+from axonn_jax.partitioner.grid import MESH_AXES, STAGE_AXES, Grid
 
 
 def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Device]:

@@ -1,6 +1,6 @@
 """One pipeline stage run with a finiteness check after every equation.
 
-:class:`ProbedStage` executes a :class:`~axonn_jax.runtime.stage_program.StageFlow`
+:class:`ProbedStage` executes a :class:`~axonn_jax.runtime.pipeline.stage_program.StageFlow`
 with the 4D executor inside ``shard_map`` on the stage's mesh, exactly like
 the training programs, and additionally
 
@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axonn_jax.grid import Grid
-from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.layout import Layout, to_spec
-from axonn_jax.runtime.executor import Executor, _Lazy, live
+from axonn_jax.partitioner.flows import StageFlow
+from axonn_jax.partitioner.layout import Layout
+from axonn_jax.runtime.executor import Executor, _Lazy
+from axonn_jax.partitioner.flows import is_float
+from axonn_jax.runtime.sharded import manual_axes, on_mesh, sharding
 from axonn_jax.runtime.varying import vma
-from axonn_jax.runtime.stage_program import StageFlow, is_float
 
 NAN, INF, FINITE = 2.0, 1.0, 0.0
 
@@ -78,17 +78,15 @@ def _is_drop(var) -> bool:
 class ProbedStage:
     """Forward (and backward) of one stage with per-equation NaN/Inf flags."""
 
-    def __init__(self, flow: StageFlow, executor: Executor, grid: Grid, mesh):
-        self.flow, self.executor, self.grid, self.mesh = flow, executor, grid, mesh
+    def __init__(self, flow: StageFlow, executor: Executor, mesh):
+        self.flow, self.executor, self.grid, self.mesh = flow, executor, executor.grid, mesh
         #: (position in flow.eqns, output index) of every checked value
         self.slots: list[tuple[int, int]] = [
             (i, k) for i, eqn in enumerate(flow.eqns) for k, v in enumerate(eqn.outvars)
             if not _is_drop(v) and is_float(v.aval)
         ]  # fmt: skip
-        self.manual = frozenset(a for a in mesh.axis_names if grid.axis_size(a) > 1)
-        self.diff_in = [i for i, v in enumerate(flow.inbound) if is_float(v.aval)]
-        self.diff_out = [i for i, v in enumerate(flow.outbound)
-                         if not R.is_literal(v) and is_float(v.aval)]  # fmt: skip
+        self.manual = manual_axes(mesh, self.grid)
+        self.diff_in, self.diff_out = flow.diff_in, flow.diff_out
         self._body = self._shard_mapped()
         self.forward = jax.jit(self._forward)
         self.forward_vjp = jax.jit(self._forward_vjp)
@@ -98,11 +96,8 @@ class ProbedStage:
     def num_tokens(self) -> int:
         return max(len(self.slots), 1)
 
-    def spec(self, layout: Layout):
-        return to_spec(live(layout, self.grid))
-
     def sharding(self, layout: Layout) -> jax.sharding.NamedSharding:
-        return jax.sharding.NamedSharding(self.mesh, self.spec(layout))
+        return sharding(self.mesh, self.grid, layout)
 
     # --- the stage as a function of local shards --------------------------
     def _local(self, params, args, inbound, tokens):
@@ -142,19 +137,13 @@ class ProbedStage:
         return lax.pmax(jnp.stack([everywhere(f) for f in flags]), tuple(sorted(axes)))
 
     def _shard_mapped(self):
-        if not self.manual:
-            return self._local
         ex, flow = self.executor, self.flow
-        P = jax.sharding.PartitionSpec
-        return jax.shard_map(
-            self._local,
-            mesh=self.mesh,
-            in_specs=([self.spec(ex.param_storage[i]) for i in flow.params],
-                      [self.spec(ex.arg_layouts[j]) for j in flow.args],
-                      [self.spec(l) for l in flow.inbound_layouts], P()),  # fmt: skip
-            out_specs=([self.spec(l) for l in flow.outbound_layouts], P()),
-            axis_names=self.manual,
-        )
+        flags = ((),)  # one replicated vector: a token or flag per checked value
+        return on_mesh(self._local, self.mesh, self.grid,
+                       in_layouts=[[ex.param_storage[i] for i in flow.params],
+                                   [ex.arg_layouts[j] for j in flow.args],
+                                   list(flow.inbound_layouts), flags],
+                       out_layouts=(list(flow.outbound_layouts), flags))  # fmt: skip
 
     # --- programs ----------------------------------------------------------
     def _tokens(self) -> jax.Array:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +29,13 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AbstractMesh
 
-from axonn_jax.grid import STAGE_AXES, Grid
+from axonn_jax.partitioner.grid import STAGE_AXES, Grid
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
-from axonn_jax.partitioner.trace import is_static
+from axonn_jax.partitioner.trace import call_leaves, is_static
+from axonn_jax.runtime.overlap import Overlap
+from axonn_jax.runtime.sharded import apply_program
 
 #: jaxpr primitive → HLO collective kind
 _KINDS = {
@@ -56,7 +60,7 @@ _ASYNC = {f"{name}_{half}" for name in (*_KINDS, *_UNPRICED) for half in ("start
 class StepReport:
     """Communication and memory of one training step, per device."""
 
-    plan: object  # the Plan
+    plan: Plan
     communication: CommReport
     memory: MemoryReport
 
@@ -69,31 +73,43 @@ def abstract_stage_mesh(grid: Grid) -> AbstractMesh:
     return AbstractMesh(tuple(grid.stage_shape.values()), STAGE_AXES)
 
 
-def step_report(pm, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
-    """Trace one training step of ``pm`` on ``args`` (default: the example inputs).
+def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
+                example: Program, overlap: Overlap = Overlap(), optimizer_slots: int = 2,
+                **kwargs) -> StepReport:  # fmt: skip
+    """Trace one training step of a planned model on ``args`` (default: the example inputs).
 
-    The forward pass is traced as ``jax.vjp`` of ``pm.apply`` (its outputs
-    plus the residuals autodiff keeps), the backward pass as the pullback on
-    those residuals: together exactly ``jax.value_and_grad``.
+    The forward pass is traced as ``jax.vjp`` of the model (its outputs plus
+    the residuals autodiff keeps), the backward pass as the pullback on those
+    residuals: together exactly ``jax.value_and_grad`` of ``pm.apply``.
 
     Args:
-        pm: a :class:`~axonn_jax.Partitioned` with ``grid.pipeline == 1``.
+        plan: the :class:`Plan`, with ``grid.pipeline == 1``.
+        programs: ``programs(args, kwargs)`` → the :class:`Program` for those inputs.
         args, kwargs: model inputs (arrays or ``ShapeDtypeStruct``); none given
-            means the example inputs passed to ``partition()``.
+            means those of ``example`` (the Program of ``partition()``'s inputs).
+        overlap: the communication overlap the executor sets up.
         optimizer_slots: fp32 optimizer values per parameter element (2 for Adam).
     """
-    if pm.grid.pipeline != 1:
+    grid = plan.grid
+    if grid.pipeline != 1:
         raise NotImplementedError(
-            f"{pm.grid} has pipeline={pm.grid.pipeline}: step reports cover grids with "
+            f"{grid} has pipeline={grid.pipeline}: step reports cover grids with "
             "pipeline=1 (the ones pm.apply runs). Remedy: report one stage's grid, e.g. "
-            f"Grid(x={pm.grid.x}, y={pm.grid.y}, z={pm.grid.z}, data={pm.grid.data})."
+            f"Grid(x={grid.x}, y={grid.y}, z={grid.z}, data={grid.data})."
         )
     if not args and not kwargs:
-        args, kwargs = pm._traced.example_call()
+        args, kwargs = example.traced.example_call()
     args, kwargs = jax.tree.map(lambda x: x if is_static(x) else _abstract(x), (args, kwargs))
-    traced_pm = pm._with_mesh(abstract_stage_mesh(pm.grid))
+    program = programs(args, kwargs)
+    mesh = abstract_stage_mesh(grid)
+
+    def apply(p, a, k):
+        arrays, _ = call_leaves(a, k)
+        outs = apply_program(program, mesh, jax.tree.leaves(p), arrays, overlap=overlap)
+        return jax.tree.unflatten(program.out_tree, outs)
+
     params = jax.tree.unflatten(
-        pm.plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]
+        plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in plan.params]
     )
     pullback_tree = {}
 
@@ -105,7 +121,7 @@ def step_report(pm, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
         values = iter(dynamic)
         a, k = jax.tree.unflatten(call_tree, [static[i] if i in static else next(values)
                                               for i in range(len(leaves))])  # fmt: skip
-        out, pullback = jax.vjp(lambda q: traced_pm.apply(q, *a, **k), p)
+        out, pullback = jax.vjp(lambda q: apply(q, a, k), p)
         residuals, pullback_tree["tree"] = jax.tree.flatten(pullback)
         return out, residuals
 
@@ -118,14 +134,14 @@ def step_report(pm, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
     )
     backward = [dataclasses.replace(t, phase="backward") for t in collect(bwd.jaxpr.eqns)]
     saved = saved_bytes(
-        fwd.jaxpr, num_params=len(pm.plan.params), num_residuals=len(residual_shapes)
+        fwd.jaxpr, num_params=len(plan.params), num_residuals=len(residual_shapes)
     )
     memory = MemoryReport.from_plan(
-        pm.plan, optimizer_slots=optimizer_slots, activations=saved.activations,
+        plan, optimizer_slots=optimizer_slots, activations=saved.activations,
         gathered_weights=saved.weights,
     )  # fmt: skip
     communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
-    return StepReport(pm.plan, communication, memory)
+    return StepReport(plan, communication, memory)
 
 
 def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> list[Transfer]:

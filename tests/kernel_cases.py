@@ -1,4 +1,4 @@
-"""Hand-wired 4D versions of two Flax models, built from ``runtime.kernels``.
+"""Hand-wired 4D versions of two Flax models, built from ``tests/kernels4d.py``.
 
 Shared by ``test_kernels.py`` (one process, 8 devices) and
 ``mpi_scripts/kernel_equivalence.py`` (2 processes × 4 devices). Each case
@@ -17,9 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax import Grid
-from axonn_jax.grid import X, Y
-from axonn_jax.partitioner.layouts import activation_spec, embedding_spec, weight_spec
-from axonn_jax.runtime import kernels as K
+from axonn_jax.runtime.mesh import stage_meshes
+from axonn_jax.partitioner.grid import X, Y
+from kernel_specs import activation_spec, embedding_spec, weight_spec
+import kernels4d as K
 
 HIDDEN, FFN, VOCAB = 32, 64, 64
 
@@ -156,7 +157,7 @@ def run_case(name: str, grid: Grid, devices=None, seed: int = 0):
     """Return ``(reference, sharded)``, each a dict of NumPy arrays."""
     _, fn4d, specs_fn, _, in_spec, out_spec, diff_input = CASES[name]
     params, inputs, probe, reference = reference_of(name, seed)
-    mesh = grid.stage_meshes(devices)[0]
+    mesh = stage_meshes(grid, devices)[0]
     specs = specs_fn()
     sharded_params = jax.tree.map(lambda v, s: place(v, mesh, s), params, specs)
     sharded_inputs = place(inputs, mesh, in_spec)

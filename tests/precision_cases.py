@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from axonn_jax.precision import all_finite, as_planned
+from axonn_jax.runtime.precision import all_finite, as_planned
 
 
 def loss_scaled_step(pm, opt):

@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from partition_cases import GRIDS, build
 
 import axonn_jax
-from axonn_jax.grid import BATCH_AXES, STAGE_AXES
+from axonn_jax.partitioner.grid import BATCH_AXES, STAGE_AXES
 from axonn_jax.models import GPT, GPTConfig
 from axonn_jax.partitioner.report import ring_wire_bytes
 from axonn_jax.runtime.hlo import collectives, mesh_axis_groups

@@ -6,7 +6,7 @@ from mpi_util import run_mpi
 
 import axonn_jax
 from axonn_jax import Grid
-from axonn_jax.consistency import check_consistent, fingerprint
+from axonn_jax.runtime.consistency import check_consistent
 from axonn_jax.models import MLP
 
 X = np.zeros((8, 16), np.float32)
@@ -20,9 +20,9 @@ class FakeComm:
 
     def allgather(self, obj):
         self.calls += 1
-        theirs = [fingerprint(pm) for pm in self.others]
+        theirs = [pm.fingerprint() for pm in self.others]
         if self.calls == 1:
-            from axonn_jax.consistency import digests
+            from axonn_jax.runtime.consistency import digests
 
             theirs = [digests(p) for p in theirs]
         return [obj, *theirs]
@@ -34,7 +34,7 @@ class FakeComm:
 def test_same_everywhere_passes_with_one_allgather():
     pm = axonn_jax.partition(MLP((32, 16)), Grid(x=2, y=2, z=2), X)
     comm = FakeComm([axonn_jax.partition(MLP((32, 16)), Grid(x=2, y=2, z=2), X)])
-    check_consistent(pm, comm)
+    check_consistent(pm.fingerprint(), comm)
     assert comm.calls == 1
 
 
@@ -47,7 +47,7 @@ def test_differences_are_named_by_rank():
         axonn_jax.partition(MLP((32, 16)), Grid(x=2, y=2, z=2), np.zeros((16, 16), np.float32)),
     ]
     with pytest.raises(ValueError) as err:
-        check_consistent(pm, FakeComm(others))
+        check_consistent(pm.fingerprint(), FakeComm(others))
     text = str(err.value)
     assert "rank 1 " not in text
     assert "rank 2 has grid Grid(x=2, y=1, z=2, data=1, pipeline=2) but rank 0 has Grid(x=2, y=2" in text

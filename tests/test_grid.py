@@ -2,8 +2,9 @@
 
 import pytest
 
+import axonn_jax
 from axonn_jax import Grid
-from axonn_jax.grid import MESH_AXES, STAGE_AXES
+from axonn_jax.partitioner.grid import MESH_AXES, STAGE_AXES
 
 
 def test_sizes_and_shape():
@@ -46,10 +47,17 @@ def test_parse():
 
 def test_wrong_device_count_names_sizes_and_remedy(devices):
     with pytest.raises(ValueError) as err:
-        Grid(x=2, y=2).mesh()
+        axonn_jax.mesh(Grid(x=2, y=2))
     text = str(err.value)
     assert "needs 4 devices" in text and "8 are available" in text
     assert "Remedy" in text and "product is 8" in text
+
+
+def test_grid_builds_no_devices_and_says_where_meshes_come_from():
+    with pytest.raises(AttributeError, match=r"axonn_jax.mesh\(grid\)"):
+        Grid(x=2).mesh()
+    with pytest.raises(AttributeError, match=r"axonn_jax.stage_meshes\(grid\)"):
+        Grid(x=2).stage_meshes()
 
 
 def test_indivisible_dimension_error_names_dim_axis_and_remedy():
@@ -62,10 +70,10 @@ def test_indivisible_dimension_error_names_dim_axis_and_remedy():
 
 def test_meshes(devices):
     grid = Grid(x=2, z=2, pipeline=2)
-    mesh = grid.mesh()
+    mesh = axonn_jax.mesh(grid)
     assert mesh.axis_names == MESH_AXES
     assert mesh.devices.shape == (2, 1, 2, 1, 2)
-    stages = grid.stage_meshes()
+    stages = axonn_jax.stage_meshes(grid)
     assert len(stages) == 2
     assert all(m.axis_names == STAGE_AXES for m in stages)
     # stages own disjoint, contiguous blocks of devices; x varies fastest
@@ -81,4 +89,4 @@ def test_rank_to_stage_and_position(devices):
     assert coords[devices[0]] == dict(pipeline=0, data=0, z=0, y=0, x=0)
     assert coords[devices[5]] == dict(pipeline=1, data=0, z=0, y=0, x=1)
     assert coords[devices[6]] == dict(pipeline=1, data=0, z=1, y=0, x=0)
-    assert local_stages(grid.stage_meshes()) == [0, 1]  # one process owns both stages
+    assert local_stages(axonn_jax.stage_meshes(grid)) == [0, 1]  # one process owns both stages

@@ -23,16 +23,17 @@ from conftest import grid_id, grids_of
 from jax.sharding import NamedSharding
 
 from axonn_jax import Grid
-from axonn_jax.grid import DATA, STAGE_AXES, Z
-from axonn_jax.partitioner.layouts import activation_spec, layer_axes, weight_spec
-from axonn_jax.runtime import kernels as K
+from axonn_jax.runtime.mesh import stage_meshes
+from axonn_jax.partitioner.grid import DATA, STAGE_AXES, Z
+from kernel_specs import activation_spec, layer_axes, weight_spec
+import kernels4d as K
 from axonn_jax.runtime.hlo import collectives, mesh_axis_groups
 
 M, K_DIM, N = 16, 32, 64
 
 
 def compiled_layer(grid: Grid, transposed: bool):
-    mesh = grid.stage_meshes()[0]
+    mesh = stage_meshes(grid)[0]
     in_axis, out_axis = layer_axes(transposed)
     in_spec, out_spec = activation_spec(2, {-1: in_axis}), activation_spec(2, {-1: out_axis})
     w_spec = weight_spec(2, transposed=transposed)

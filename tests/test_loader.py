@@ -9,7 +9,8 @@ import pytest
 from conftest import grid_id
 
 from axonn_jax import Grid
-from axonn_jax.data import batch_at
+from axonn_jax.runtime.mesh import stage_meshes
+from axonn_jax.corpus import batch_at
 from axonn_jax.loader import Loader
 
 GRIDS = [
@@ -29,7 +30,7 @@ def tokens():
 
 
 def _mesh(grid: dict):
-    return Grid(**grid).stage_meshes()[0]
+    return stage_meshes(Grid(**grid))[0]
 
 
 def _expected_rows(mesh, device, rows_total: int) -> slice:

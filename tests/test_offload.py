@@ -29,10 +29,11 @@ import pytest
 from conftest import grid_id
 
 import axonn_jax
+from axonn_jax.runtime.mesh import stage_meshes
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
-from axonn_jax.memory import Bytes, MemoryReport, array_bytes, compiled_bytes, entry_layout_bytes
-from axonn_jax.offload import HOST, MasterOptimizer, MasterState, coupling
-from axonn_jax.precision import as_planned
+from axonn_jax.runtime.memory import Bytes, MeasuredMemory, array_bytes, compiled_bytes, entry_layout_bytes
+from axonn_jax.runtime.offload import HOST, MasterOptimizer, MasterState, coupling
+from axonn_jax.runtime.precision import as_planned
 
 BATCH, SEQ, VOCAB, LR = 8, 16, 64, 1e-2
 STEPS, CURVE_STEPS = 20, 30
@@ -178,7 +179,7 @@ def test_buckets_respect_size_and_cover_every_parameter():
 @pytest.mark.parametrize("offload,update_on", [(False, "host"), (True, "host"), (True, "device")])
 def test_skipped_step_changes_nothing(offload, update_on):
     """finite=False: parameters, masters and the whole optimizer state (count too) stay."""
-    mesh = axonn_jax.Grid(x=2, z=2, data=2).stage_meshes()[0]
+    mesh = stage_meshes(axonn_jax.Grid(x=2, z=2, data=2))[0]
     shardings = {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("z", "x")),
                  "b": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))}  # fmt: skip
     full = {"w": jnp.arange(32.0).reshape(4, 8) / 7, "b": jnp.linspace(-1, 1, 8)}
@@ -203,7 +204,7 @@ def test_skipped_step_changes_nothing(offload, update_on):
 
 def test_memory_report_splits_device_and_host():
     """Live arrays and compiled programs, split by memory space, against hand counts."""
-    mesh = axonn_jax.Grid(x=2, z=2, data=2).stage_meshes()[0]
+    mesh = stage_meshes(axonn_jax.Grid(x=2, z=2, data=2))[0]
     shardings = {"w": jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("z", "x"))}
     full = {"w": jnp.ones((64, 32))}  # 2,048 elements split over z·x: 512 per device (replicated over data)
     opt = MasterOptimizer(optax.adam(LR), shardings, precision="bf16", offload=True)
@@ -220,7 +221,7 @@ def test_memory_report_splits_device_and_host():
     text = "entry_computation_layout={(f32[2,3]{1,0:S(5)}, bf16[4]{0})->s32[]{:S(5)}}"
     assert entry_layout_bytes(text) == (Bytes(device=8, host=24), Bytes(device=0, host=4))
 
-    report = MemoryReport.measure(opt, params, state, extra={"grads": Bytes(512 * 2)})
+    report = MeasuredMemory.measure(opt, params, state, extra={"grads": Bytes(512 * 2)})
     assert report.params_per_device == 512
     assert report.planned["optimizer"].host == 512 * 8 + 4 and report.planned["master"].host == 512 * 4
     assert report.model_state_per_param("device") == 4.0 == report.model_state_per_param("device", "planned")
@@ -231,7 +232,7 @@ def test_one_optimizer_per_pipeline_stage():
     """Grid x=2, z=2, pipeline=2: each stage's parameters on its own 4-device mesh,
     bf16 on the device, masters and AdamW state in that stage's host memory; a step
     skipped on one stage is skipped on both (flags combined), then both match optax."""
-    from axonn_jax.precision import combine_finite
+    from axonn_jax.runtime.precision import combine_finite
 
     grid = axonn_jax.Grid(x=2, z=2, pipeline=2)
     pm = axonn_jax.partition(GPT(CONFIG), grid, _batches(1)[0])  # planning only
@@ -240,7 +241,7 @@ def test_one_optimizer_per_pipeline_stage():
              jax.tree_util.tree_flatten_with_path(full)[0]]  # fmt: skip
     leaves = dict(zip(paths, jax.tree.leaves(full)))
     stages = []
-    for stage, mesh in zip(pm.plan.stages, grid.stage_meshes()):
+    for stage, mesh in zip(pm.plan.stages, stage_meshes(grid)):
         own = [p for p in stage.params if p in leaves]
         params = {p: leaves[p] for p in own}
         shardings = {p: jax.sharding.NamedSharding(mesh, pm.plan.param(p).spec) for p in own}

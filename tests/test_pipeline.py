@@ -14,7 +14,7 @@ from mpi_util import run_mpi
 from pipeline_cases import build, compare_grads, run_case, save_references
 
 import axonn_jax
-from axonn_jax.runtime import schedules, trace
+from axonn_jax.runtime.pipeline import schedules, timeline as trace
 
 # pipeline 2 and 4, 4D-sharded stages, the repo's GPT and a third-party model
 SINGLE_PROCESS = [("gpt", "pipeline=2,x=2,z=2"), ("hf_gpt2", "pipeline=4,z=2")]
@@ -55,7 +55,7 @@ def test_stage_flows_chain(devices):
     for flow, stage in zip(flows, pm.plan.stages):
         assert {pm.plan.params[i].path for i in flow.params} == set(stage.params)
     # the tied embedding is used by the first and last stage only
-    assert pm.stage_layout.users[[p.path for p in pm.plan.params].index("embed/embedding")] == (0, 3)
+    assert pm.param_homes.users[[p.path for p in pm.plan.params].index("embed/embedding")] == (0, 3)
 
 
 def test_compiles_once_across_steps(gpt_two_stages, caplog):
@@ -119,6 +119,54 @@ def test_static_schedules():
         assert in_flight.max() <= 4 - stage or stage == 3
         assert sorted(order) == sorted(schedules.gpipe(stage, 4, 6))
     assert trace.bubble_theory(4, 8) == pytest.approx(3 / 11)
+
+
+class _Stage:
+    """A stage's progress as the dispatch queue shows it to a schedule."""
+
+    def __init__(self, forwards=0, backwards=0, cotangents=(), last_kind=""):
+        self.forwards, self.backwards, self.last_kind = forwards, backwards, last_kind
+        self.cotangents = dict.fromkeys(cotangents)
+
+
+def test_message_driven_schedule_picks_backward_first_and_keeps_the_limit():
+    schedule = schedules.make_schedule("message", limit=2, stages=2)
+    assert isinstance(schedule, schedules.MessageDriven) and schedule.limit == 2
+    schedule.start([0], 2, 4)
+    everything = lambda s, kind, mb: True  # noqa: E731
+    # a returned gradient runs before a new forward
+    assert schedule.pick({0: _Stage(1, 0, cotangents=[0])}, everything, 4) == (0, "B", 0)
+    # after a backward returns to stage 0, the next forward is injected at once
+    assert schedule.pick({0: _Stage(2, 1, cotangents=[1], last_kind="B")}, everything, 4) == (0, "F", 2)
+    # stage 0 keeps at most `limit` microbatches in flight
+    assert schedule.pick({0: _Stage(2, 0)}, everything, 4) is None
+    assert schedule.pick({0: _Stage(1, 0)}, everything, 4) == (0, "F", 1)
+    # nothing whose input has not arrived
+    assert schedule.pick({1: _Stage(0, 0)}, lambda s, k, mb: False, 4) is None
+
+
+def test_static_schedule_follows_its_order():
+    schedule = schedules.make_schedule("1f1b", limit=None, stages=2)
+    schedule.start([0], 2, 3)
+    ran = []
+    for _ in range(6):
+        task = schedule.pick({0: _Stage()}, lambda s, k, mb: True, 3)
+        ran.append(task[1:])
+        schedule.ran(0)
+    assert ran == schedules.one_f_one_b(0, 2, 3)
+    assert schedule.pick({0: _Stage()}, lambda s, k, mb: True, 3) is None
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        schedules.make_schedule("zigzag", limit=None, stages=2)
+
+
+def test_in_process_transport_host_values():
+    from axonn_jax.runtime.pipeline.transport import InProcessTransport
+
+    t = InProcessTransport()
+    assert t.allgather(3) == [3] and t.gather("x") == ["x"] and t.broadcast(5, root=0) == 5
+    assert t.all_true(np.bool_(True)) is True and t.all_true(False) is False
+    grads = [object()]
+    assert t.sum_shared(grads, [(0, 1)], [0], [0]) is grads
 
 
 def test_bad_pipeline_inputs(gpt_two_stages):

@@ -24,8 +24,8 @@ from precision_cases import loss_scaled_step
 
 import axonn_jax
 from axonn_jax.models import GPT, GPTConfig
-from axonn_jax.offload import MasterOptimizer
-from axonn_jax.precision import (
+from axonn_jax.runtime.offload import MasterOptimizer
+from axonn_jax.runtime.precision import (
     LossScale,
     Precision,
     all_finite,

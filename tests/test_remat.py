@@ -11,7 +11,7 @@ import pytest
 
 import axonn_jax
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
-from axonn_jax.remat import REMAT_POLICIES, apply_remat, remat_policy
+from axonn_jax.runtime.remat import REMAT_POLICIES, apply_remat, remat_policy
 
 
 @pytest.fixture(scope="module")

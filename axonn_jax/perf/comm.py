@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from axonn_jax.grid import DATA, PIPELINE, Y, Z, Grid
+from axonn_jax.partitioner.grid import DATA, PIPELINE, Y, Z, Grid
+from axonn_jax.partitioner.report import ring_wire_bytes
 from axonn_jax.perf.spec import ModelSpec
 
 #: Axis nesting, innermost first (design.md §1); groups of later axes contain earlier ones.
@@ -46,7 +47,7 @@ NESTING = ("x", "y", "z", "data", "pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
-class Collective:
+class CollectiveCost:
     """Collectives of one kind, on one group, for one purpose, summed over a step.
 
     ``inner``/``size``: product of the axes nested inside the group, and the
@@ -88,15 +89,13 @@ def group_of(axes: tuple[str, ...], grid: Grid) -> tuple[int, int]:
 
 
 def _ring(kind: str, g: int) -> float:
-    """Wire factor per element of the full (gathered / reduced) buffer."""
-    if g <= 1:
-        return 0.0
-    return 2 * (g - 1) / g if kind == "all-reduce" else (g - 1) / g
+    """Wire elements per element of the full (gathered / reduced) buffer (the one ring formula)."""
+    return ring_wire_bytes(kind, g, 1.0 / g if kind == "reduce-scatter" else 1.0)
 
 
 def collectives(
     spec: ModelSpec, grid: Grid, *, recompute: bool, microbatches: int = 1
-) -> tuple[Collective, ...]:
+) -> tuple[CollectiveCost, ...]:
     """Every collective of one training step on one device of the slowest stage.
 
     The pipeline's stages are assumed balanced: each holds ``1/pipeline`` of
@@ -164,7 +163,7 @@ def collectives(
     groups = {axes: group_of(axes, grid) for (_, _, axes, *_rest) in acc}
     # gradients are all-reduced in buckets: one call per group and step (XLA combines them too)
     return tuple(
-        Collective(what, kind, axes, phase, elements, calls if per_mb else 1.0,
+        CollectiveCost(what, kind, axes, phase, elements, calls if per_mb else 1.0,
                    *groups[axes], per_microbatch=per_mb, repeats=repeats)  # fmt: skip
         for (what, kind, axes, phase, per_mb, repeats), (elements, calls) in acc.items()
         if groups[axes][1] > 1

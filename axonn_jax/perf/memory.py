@@ -2,7 +2,7 @@
 
 * parameters, gradients, optimizer state: the device's shard of every
   parameter (layer weights are split over x, y and z), times the bytes of
-  :class:`~axonn_jax.perf.options.Precision`; with offload the master
+  :class:`~axonn_jax.perf.options.PrecisionBytes`; with offload the master
   weights, their gradients and the optimizer state live in host memory;
 * buffers: gathered (z) weight blocks — without recompute the compiled step
   keeps every gathered block for the backward pass; with recompute one
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from axonn_jax.grid import Grid
+from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.spec import ModelSpec
 

@@ -2,7 +2,7 @@
 
 Example:
     >>> Options(precision="fp32", recompute=False).bytes
-    Precision(param=4, grad=4, master=0, master_grad=0, optimizer=8, activation=4)
+    PrecisionBytes(param=4, grad=4, master=0, master_grad=0, optimizer=8, activation=4)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 
 
 @dataclasses.dataclass(frozen=True)
-class Precision:
+class PrecisionBytes:
     """Bytes per parameter of each copy, and per activation element (IPDPS'22 §memory)."""
 
     param: int  # weights used for compute
@@ -32,11 +32,11 @@ class Precision:
         return self.master + self.master_grad + self.optimizer
 
 
-PRECISIONS: dict[str, Precision] = {
+PRECISIONS: dict[str, PrecisionBytes] = {
     # bf16/fp16 weights and gradients on the device, fp32 master weights, gradients and Adam
-    "mixed": Precision(param=2, grad=2, master=4, master_grad=4, optimizer=8, activation=2),
+    "mixed": PrecisionBytes(param=2, grad=2, master=4, master_grad=4, optimizer=8, activation=2),
     # everything in float32 (what axonn_jax runs today: parameters are float32)
-    "fp32": Precision(param=4, grad=4, master=0, master_grad=0, optimizer=8, activation=4),
+    "fp32": PrecisionBytes(param=4, grad=4, master=0, master_grad=0, optimizer=8, activation=4),
 }
 
 
@@ -62,7 +62,7 @@ class Options:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
 
     @property
-    def bytes(self) -> Precision:
+    def bytes(self) -> PrecisionBytes:
         return PRECISIONS[self.precision]
 
     @property

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from axonn_jax.grid import X, Y, Grid
+from axonn_jax.partitioner.grid import X, Y, Grid
 
 #: Axis names a parameter or matmul dim can be split over in the spec.
 TENSOR_SPLITS = (X, Y)

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from axonn_jax.grid import Grid
-from axonn_jax.perf.comm import Collective, collectives
+from axonn_jax.partitioner.grid import Grid
+from axonn_jax.perf.comm import CollectiveCost, collectives
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.memory import Memory, local_params, memory
 from axonn_jax.perf.options import Options
@@ -70,7 +70,7 @@ class Prediction:
     comm_bytes: float  # ring wire bytes one device sends per step
     flops: float  # per device and step
     memory: Memory
-    collectives: tuple[Collective, ...]
+    collectives: tuple[CollectiveCost, ...]
     collective_seconds: tuple[float, ...]
     per_microbatch_fixed: float  # collective seconds split between the microbatches
     per_microbatch_linear: float  # collective seconds each extra microbatch adds

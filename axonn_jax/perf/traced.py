@@ -33,12 +33,11 @@ import dataclasses
 import math
 import re
 
-from axonn_jax.grid import X, Y, Grid
+from axonn_jax.partitioner.grid import X, Y, Grid
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.plan import Plan
-from axonn_jax.partitioner.planner import plan_layouts
+from axonn_jax.partitioner.program import plan_model
+from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.stages import equation_flops, param_origins
-from axonn_jax.partitioner.trace import inline_calls, trace_model
 from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
 
 _NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
@@ -46,11 +45,8 @@ _NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
 
 def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
     """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices."""
-    traced = trace_model(model, *example_args, **example_kwargs)
-    closed = inline_calls(traced.jaxpr)
-    grid = Grid()
-    plan = Plan.build(traced, grid, plan_layouts(traced, grid, jaxpr=closed))
-    jaxpr = closed.jaxpr
+    plan, program = plan_model(model, Grid(), *example_args, **example_kwargs)
+    traced, jaxpr = program.traced, program.jaxpr
     n_params = traced.num_params
     origin = param_origins(jaxpr, n_params)
     roles = {i: p.role for i, p in enumerate(plan.params)}
@@ -93,7 +89,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     tokens = max(mm.m for mm in matmuls)
     params = [
         Param(p.path, p.shape, tuple(_tensor_axis(d) for d in p.use),
-              depth=p.role in ("normal", "transposed") or i in looked_up,
+              depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
               per_block=_in_block(p.path))  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
@@ -122,10 +118,10 @@ def _tensor_axis(axes: tuple[str, ...]) -> str | None:
     return next((a for a in axes if a in (X, Y)), None)
 
 
-def _axes(role: str, use) -> tuple[str | None, str | None]:
-    if role == "normal":
+def _axes(role: ParamRole, use) -> tuple[str | None, str | None]:
+    if role is ParamRole.NORMAL:
         return Y, X
-    if role == "transposed":
+    if role is ParamRole.TRANSPOSED:
         return X, Y
     used = [a for dim in use for a in dim if a in (X, Y)]
     return (used[0] if used else None), None

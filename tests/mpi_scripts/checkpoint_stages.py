@@ -15,7 +15,8 @@ TrainStep.init with pipeline=2) and the loader are checked too.
 
 import sys
 
-import axonn_jax  # initialises jax.distributed from the MPI launch
+import axonn_jax
+from axonn_jax.runtime.mesh import stage_meshes
 from axonn_jax import Grid
 
 info = axonn_jax.init()
@@ -27,7 +28,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 from axonn_jax.checkpoint import Checkpointer  # noqa: E402
-from axonn_jax.data import batch_at  # noqa: E402
+from axonn_jax.corpus import batch_at  # noqa: E402
 from axonn_jax.loader import Loader  # noqa: E402
 from axonn_jax.models import GPT, GPTConfig  # noqa: E402
 
@@ -45,7 +46,7 @@ tokens = jnp.zeros((8, 16), jnp.int32)
 full = jax.tree.map(np.asarray, model.init(jax.random.key(0), tokens)["params"])
 optimizer = optax.adamw(1e-3)
 stage_layout = axonn_jax.partition(model, Grid(x=2, z=2), tokens).plan  # one stage's layout
-meshes = Grid(pipeline=2, x=2, z=2).stage_meshes()
+meshes = stage_meshes(Grid(pipeline=2, x=2, z=2))
 assert [{d.process_index for d in m.devices.flat} for m in meshes] == [{0}, {1}]
 
 
@@ -145,7 +146,7 @@ ok("pipeline layout")
 
 # --- the loader: each process holds exactly its rows ---------------------------
 corpus = np.random.default_rng(0).integers(0, 64, size=4_000).astype(np.uint8)
-mesh = Grid(z=4, data=2).stage_meshes()[0]
+mesh = stage_meshes(Grid(z=4, data=2))[0]
 batch = Loader(corpus, batch=16, seq=8, mesh=mesh, seed=3).at(2)
 reference = batch_at(corpus, step=2, batch=16, seq=8, seed=3)
 assert np.array_equal(full_value(batch), reference)

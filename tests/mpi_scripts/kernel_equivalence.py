@@ -6,7 +6,7 @@ Every rank checks; rank 0 prints one "OK case grid error" line per case.
 
 import sys
 
-import axonn_jax  # initialises jax.distributed from the MPI launch
+import axonn_jax
 from axonn_jax import Grid
 from kernel_cases import CASES, max_scaled_error, run_case
 

@@ -9,12 +9,12 @@ Two ways the skip decision becomes global, each printed per rank as
   only its fp16 gradient contributions overflow; the gradient reduction makes
   the flag global. Then two normal steps: the scale grows after the window.
 * ``local``: process-local gradients (as pipeline stages on different ranks
-  hold), the flags combined with :func:`axonn_jax.precision.mpi_all_finite`.
+  hold), the flags combined with :func:`axonn_jax.runtime.precision.mpi_all_finite`.
 """
 
 import sys
 
-import axonn_jax  # initialises jax.distributed from the MPI launch
+import axonn_jax
 
 info = axonn_jax.init()
 import jax  # noqa: E402
@@ -25,8 +25,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from axonn_jax.models import GPT, GPTConfig  # noqa: E402
-from axonn_jax.offload import MasterOptimizer  # noqa: E402
-from axonn_jax.precision import LossScale, all_finite, mpi_all_finite  # noqa: E402
+from axonn_jax.runtime.offload import MasterOptimizer  # noqa: E402
+from axonn_jax.runtime.precision import LossScale, all_finite, mpi_all_finite  # noqa: E402
 from precision_cases import loss_scaled_step  # noqa: E402
 
 assert info.distributed and jax.process_count() == 2, "run with mpiexec -n 2"

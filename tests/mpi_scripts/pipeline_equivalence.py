@@ -12,7 +12,7 @@ rank. Every rank checks the gradients and parameters it holds; each rank prints
 
 import argparse
 
-import axonn_jax  # initialises jax.distributed from the MPI launch
+import axonn_jax
 from pipeline_cases import load_references, run_case
 
 info = axonn_jax.init()

@@ -12,7 +12,7 @@ import json
 import axonn_jax
 from pipeline_cases import build
 
-from axonn_jax.runtime import trace
+from axonn_jax.runtime.pipeline import timeline as trace
 
 info = axonn_jax.init()
 assert info.distributed and info.process_count == 2

@@ -27,7 +27,7 @@ their gradients over every group holding a different batch shard.
 
 Example (one normal layer on a 2×2×2 grid)::
 
-    mesh = Grid(x=2, y=2, z=2).stage_meshes()[0]
+    mesh = stage_meshes(Grid(x=2, y=2, z=2))[0]
     f = jax.shard_map(lambda a, w: linear(a, w), mesh=mesh,
                       in_specs=(activation_spec(2, Y), weight_spec(2)),
                       out_specs=activation_spec(2, X))
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axonn_jax.grid import DATA, X, Z
-from axonn_jax.partitioner.layouts import layer_axes
+from axonn_jax.partitioner.grid import DATA, X, Z
+from kernel_specs import layer_axes
 
 AxisNames = str | tuple[str, ...]
 

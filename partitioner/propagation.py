@@ -30,10 +30,11 @@ import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
-from axonn_jax.grid import BATCH_AXES, Z, Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, Z, Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes
 from axonn_jax.partitioner.pointwise import replaced_rules
+from axonn_jax.partitioner.roles import DEPTH_SPLIT_PRIMITIVES, ParamRole
 from axonn_jax.partitioner.trace import TracedModel, inline_calls
 
 
@@ -57,6 +58,7 @@ class PlannedLayouts:
     outs: tuple[Layout, ...]
     fallbacks: tuple[Fallback, ...]
     layers: dict[str, tuple[str, str]]  # weight path -> (in_axis, out_axis)
+    roles: dict[str, ParamRole]
     notes: tuple[str, ...]  # parameters left replicated or not depth-split, and why
 
 
@@ -146,7 +148,7 @@ class _Walk:
         self.fallbacks: list[Fallback] = []
         self.layers: dict[int, tuple[str, str]] = {}
         self.hints: dict[int, Layout] = {}
-        self.deciders: dict[int, str] = {}
+        self.depth_split: set[int] = set()  # weights of a matmul or an embedding lookup
         self.problems: list[str] = []
 
     def _problem(self, message: str) -> None:
@@ -187,7 +189,7 @@ class _Walk:
         self.out_layouts = [self.layout_of(v) for v in self.jaxpr.outvars]
         for k, var in enumerate(self.jaxpr.outvars):
             if self.out_layouts[k] is None:  # a parameter returned as is
-                self.decide(var, replicated(len(R.shape_of(var))), "returned as an output")
+                self.decide(var, replicated(len(R.shape_of(var))))
                 self.out_layouts[k] = self.layout_of(var)
 
     # --- one equation -----------------------------------------------------
@@ -213,7 +215,7 @@ class _Walk:
             if R.is_literal(var) or target is None:
                 continue
             if lay is None:
-                self.decide(var, target, f"{name} at {_where(eqn)}")
+                self.decide(var, target, depth=name in DEPTH_SPLIT_PRIMITIVES)
                 if step.layer is not None:
                     self.layers[self.pending[var][0]] = step.layer
             else:
@@ -222,7 +224,8 @@ class _Walk:
             self.layout[var] = step.outs[k]
         self._propagate_lineage(eqn)
 
-    def decide(self, var, target: Layout, why: str) -> None:
+    def decide(self, var, target: Layout, *, depth: bool = False) -> None:
+        """Fix the use layout of the parameter behind ``var``; ``depth``: also split it over z."""
         p, dim_map = self.pending[var]
         shape = self.traced.param_avals[p].shape
         lay: list[tuple[str, ...]] = [()] * len(shape)
@@ -231,7 +234,8 @@ class _Walk:
                 if not (set(target[vdim]) & used_axes(tuple(lay))):
                     lay[pdim] = target[vdim]
         self.decided[p] = tuple(lay)
-        self.deciders[p] = why
+        if depth:
+            self.depth_split.add(p)
 
     def _fallback(self, eqn, reason: str) -> None:
         feeding = sorted(
@@ -307,8 +311,14 @@ class _Walk:
             outs=tuple(self.out_layouts),
             fallbacks=tuple(self.fallbacks),
             layers={paths[p]: v for p, v in self.layers.items()},
+            roles={path: self._role(i, use[path]) for i, path in enumerate(paths)},
             notes=tuple(self.problems + unused),
         )
+
+    def _role(self, p: int, use: Layout) -> ParamRole:
+        if p in self.layers:
+            return ParamRole.of_layer(self.layers[p][0])
+        return ParamRole.FOLLOWS_ACTIVATION if any(use) else ParamRole.REPLICATED
 
     def _check_layer(self, p: int, in_axis: str, out_axis: str) -> None:
         """Report a matmul weight that could not take its layer's x/y split."""
@@ -327,8 +337,7 @@ class _Walk:
 
     def _depth_split(self, p, path, shape, lay: Layout) -> Layout:
         """Add z to the largest divisible dim of a matmul or embedding weight."""
-        weight = self.deciders.get(p, "").split(" ")[0] in ("dot_general", "gather")
-        if not weight or len(shape) < 2 or self.grid.z == 1 or Z in used_axes(lay):
+        if p not in self.depth_split or len(shape) < 2 or self.grid.z == 1 or Z in used_axes(lay):
             return lay
         candidates = [
             d for d in range(len(shape)) if divides(shape[d], lay[d] + (Z,), self.grid)

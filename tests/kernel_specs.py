@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.grid import BATCH_AXES, X, Y, Z
+from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Z
 
 
 def layer_axes(transposed: bool) -> tuple[str, str]:

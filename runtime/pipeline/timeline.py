@@ -1,8 +1,8 @@
 """Pipeline traces: Chrome/Perfetto JSON, a PNG timeline, idle (bubble) fractions.
 
 Every rank's dispatch queue records its tasks
-(:class:`~axonn_jax.runtime.dispatch.TaskRecord`); :func:`gather` brings them
-to rank 0 (over MPI when the job has several processes), stamped with each
+(:class:`~axonn_jax.runtime.pipeline.dispatch.TaskRecord`); :func:`gather` brings them
+to rank 0 (through the transport when the job has several processes), stamped with each
 rank's wall-clock start so ranks line up.
 
 Example:
@@ -30,14 +30,19 @@ def rows_of(result, rank: int = 0, origin: float | None = None) -> list[Row]:
             for r in result.records]  # fmt: skip
 
 
-def gather(result, comm=None) -> list[Row] | None:
-    """All ranks' rows on rank 0 (``None`` elsewhere); one process: its own rows."""
-    rank = comm.Get_rank() if comm is not None else 0
+def gather(result, transport=None) -> list[Row] | None:
+    """All ranks' rows on rank 0 (``None`` elsewhere); without a transport: this rank's rows.
+
+    ``transport``: the step's :class:`~axonn_jax.runtime.pipeline.transport.Transport`.
+    """
+    import jax
+
+    rank = jax.process_index()
     mine = rows_of(result, rank)
-    if comm is None or comm.Get_size() == 1:
+    if transport is None:
         return mine
-    parts = comm.gather([tuple(map(_plain, row)) for row in mine], root=0)
-    return [row for part in parts for row in part] if rank == 0 else None
+    parts = transport.gather([tuple(map(_plain, row)) for row in mine], root=0)
+    return None if parts is None else [row for part in parts for row in part]
 
 
 def _plain(value):

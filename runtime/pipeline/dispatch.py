@@ -6,15 +6,14 @@ nothing (but at most ``limit`` microbatches may be in flight between its
 forward and its backward), other forwards need the previous stage's
 activation, backwards need the next stage's gradient; the last stage runs its
 backward right after its forward (one program). The queue posts the receive
-of the next message on every link before it computes, runs whichever ready
-task it finds (backward first, then the oldest microbatch; on stage 0 each
-returning backward is followed at once by the next microbatch's forward, as
-in AxoNN, so the pipeline stays fed), and hands outputs
-to the transport without waiting. With ``schedule="1f1b"`` or ``"gpipe"`` each
-stage follows a fixed order instead, for comparison.
+of the next message on every link before it computes, asks its
+:class:`~axonn_jax.runtime.pipeline.schedules.Schedule` which ready task to
+run (the message-driven schedule: whichever has its input, backward first;
+``"1f1b"`` and ``"gpipe"``: a fixed order per stage, for comparison), and hands
+outputs to the transport without waiting.
 
 Every task is recorded (stage, kind, microbatch, start, end, idle time before
-it) for :mod:`axonn_jax.runtime.trace`.
+it) for :mod:`axonn_jax.runtime.pipeline.timeline`.
 
 Example:
     >>> queue = DispatchQueue(programs, [0, 1], transport, schedule="message")  # doctest: +SKIP
@@ -30,9 +29,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from axonn_jax.runtime.schedules import check_schedule, static_order
-from axonn_jax.runtime.stage_program import StageProgram
-from axonn_jax.runtime.transport import Transport
+from axonn_jax.runtime.pipeline.schedules import Schedule, make_schedule
+from axonn_jax.runtime.pipeline.stage_program import StageProgram
+from axonn_jax.runtime.pipeline.transport import Transport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +58,6 @@ class StepResult:
 @dataclasses.dataclass
 class _StageState:
     program: StageProgram
-    order: list | None
-    position: int = 0
     forwards: int = 0
     backwards: int = 0
     inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrays
@@ -86,7 +83,8 @@ class DispatchQueue:
         programs: the :class:`StageProgram` of every stage (stage index order).
         local: the stages this process runs.
         transport: moves messages between stages.
-        schedule: "message" (default), "1f1b" or "gpipe".
+        schedule: "message" (default), "1f1b", "gpipe", or a
+            :class:`~axonn_jax.runtime.pipeline.schedules.Schedule`.
         limit: most microbatches stage 0 keeps in flight (message schedule);
             default the number of stages.
         timeout: seconds without any runnable task before :class:`PipelineTimeout`.
@@ -100,18 +98,17 @@ class DispatchQueue:
         local: Sequence[int],
         transport: Transport,
         *,
-        schedule: str = "message",
+        schedule: str | Schedule = "message",
         limit: int | None = None,
         timeout: float = 60.0,
         delay: Callable[[int, str, int], float] | None = None,
     ):
-        check_schedule(schedule)
         self.programs, self.local = list(programs), list(local)
-        self.transport, self.schedule = transport, schedule
+        self.transport = transport
         self.num_stages = len(self.programs)
-        self.limit = limit if limit is not None else self.num_stages
-        if self.limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+        if isinstance(schedule, str):
+            schedule = make_schedule(schedule, limit=limit, stages=self.num_stages)
+        self.schedule = schedule
         self.timeout, self.delay = timeout, delay
 
     # --- the step -----------------------------------------------------------
@@ -127,19 +124,21 @@ class DispatchQueue:
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
         states = {}
+        self.schedule.start(self.local, self.num_stages, microbatches)
         for s in self.local:
-            order = None
-            if self.schedule != "message":
-                order = static_order(self.schedule, s, self.num_stages, microbatches)
-            states[s] = _StageState(self.programs[s], order, idle_since=t0)
+            states[s] = _StageState(self.programs[s], idle_since=t0)
             self._expect(states[s], s, microbatches)
+
+        def has_input(s: int, kind: str, mb: int) -> bool:
+            return self._has_input(states[s], s, kind, mb)
+
         losses: list = []
         records: list[TaskRecord] = []
         idle_deadline = time.perf_counter() + self.timeout
         while not all(self._finished(st, s, microbatches) for s, st in states.items()):
             for s, st in states.items():
                 self._poll(st, s, microbatches)
-            task = self._pick(states, microbatches)
+            task = self.schedule.pick(states, has_input, microbatches)
             if task is None:
                 if time.perf_counter() > idle_deadline:
                     raise PipelineTimeout(self._stuck_message(states, microbatches))
@@ -161,8 +160,7 @@ class DispatchQueue:
             records.append(TaskRecord(s, label, mb, start - t0, end - t0, start - st.idle_since))
             st.idle_since = end
             st.last_kind = kind
-            if st.order is not None:
-                st.position += 1
+            self.schedule.ran(s)
             idle_deadline = time.perf_counter() + self.timeout
         self.transport.close()
         grads = {s: st.grads for s, st in states.items()}
@@ -196,40 +194,11 @@ class DispatchQueue:
                 st.expect_b += 1
         self._expect(st, s, m)
 
-    def _ready(self, st: _StageState, s: int, kind: str, mb: int) -> bool:
+    def _has_input(self, st: _StageState, s: int, kind: str, mb: int) -> bool:
+        """The task's input is here (a forward must also be the stage's next microbatch)."""
         if kind == "B":
             return mb in st.cotangents and mb in st.residuals
-        if mb != st.forwards:
-            return False
-        if s == 0:
-            in_flight = st.forwards - st.backwards
-            return self.num_stages == 1 or self.schedule != "message" or in_flight < self.limit
-        return mb in st.inbound
-
-    def _pick(self, states: dict, m: int):
-        if self.schedule != "message":
-            for s, st in states.items():
-                if st.position < len(st.order):
-                    kind, mb = st.order[st.position]
-                    if self._ready(st, s, kind, mb):
-                        return s, kind, mb
-            return None
-        first = states.get(0)
-        if first is not None and first.last_kind == "B" and first.forwards < m \
-                and self._ready(first, 0, "F", first.forwards):  # fmt: skip
-            # AxoNN: each backward that returns to stage 0 injects one new microbatch at once
-            return 0, "F", first.forwards
-        backward = [(mb, s) for s, st in states.items() for mb in st.cotangents
-                    if self._ready(st, s, "B", mb)]  # fmt: skip
-        if backward:
-            mb, s = min(backward, key=lambda t: (t[0], -t[1]))
-            return s, "B", mb
-        forward = [(st.forwards, s) for s, st in states.items()
-                   if st.forwards < m and self._ready(st, s, "F", st.forwards)]  # fmt: skip
-        if forward:
-            mb, s = min(forward, key=lambda t: (t[0], -t[1]))
-            return s, "F", mb
-        return None
+        return mb == st.forwards and (s == 0 or mb in st.inbound)
 
     def _finished(self, st: _StageState, s: int, m: int) -> bool:
         if s == self.num_stages - 1:

@@ -1,0 +1,175 @@
+"""The 4D (+ pipeline) process grid.
+
+A :class:`Grid` names how many devices each parallel dimension uses. It is pure
+configuration: building one needs no devices, so the partitioner can plan for
+1,024 GPUs on a laptop. Meshes are built from it by :mod:`axonn_jax.runtime.mesh`
+(``axonn_jax.mesh(grid)``, ``axonn_jax.stage_meshes(grid)``).
+
+Hierarchy, innermost (fastest links) to outermost: ``x``, ``y``, ``z``, ``data``,
+``pipeline``. In a JAX mesh the last axis varies fastest, so the mesh axis order
+is ``(pipeline, data, z, y, x)`` and each pipeline stage owns the mesh
+``(data, z, y, x)``.
+
+Example:
+    >>> grid = Grid(x=2, z=2, data=2)
+    >>> grid.size, grid.stage_size
+    (8, 8)
+    >>> Grid.parse("pipeline=2,x=2,z=2")
+    Grid(x=2, y=1, z=2, data=1, pipeline=2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+PIPELINE = "pipeline"
+DATA = "data"
+Z = "z"
+Y = "y"
+X = "x"
+
+#: Mesh axis names, outermost first (the order of :meth:`Grid.mesh`).
+MESH_AXES: tuple[str, ...] = (PIPELINE, DATA, Z, Y, X)
+#: Axis names of one pipeline stage's mesh.
+STAGE_AXES: tuple[str, ...] = (DATA, Z, Y, X)
+#: Axes that split the batch (each holds a different shard of the tokens).
+BATCH_AXES: tuple[str, ...] = (DATA, Z)
+#: The 3D tensor-parallel axes.
+TENSOR_AXES: tuple[str, ...] = (Z, Y, X)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """Sizes of the tensor (``x``, ``y``, ``z``), ``data`` and ``pipeline`` axes.
+
+    All sizes are positive integers; ``Grid()`` is a single device.
+    """
+
+    x: int = 1
+    y: int = 1
+    z: int = 1
+    data: int = 1
+    pipeline: int = 1
+
+    def __post_init__(self) -> None:
+        for name in (X, Y, Z, DATA, PIPELINE):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"Grid.{name} must be a positive int, got {value!r} "
+                    f"({type(value).__name__}). Remedy: pass e.g. Grid({name}=2)."
+                )
+            if value < 1:
+                raise ValueError(
+                    f"Grid.{name} must be >= 1, got {value}. Every axis of the grid "
+                    f"needs at least one device; use 1 to switch that kind of "
+                    f"parallelism off."
+                )
+
+    # --- sizes -------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Total number of devices: x·y·z·data·pipeline."""
+        return self.x * self.y * self.z * self.data * self.pipeline
+
+    @property
+    def stage_size(self) -> int:
+        """Devices of one pipeline stage: x·y·z·data."""
+        return self.x * self.y * self.z * self.data
+
+    @property
+    def tensor_size(self) -> int:
+        """Devices that share one copy of the model weights: x·y·z."""
+        return self.x * self.y * self.z
+
+    @property
+    def batch_shards(self) -> int:
+        """How many ways the batch is split: data·z."""
+        return self.data * self.z
+
+    def axis_size(self, name: str) -> int:
+        """Size of the named axis (one of :data:`MESH_AXES`)."""
+        if name not in MESH_AXES:
+            raise ValueError(f"unknown grid axis {name!r}; axes are {MESH_AXES}")
+        return getattr(self, name)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis sizes in mesh order ``(pipeline, data, z, y, x)``."""
+        return {name: getattr(self, name) for name in MESH_AXES}
+
+    @property
+    def stage_shape(self) -> dict[str, int]:
+        """Axis sizes of one stage mesh ``(data, z, y, x)``."""
+        return {name: getattr(self, name) for name in STAGE_AXES}
+
+    # --- construction helpers ---------------------------------------------
+    @classmethod
+    def parse(cls, text: str | Mapping[str, int]) -> Grid:
+        """Build a grid from ``"pipeline=2,x=2,z=2"`` (the CLI form) or a mapping."""
+        if isinstance(text, Mapping):
+            return cls(**dict(text))
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep or key not in MESH_AXES:
+                raise ValueError(
+                    f"bad grid item {part!r} in {text!r}: expected AXIS=SIZE with AXIS "
+                    f"one of {', '.join(MESH_AXES)}, e.g. 'pipeline=2,x=2,z=2'."
+                )
+            if key in sizes:
+                raise ValueError(f"grid axis {key!r} given twice in {text!r}")
+            try:
+                sizes[key] = int(value)
+            except ValueError:
+                raise ValueError(
+                    f"grid axis {key!r} has size {value!r} in {text!r}; sizes are "
+                    f"positive integers, e.g. '{key}=2'."
+                ) from None
+        return cls(**sizes)
+
+    def check_devices(self, device_count: int) -> None:
+        """Raise ``ValueError`` unless the grid uses exactly ``device_count`` devices."""
+        if self.size != device_count:
+            raise ValueError(
+                f"{self} needs {self.size} devices (x·y·z·data·pipeline = "
+                f"{self.x}·{self.y}·{self.z}·{self.data}·{self.pipeline}) but "
+                f"{device_count} are available. Remedy: choose sizes whose product is "
+                f"{device_count} (e.g. {Grid.suggest(device_count)}), or launch with "
+                f"{self.size} devices (mpiexec -n / XLA_FLAGS="
+                f"--xla_force_host_platform_device_count)."
+            )
+
+    @staticmethod
+    def suggest(device_count: int) -> Grid:
+        """A reasonable default for ``device_count`` devices: data × z (FSDP)."""
+        z = math.gcd(device_count, 8)
+        return Grid(z=z, data=device_count // z)
+
+    def check_divides(self, what: str, size: int, axes: tuple[str, ...] | str) -> None:
+        """Raise ``ValueError`` unless ``size`` is divisible by the product of ``axes``.
+
+        ``what`` names the dimension (a parameter path and dim, or "batch").
+        """
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        factor = math.prod(self.axis_size(a) for a in axes)
+        if size % factor:
+            joined = "·".join(f"{a}={self.axis_size(a)}" for a in axes)
+            raise ValueError(
+                f"{what} has size {size}, which is not divisible by grid axes {joined} "
+                f"(= {factor}) of {self}. Remedy: pick grid sizes that divide {size}, "
+                f"or make the dimension a multiple of {factor}."
+            )
+
+    # --- devices: not here -------------------------------------------------
+    def __getattr__(self, name: str):
+        if name in ("mesh", "stage_meshes"):
+            raise AttributeError(
+                f"Grid.{name}() was removed: a Grid is pure configuration and builds no "
+                f"devices. Remedy: axonn_jax.{name}(grid) (or pm.mesh / pm.stage_meshes "
+                "of a partitioned model)."
+            )
+        raise AttributeError(f"'Grid' object has no attribute {name!r}")

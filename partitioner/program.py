@@ -1,0 +1,137 @@
+"""The hand-off from the partitioner to the runtime: a :class:`Program`. Pure.
+
+:func:`plan_model` is the one function that turns (model, grid, example
+inputs, options) into the user-facing :class:`~axonn_jax.partitioner.plan.Plan`
+and the runtime's :class:`Program`; :func:`program_for` builds the Program of
+the same model for other input shapes, checking that the parameter layout
+does not change. Neither touches a device, so a 1,024-GPU model is planned
+on a laptop with ``import axonn_jax.partitioner`` alone.
+
+Example:
+    >>> import flax.linen as nn, jax, jax.numpy as jnp
+    >>> from axonn_jax.partitioner import Grid, plan_model
+    >>> x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
+    >>> plan, program = plan_model(nn.Dense(32), Grid(x=2, y=2), x)
+    >>> [p.role.value for p in plan.params], len(program.stage_flows)
+    (['follows activation', 'normal'], 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from axonn_jax.partitioner.flows import StageFlow, stage_flows, variable_layouts
+from axonn_jax.partitioner.grid import Grid
+from axonn_jax.partitioner.layout import Layout, output_layout
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.propagation import PlannedLayouts, batch_problems, plan_layouts
+from axonn_jax.partitioner.stages import plan_stages
+from axonn_jax.partitioner.trace import TracedModel, call_leaves, inline_calls, trace_model
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """How to plan (the options of :func:`axonn_jax.partition` that shape the layout)."""
+
+    strict: bool = False
+    rules: Mapping[str, Sequence] = dataclasses.field(default_factory=dict)
+    replicate: tuple[str, ...] = ()
+    stages: tuple[str, ...] | None = None
+
+    def layout_options(self) -> dict[str, Any]:
+        return dict(strict=self.strict, rules=dict(self.rules), replicate=tuple(self.replicate))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What the runtime runs for one input signature: the inlined jaxpr and its layouts.
+
+    ``jaxpr`` takes the parameter leaves first, then the call's array leaves.
+    ``output_layouts`` are where outputs are returned (batch split kept,
+    everything else gathered); ``stage_flows`` has one entry per pipeline stage
+    (one for ``pipeline=1``).
+    """
+
+    traced: TracedModel
+    grid: Grid
+    jaxpr: Any  # jax.extend.core.Jaxpr, nested calls inlined
+    consts: tuple
+    param_storage: tuple[Layout, ...]
+    arg_layouts: tuple[Layout, ...]
+    output_layouts: tuple[Layout, ...]
+    stage_flows: tuple[StageFlow, ...]
+
+    @property
+    def num_params(self) -> int:
+        return self.traced.num_params
+
+    @property
+    def out_tree(self):
+        return self.traced.out_tree
+
+    @property
+    def signature(self) -> tuple:
+        """Hashable input signature: array shapes/dtypes, call structure, static values."""
+        return signature_of(self.traced.arg_avals, self.traced.arg_tree, self.traced.static_args)
+
+
+def signature_of(avals, tree, static) -> tuple:
+    return (tuple((tuple(a.shape), str(a.dtype)) for a in avals), tree, tuple(static))
+
+
+def call_signature(args, kwargs) -> tuple:
+    """The :attr:`Program.signature` a call with ``args``/``kwargs`` would have."""
+    leaves, static = call_leaves(args, kwargs)
+    avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
+             for a in leaves]  # fmt: skip
+    return signature_of(avals, jax.tree.structure((args, kwargs)), static)
+
+
+def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOptions(),
+               **example_kwargs) -> tuple[Plan, Program]:  # fmt: skip
+    """Trace ``model`` on example inputs (arrays or ShapeDtypeStructs) and plan it for ``grid``."""
+    if not isinstance(grid, Grid):
+        raise TypeError(f"grid must be an axonn_jax.Grid, got {type(grid).__name__}")
+    traced = trace_model(model, *example_args, **example_kwargs)
+    closed = inline_calls(traced.jaxpr)
+    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
+    stages = plan_stages(traced, closed.jaxpr, grid.pipeline, boundaries=options.stages)
+    plan = Plan.build(traced, grid, layouts, stages)
+    return plan, _program(traced, closed, grid, plan, layouts)
+
+
+def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), **kwargs) -> Program:
+    """The :class:`Program` of ``model`` called on other inputs, laid out as ``plan``.
+
+    Raises ``ValueError`` when the batch does not split over the grid, or when
+    these shapes would give the parameters another layout than the plan's.
+    """
+    traced = trace_model(model, *args, **kwargs)
+    grid = plan.grid
+    problems = batch_problems([a.shape for a in traced.arg_avals], grid)
+    if problems:
+        raise ValueError(f"{problems[0]} (grid {grid})")
+    closed = inline_calls(traced.jaxpr)
+    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
+    if layouts.storage != {p.path: p.storage for p in plan.params}:
+        raise ValueError(
+            f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} give a different "
+            "parameter layout than the example inputs given to partition(). Remedy: partition "
+            "with example inputs of these shapes."
+        )
+    return _program(traced, closed, grid, plan, layouts)
+
+
+def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: PlannedLayouts) -> Program:
+    storage = tuple(p.storage for p in plan.params)
+    targets = tuple(output_layout(lay) for lay in layouts.outs)
+    per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args)
+    stages = plan.stages or plan_stages(traced, closed.jaxpr, 1)
+    flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets)
+    return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,
+                   targets, tuple(flows))  # fmt: skip

@@ -1,0 +1,407 @@
+"""Master weights and optimizer state on the device or in host memory.
+
+:class:`MasterOptimizer` wraps any ``optax.GradientTransformation``. The device
+keeps the parameters in the precision's dtype (bf16/fp16/fp32) and receives
+gradients in that dtype; float32 master weights and the optimizer's state live
+
+* on the device (``offload=False``): one code path for plain and mixed precision;
+  with fp32 there is no separate master (the device parameters are the masters),
+  so this is exactly ``optimizer.update`` + ``optax.apply_updates``;
+* in host memory (``offload=True``, memory kind ``pinned_host``), with the same
+  shardings as the parameters (derived by tree-mapping the parameter shardings
+  over the state, :func:`optax.tree_map_params`). The update then runs
+
+  - ``update_on="host"``: on the host (``compute_on('device_host')``); the
+    device only sends half-precision gradients and receives half-precision
+    parameters. Works for every transformation (global-norm clipping included);
+  - ``update_on="device"``: streamed through the device bucket by bucket
+    (``bucket_bytes`` of float32 master weights per bucket): load a bucket's
+    master and state, update, write them back, then the next bucket. Buckets go
+    in reverse parameter order (roughly the order in which gradients become
+    ready), so XLA can overlap them with the gradient reduction. Requires a
+    transformation that treats parameters independently (adam, adamw, sgd, …):
+    coupled ones are detected and refused.
+
+Skipped steps: ``update(..., finite=flag)`` with a false flag returns the
+parameters, master weights and optimizer state unchanged (the step counter
+included), as dynamic loss scaling requires.
+
+Example::
+
+    pm = axonn_jax.partition(model, grid, tokens)
+    opt = MasterOptimizer(optax.adamw(1e-3), pm.param_shardings,
+                          precision="bf16", offload=True)
+    params, state = opt.init(pm.init(jax.random.key(0)))   # bf16 device, fp32 host
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(
+            lambda p: loss_fn(pm.apply(as_planned(p, pm.plan), batch)))(params)
+        params, state = opt.update(grads, state, params)
+        return params, state, loss
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.extend.core import Literal
+from jax.experimental.compute_on import compute_on
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from axonn_jax.runtime.precision import Precision, cast_floating
+
+#: Memory kind of offloaded arrays.
+HOST = "pinned_host"
+#: Where the update of offloaded state runs.
+UPDATE_ON: tuple[str, ...] = ("device", "host")
+
+
+def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, param_shardings,
+                              replicated: NamedSharding):  # fmt: skip
+    """Shardings of ``optimizer``'s state: parameter-like leaves follow their parameter.
+
+    Everything else (step counters, …) takes ``replicated``. ``params`` may be
+    arrays or ShapeDtypeStructs; ``None`` leaves (other stages) stay ``None``.
+
+    Example:
+        >>> optimizer_state_shardings(optax.adam(1e-3), params, pm.param_shardings,   # doctest: +SKIP
+        ...                           NamedSharding(pm.mesh, P()))
+    """
+    abstract = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer, lambda _, sharding: sharding, abstract, param_shardings,
+        transform_non_params=lambda _: replicated, is_leaf=lambda x: x is None,
+    )  # fmt: skip
+
+
+class MasterState(NamedTuple):
+    """State of :class:`MasterOptimizer` (a pytree).
+
+    ``master`` is the float32 master copy of the parameters, or ``None`` when
+    the device parameters are the masters (fp32 without offload); ``inner`` is
+    the wrapped transformation's state.
+    """
+
+    master: Any
+    inner: Any
+
+
+class MasterOptimizer:
+    """An optax transformation with float32 masters, optionally host-offloaded.
+
+    Args:
+        optimizer: any ``optax.GradientTransformation``.
+        param_shardings: ``NamedSharding`` pytree of the parameters
+            (``pm.param_shardings``; one stage's shardings for a pipeline stage).
+        precision: "fp32", "bf16", "fp16" or a :class:`~axonn_jax.runtime.precision.Precision`.
+        offload: keep master weights and optimizer state in host memory.
+        update_on: with ``offload``, run the update on the "host" or stream it
+            through the "device" in buckets.
+        bucket_bytes: float32 master bytes per device in one bucket (streaming).
+    """
+
+    def __init__(
+        self,
+        optimizer: optax.GradientTransformation,
+        param_shardings,
+        *,
+        precision: str | Precision = "fp32",
+        offload: bool = False,
+        update_on: str = "host",
+        bucket_bytes: int = 64 * 2**20,
+    ):
+        if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
+            raise TypeError(
+                f"optimizer must be an optax.GradientTransformation, got {type(optimizer).__name__}. "
+                "Remedy: pass e.g. optax.adamw(1e-3)."
+            )
+        shardings = jax.tree.leaves(param_shardings)
+        if not shardings or not all(isinstance(s, NamedSharding) for s in shardings):
+            raise TypeError(
+                "param_shardings must be a non-empty pytree of NamedSharding (pm.param_shardings)"
+            )
+        if update_on not in UPDATE_ON:
+            raise ValueError(f"update_on must be one of {UPDATE_ON}, got {update_on!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.optimizer = optimizer
+        self.precision = Precision.of(precision)
+        self.offload = bool(offload)
+        self.update_on = update_on
+        self.bucket_bytes = bucket_bytes
+        self.param_shardings = param_shardings
+        self._mesh = shardings[0].mesh
+        self._separable: dict = {}
+
+    def __repr__(self) -> str:
+        where = f"host memory, update on the {self.update_on}" if self.offload else "device"
+        return f"MasterOptimizer({self.precision.name}, masters and state in {where})"
+
+    # --- layouts ------------------------------------------------------------
+    @property
+    def keeps_master(self) -> bool:
+        """Whether a float32 master copy exists apart from the device parameters."""
+        return self.precision.half or self.offload
+
+    @property
+    def master_shardings(self):
+        """Shardings of the master weights (parameter layouts, host memory if offloaded)."""
+        return _with_kind(self.param_shardings, HOST if self.offload else None)
+
+    def state_shardings(self, params) -> MasterState:
+        """Shardings of :class:`MasterState` for ``params`` (arrays or shape structs).
+
+        Every parameter-shaped part of the optimizer state takes its parameter's
+        sharding; the rest (step counters, …) is replicated.
+        """
+        kind = HOST if self.offload else None
+        abstract = _abstract(params, self.precision.master_dtype)
+        inner = optimizer_state_shardings(self.optimizer, abstract,
+                                          _with_kind(self.param_shardings, kind),
+                                          _with_kind(NamedSharding(self._mesh, P()), kind))  # fmt: skip
+        return MasterState(self.master_shardings if self.keeps_master else None, inner)
+
+    # --- init / update ------------------------------------------------------
+    def init(self, params) -> tuple[Any, MasterState]:
+        """Device parameters (precision dtype) and the state, from full-precision ``params``.
+
+        ``params`` are in the parameter layout (``pm.init`` / ``pm.shard``).
+        """
+        self._check_structure(params, "params")
+        shardings = self.state_shardings(params)
+        to_master = lambda p: cast_floating(p, self.precision.master_dtype)  # noqa: E731
+        master = None
+        if self.keeps_master:
+            master = jax.jit(to_master, out_shardings=shardings.master)(params)
+        inner = jax.jit(lambda p: self.optimizer.init(to_master(p)), out_shardings=shardings.inner)(params)
+        device = jax.jit(self.precision.to_device, out_shardings=self.param_shardings)(params)
+        return device, MasterState(master, inner)
+
+    def update(self, grads, state: MasterState, params, *, finite=None, grad_scale=None):
+        """New device parameters and state after one step.
+
+        Args:
+            grads: gradients in the parameter layout (any float dtype).
+            state: the :class:`MasterState`.
+            params: the current device parameters.
+            finite: optional boolean scalar; when false the step is skipped.
+                Must be the global decision (see :mod:`axonn_jax.runtime.precision`).
+            grad_scale: optional loss scale to divide the gradients by (done in
+                float32 where the update runs).
+
+        Returns:
+            ``(params, state)``.
+        """
+        self._check_structure(grads, "grads")
+        if not self.offload:
+            master = state.master if self.keeps_master else params
+            new_master, inner = self._step(grads, state.inner, master, finite, grad_scale)
+            device = self.precision.to_device(new_master)
+            return device, MasterState(new_master if self.keeps_master else None, inner)
+        if self.update_on == "host":
+            return self._update_on_host(grads, state, finite, grad_scale)
+        return self._update_streamed(grads, state, finite, grad_scale)
+
+    # --- the arithmetic (wherever it runs) ------------------------------------
+    def _step(self, grads, inner, master, finite, grad_scale):
+        grads = cast_floating(grads, self.precision.master_dtype)
+        if grad_scale is not None:
+            inverse = 1.0 / jnp.asarray(grad_scale, self.precision.master_dtype)
+            grads = jax.tree.map(lambda g: g * inverse, grads)
+        updates, new_inner = self.optimizer.update(grads, inner, master)
+        new_master = optax.apply_updates(master, updates)
+        if finite is not None:
+            keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+            new_master = jax.tree.map(keep, new_master, master)
+            new_inner = jax.tree.map(keep, new_inner, inner)
+        return new_master, new_inner
+
+    def _update_on_host(self, grads, state, finite, grad_scale):
+        shardings = self.state_shardings(state.master)
+        host_scalar = NamedSharding(self._mesh, P(), memory_kind=HOST)
+        scalars = [None if v is None else jax.device_put(jnp.asarray(v), host_scalar)
+                   for v in (finite, grad_scale)]  # fmt: skip
+        grads = jax.device_put(grads, _with_kind(self.param_shardings, HOST))  # half precision moves
+
+        @compute_on("device_host")
+        @jax.jit
+        def on_host(grads, inner, master, finite, grad_scale):
+            new_master, new_inner = self._step(grads, inner, master, finite, grad_scale)
+            return new_master, new_inner, self.precision.to_device(new_master)
+
+        master, inner, device = on_host(grads, state.inner, state.master, *scalars)
+        master = jax.device_put(master, shardings.master)
+        inner = jax.device_put(inner, shardings.inner)
+        return jax.device_put(device, self.param_shardings), MasterState(master, inner)
+
+    def _update_streamed(self, grads, state, finite, grad_scale):
+        self._check_separable(state.master)
+        shardings = self.state_shardings(state.master)
+        param_tree = jax.tree.structure(state.master)
+        grad_leaves = jax.tree.leaves(grads)
+        master_leaves = jax.tree.leaves(state.master)
+        inner_leaves, inner_tree = jax.tree.flatten(state.inner)
+        inner_host = jax.tree.leaves(shardings.inner)
+        inner_device = jax.tree.leaves(_with_kind(shardings.inner, "device"))
+        device_shardings = jax.tree.leaves(self.param_shardings)
+        host_shardings = jax.tree.leaves(shardings.master)
+        labels = self._inner_labels(state.master)
+
+        new_master: list = [None] * len(master_leaves)
+        new_device: list = [None] * len(master_leaves)
+        new_inner: list = [None] * len(inner_leaves)
+        previous = None
+        for bucket in self.buckets(state.master):
+            members = set(bucket)
+            slots = [k for k, label in enumerate(labels) if label in members or label < 0]
+            loads = ([master_leaves[i] for i in bucket], [inner_leaves[k] for k in slots])
+            if previous is not None:  # load this bucket only once the previous one is computed
+                loads, _ = lax.optimization_barrier((loads, previous))
+            masters = {i: jax.device_put(x, device_shardings[i]) for x, i in zip(loads[0], bucket)}
+            states = {k: jax.device_put(x, inner_device[k]) for x, k in zip(loads[1], slots)}
+            # the bucket's view of the trees: leaves of other buckets are None (empty subtrees)
+            m_tree = jax.tree.unflatten(param_tree, [masters.get(i) for i in range(len(master_leaves))])
+            g_tree = jax.tree.unflatten(param_tree, [grad_leaves[i] if i in members else None
+                                                     for i in range(len(master_leaves))])  # fmt: skip
+            s_tree = jax.tree.unflatten(inner_tree, [states.get(k) for k in range(len(inner_leaves))])
+            m_out, s_out = self._step(g_tree, s_tree, m_tree, finite, grad_scale)
+            m_out = jax.tree.leaves(m_out, is_leaf=lambda x: x is None)
+            s_out = jax.tree.leaves(s_out, is_leaf=lambda x: x is None)
+            if len(s_out) != len(inner_leaves):
+                raise ValueError(
+                    f"{type(self.optimizer).__name__} changed the structure of its state for a "
+                    "bucket of parameters. Remedy: update_on='host'."
+                )
+            for i in bucket:
+                new_master[i] = jax.device_put(m_out[i], host_shardings[i])
+                new_device[i] = self.precision.to_device(m_out[i])
+            for k in slots:
+                if new_inner[k] is None:  # shared leaves (counters): equal in every bucket
+                    new_inner[k] = jax.device_put(s_out[k], inner_host[k])
+            previous = [m_out[i] for i in bucket]
+        master = jax.tree.unflatten(param_tree, new_master)
+        device = jax.tree.unflatten(param_tree, new_device)
+        return device, MasterState(master, jax.tree.unflatten(inner_tree, new_inner))
+
+    # --- buckets ------------------------------------------------------------
+    def buckets(self, params) -> list[list[int]]:
+        """Parameter leaf indices per streaming bucket, in update order.
+
+        Leaves go in reverse order, grouped greedily so that each bucket holds at
+        most ``bucket_bytes`` of float32 masters per device (a larger leaf gets a
+        bucket of its own).
+        """
+        out: list[list[int]] = []
+        size = 0
+        shardings = jax.tree.leaves(self.param_shardings)
+        leaves = jax.tree.leaves(params)
+        for i in reversed(range(len(shardings))):
+            shape = tuple(np.shape(leaves[i]))
+            local = math.prod(shardings[i].shard_shape(shape)) * self.precision.master_dtype.itemsize
+            if out and size + local <= self.bucket_bytes:
+                out[-1].append(i)
+                size += local
+            else:
+                out.append([i])
+                size = local
+        return out
+
+    def _inner_labels(self, params) -> list[int]:
+        """For each leaf of the inner state: the index of its parameter, or -1 (shared)."""
+        abstract = _abstract(params, self.precision.master_dtype)
+        state = jax.eval_shape(self.optimizer.init, abstract)
+        index = jax.tree.unflatten(jax.tree.structure(abstract), list(range(len(jax.tree.leaves(abstract)))))
+        labels = optax.tree_map_params(self.optimizer, lambda _, i: i, state, index,
+                                       transform_non_params=lambda _: -1)  # fmt: skip
+        return list(jax.tree.leaves(labels))
+
+    def _check_separable(self, params) -> None:
+        """Refuse streaming for transformations that couple parameters."""
+        abstract = _abstract(params, self.precision.master_dtype)
+        key = jax.tree.structure(abstract), tuple((a.shape, a.dtype) for a in jax.tree.leaves(abstract))
+        if key not in self._separable:
+            self._separable[key] = coupling(self.optimizer, abstract)
+        problem = self._separable[key]
+        if problem:
+            raise ValueError(
+                f"update_on='device' streams the update in buckets, but this optimizer couples "
+                f"parameters ({problem}), e.g. through clip_by_global_norm; bucket-wise updates "
+                "would differ from the whole-model update. Remedy: MasterOptimizer(..., "
+                "update_on='host') (any transformation) or offload=False."
+            )
+
+    def _check_structure(self, tree, what: str) -> None:
+        expected = jax.tree.structure(self.param_shardings)
+        if jax.tree.structure(tree) != expected:
+            raise ValueError(
+                f"{what} pytree does not match the parameter shardings given to MasterOptimizer "
+                f"({expected.num_leaves} leaves expected, got {jax.tree.structure(tree).num_leaves}). "
+                "Remedy: pass the pytree of pm.init / the gradients of the device parameters."
+            )
+
+
+def coupling(optimizer: optax.GradientTransformation, params) -> str:
+    """Why ``optimizer`` does not update each parameter independently ('' if it does).
+
+    Traces ``optimizer.update`` on abstract ``params`` and follows the data flow
+    from every gradient, parameter and state leaf: the update (and new state) of
+    parameter *i* may depend only on leaves of parameter *i* and on shared state
+    that itself depends on no parameter (e.g. the step count).
+    """
+    abstract = _abstract(params, None)
+    leaves, tree = jax.tree.flatten(abstract)
+    state = jax.eval_shape(optimizer.init, abstract)
+    index = jax.tree.unflatten(tree, list(range(len(leaves))))
+    state_labels = jax.tree.leaves(optax.tree_map_params(
+        optimizer, lambda _, i: i, state, index, transform_non_params=lambda _: -1))  # fmt: skip
+    closed = jax.make_jaxpr(optimizer.update)(abstract, state, abstract)
+    own = list(range(len(leaves)))
+    in_labels = own + state_labels + own
+    out_labels = own + state_labels
+    if len(closed.jaxpr.invars) != len(in_labels) or len(closed.jaxpr.outvars) != len(out_labels):
+        return "its state could not be matched to the parameters"
+    depends = _dependencies(closed.jaxpr, [frozenset() if lab < 0 else frozenset({lab}) for lab in in_labels])
+    paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
+    for label, deps in zip(out_labels, depends):
+        foreign = deps - {label}
+        if foreign:
+            what = f"the update of {paths[label]}" if label >= 0 else "a shared state entry"
+            return f"{what} depends on {paths[min(foreign)]}"
+    return ""
+
+
+def _dependencies(jaxpr, inputs: list[frozenset]) -> list[frozenset]:
+    """Which input labels each output of ``jaxpr`` depends on (sub-jaxprs as a whole)."""
+    env: dict = dict(zip(jaxpr.invars, inputs))
+    read = lambda v: env.get(v, frozenset()) if not isinstance(v, Literal) else frozenset()  # noqa: E731
+    for eqn in jaxpr.eqns:
+        inner = eqn.params.get("jaxpr")
+        if eqn.primitive.name in ("pjit", "closed_call", "core_call") and inner is not None:
+            sub = getattr(inner, "jaxpr", inner)
+            outs = _dependencies(sub, [read(v) for v in eqn.invars])
+        else:
+            union = frozenset().union(*(read(v) for v in eqn.invars))
+            outs = [union] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _abstract(tree, dtype):
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype if dtype is not None else x.dtype), tree
+    )
+
+
+def _with_kind(shardings, kind: str | None):
+    """``shardings`` in memory kind ``kind`` (``None``: the default device memory)."""
+    def move(s):
+        return s.with_memory_kind(kind) if kind is not None else s.with_memory_kind("device")
+    return jax.tree.map(move, shardings)

@@ -1,0 +1,1 @@
+"""The pipeline runtime: stage programs, schedules, the dispatch queue, transports, timelines."""

@@ -1,0 +1,266 @@
+"""Pipelined training steps: ``pm.value_and_grad(loss_fn)`` when ``grid.pipeline > 1``.
+
+Each process runs the stages it owns (one per process under ``mpiexec``, all of
+them in a single process) through the dispatch queue
+(:mod:`axonn_jax.runtime.pipeline.dispatch`); activations and gradients move through
+a transport (in-process device copies, or MPI between processes).
+
+Parameters of a pipelined model form the model's usual pytree in which every
+leaf lives on the mesh of the first stage (on this process) that uses it, and
+leaves used by no stage of this process are ``None``. A parameter used by
+several stages (tied embeddings) is copied to each of them and its gradient is
+the sum of theirs, on every process that holds it.
+
+Example (``mpiexec -n 2 python train.py``)::
+
+    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2), tokens)
+    params = pm.init(jax.random.key(0))        # this rank's stage only
+    step = pm.value_and_grad(loss_fn, microbatches=4)
+    loss, grads = step(params, tokens)         # grads: this rank's stage
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from axonn_jax.partitioner.program import Program
+from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.overlap import Overlap
+from axonn_jax.runtime.pipeline import timeline
+from axonn_jax.runtime.pipeline.dispatch import DispatchQueue, StepResult
+from axonn_jax.runtime.pipeline.schedules import check_schedule
+from axonn_jax.runtime.pipeline.stage_program import StageProgram
+from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.sharded import batch_sharding, place
+
+#: ``programs(args, kwargs)`` → the Program of the model called on those inputs
+ProgramSource = Callable[[tuple, dict], Program]
+
+
+def default_inputs(batch) -> tuple:
+    """The model's positional arguments from a batch: the batch itself, or its items."""
+    return tuple(batch) if isinstance(batch, tuple) else (batch,)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How a pipelined step runs (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
+
+    microbatches: int = 1
+    schedule: str = "message"
+    limit: int | None = None
+    timeout: float = 60.0
+    remat: Callable | None = None
+    delay: Callable | None = None
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 microbatch in flight, got {self.limit}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+
+
+#: compiled stage programs, shared by every step object with the same program,
+#: loss, remat and overlap: (id(placed), signature, loss_fn, remat, overlap) → programs
+_STAGE_PROGRAMS: dict = {}
+
+
+class PipelinedValueAndGrad:
+    """``(params, batch) → (loss, grads)`` for a model placed on pipeline stages.
+
+    The loss is the mean of the microbatch losses (equal to the full-batch loss
+    for losses that average over examples) and is returned on every process;
+    ``grads`` holds this process's leaves (``None`` elsewhere).
+
+    Args:
+        placed: the model on this process's stage meshes.
+        programs: the :class:`Program` of the model for given call inputs.
+        loss_fn: ``loss_fn(model outputs, batch) → scalar``, on the last stage.
+        inputs: ``inputs(batch)`` → the model's positional arguments.
+    """
+
+    def __init__(self, placed: PlacedModel, programs: ProgramSource, loss_fn: Callable, *,
+                 inputs: Callable | None, options: PipelineOptions,
+                 overlap: Overlap = Overlap()):  # fmt: skip
+        self.placed, self.programs, self.loss_fn = placed, programs, loss_fn
+        self.inputs = inputs or default_inputs
+        self.options, self.overlap = options, overlap
+        self.last_result: StepResult | None = None
+
+    # --- program set-up (once per input shapes) ------------------------------
+    def _setup(self, args, kwargs) -> tuple[Program, list[StageProgram]]:
+        program = self.programs(args, kwargs)
+        key = (id(self.placed), program.signature, self.loss_fn, self.options.remat, self.overlap)
+        if key not in _STAGE_PROGRAMS:
+            executor = Executor(program, overlap=self.overlap)
+            meshes = self.placed.meshes
+            last = len(program.stage_flows) - 1
+            stages = [
+                StageProgram(f, executor, meshes[f.index], last=f.index == last,
+                             out_tree=program.out_tree, loss_fn=self.loss_fn,
+                             remat=self.options.remat)  # fmt: skip
+                for f in program.stage_flows
+            ]
+            _STAGE_PROGRAMS[key] = (self.placed, program, stages)  # keeps placed alive: id stays unique
+        return _STAGE_PROGRAMS[key][1:]
+
+    # --- one step ---------------------------------------------------------------
+    def __call__(self, params, batch) -> tuple[Any, Any]:
+        placed, opts = self.placed, self.options
+        plan, grid = placed.plan, placed.grid
+        m = opts.microbatches
+        batch_leaves, batch_tree = jax.tree.flatten(batch)
+        size = check_batch(batch_leaves, m, grid)
+        mb_size = size // m
+
+        def microbatch(mb):
+            leaves = [leaf[mb * mb_size : (mb + 1) * mb_size] for leaf in batch_leaves]
+            return jax.tree.unflatten(batch_tree, leaves)
+
+        example = self.inputs(microbatch(0))
+        _, programs = self._setup(example, {})
+        local = placed.homes.local
+        leaves = placed.param_leaves(params)
+        stage_params = {
+            s: [_on(_planned(leaves[i], plan.params[i]), programs[s].param_sharding(i))
+                for i in programs[s].flow.params]
+            for s in local
+        }
+        args_cache: dict = {}
+
+        def stage_args(s, mb):
+            if (s, mb) not in args_cache:
+                arg_leaves, _ = call_leaves(self.inputs(microbatch(mb)), {})
+                prog = programs[s]
+                args_cache[(s, mb)] = [
+                    place(arg_leaves[j], prog.sharding(prog.executor.arg_layouts[j]))
+                    for j in prog.flow.args
+                ]
+            return args_cache.pop((s, mb))
+
+        last_mesh = programs[-1].mesh
+
+        def loss_batch(mb):
+            return jax.tree.map(
+                lambda x: place(x, batch_sharding(last_mesh, grid, np.shape(x))), microbatch(mb)
+            )
+
+        if not all(programs[s].compiled for s in local):
+            self._compile(programs, stage_params, stage_args, loss_batch)
+        queue = DispatchQueue(programs, local, placed.transport, schedule=opts.schedule,
+                              limit=opts.limit, timeout=opts.timeout, delay=opts.delay)  # fmt: skip
+        result = queue.run(stage_params, stage_args, loss_batch, m)
+        self.last_result = result
+        grads = self._combine(result, programs, leaves, m)
+        loss = self._loss(result)
+        return loss, jax.tree.unflatten(plan.param_tree, grads)
+
+    def _compile(self, programs, stage_params, stage_args, loss_batch) -> None:
+        """Compile every local stage, then wait for all processes to have done so."""
+        last = len(programs) - 1
+        for s in self.placed.homes.local:
+            programs[s].compile(stage_params[s], stage_args(s, 0), loss_batch(0) if s == last else None)
+        self.placed.transport.barrier()  # a peer still compiling must not look like a dead peer
+
+    def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
+        """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).
+
+        Writes a Chrome/Perfetto trace JSON and a PNG timeline when paths are given.
+        """
+        if self.last_result is None:
+            raise RuntimeError("no step has run yet: call the step first, then trace()")
+        rows = timeline.gather(self.last_result, self.placed.transport)
+        if rows is not None:
+            if json_path is not None:
+                timeline.write_chrome_trace(json_path, rows)
+            if png_path is not None:
+                timeline.plot_timeline(png_path, rows, title)
+        return rows
+
+    def _combine(self, result: StepResult, programs, leaves, m: int) -> list:
+        """Per-leaf gradient on its home mesh: the sum over local stages, divided by m."""
+        homes = self.placed.homes
+        grads: list = [None] * len(leaves)
+        for s, stage_grads in result.grads.items():
+            for i, g in zip(programs[s].flow.params, stage_grads):
+                g = _on(g, leaves[i].sharding)
+                grads[i] = g if grads[i] is None else grads[i] + g
+        for i in range(len(leaves)):
+            if homes.is_local(i) and grads[i] is None:  # used by no stage
+                grads[i] = jax.numpy.zeros_like(leaves[i])
+        grads = [None if g is None else g / m for g in grads]
+        return self.placed.transport.sum_shared(grads, homes.users, homes.home, homes.shared())
+
+    def _loss(self, result: StepResult):
+        """Mean microbatch loss, computed on the last stage and sent to every process."""
+        local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
+        last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)
+        return np.float32(self.placed.transport.broadcast(local, root=last_owner))
+
+
+def check_batch(leaves, microbatches: int, grid) -> int:
+    """The batch size, after checking it splits into ``microbatches`` × data × z."""
+    if not leaves:
+        raise ValueError("the batch is empty: pass the model inputs (and targets) as arrays")
+    sizes = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if len(sizes) != 1 or -1 in sizes:
+        raise ValueError(
+            f"every batch leaf needs the same leading batch dimension; got sizes {sorted(sizes)}"
+        )
+    size = sizes.pop()
+    need = microbatches * grid.data * grid.z
+    if microbatches < 1 or size % need:
+        raise ValueError(
+            f"batch size {size} is not divisible by microbatches × data × z = {microbatches} × "
+            f"{grid.data} × {grid.z} = {need} (grid {grid}). Remedy: use a batch size that is a "
+            "multiple of it, or fewer microbatches."
+        )
+    return size
+
+
+def _planned(x: jax.Array, param) -> jax.Array:
+    """A (possibly half-precision) parameter in the dtype the stage programs were built for."""
+    return x if x.dtype == np.dtype(param.dtype) else x.astype(param.dtype)
+
+
+def _on(x: jax.Array, sharding) -> jax.Array:
+    return x if x.sharding == sharding else jax.device_put(x, sharding)
+
+
+def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs: Callable,
+                                microbatches: int, remat: Callable | None = None) -> Callable:  # fmt: skip
+    """Without a pipeline: a jittable ``(params, batch) → (loss, grads)``.
+
+    ``apply(params, *args)`` runs the model. Microbatches run one after
+    another in the same program and their gradients are averaged (the loss is
+    the mean of the microbatch losses).
+    """
+
+    def loss_of(params, batch):
+        return loss_fn(apply(params, *inputs(batch)), batch)
+
+    grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of)
+
+    def value_and_grad(params, batch):
+        if microbatches == 1:
+            return grad_fn(params, batch)
+        leaves, tree = jax.tree.flatten(batch)
+        size = check_batch(leaves, microbatches, grid) // microbatches
+        total_loss, total = 0.0, None
+        for mb in range(microbatches):
+            part = jax.tree.unflatten(tree, [x[mb * size : (mb + 1) * size] for x in leaves])
+            loss, grads = grad_fn(params, part)
+            total_loss = total_loss + loss
+            total = grads if total is None else jax.tree.map(jax.numpy.add, total, grads)
+        return total_loss / microbatches, jax.tree.map(lambda g: g / microbatches, total)
+
+    return value_and_grad

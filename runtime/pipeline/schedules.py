@@ -1,0 +1,175 @@
+"""Pipeline schedules: which task a stage runs next.
+
+A task is ``("F", mb)`` (forward of microbatch ``mb``) or ``("B", mb)``
+(backward); on the last stage the forward also runs the loss and backward, so
+it has only ``F`` tasks. A :class:`Schedule` picks, among the tasks whose
+input has arrived, the one the dispatch queue runs next. Static schedules
+(:class:`StaticSchedule`: GPipe, 1F1B) fix each stage's order in advance; the
+message-driven schedule (:class:`MessageDriven`, AxoNN) runs whichever task's
+input has arrived, backward first, with stage 0 keeping at most ``limit``
+microbatches in flight.
+
+Example:
+    >>> one_f_one_b(stage=0, stages=2, microbatches=3)
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    >>> gpipe(stage=1, stages=2, microbatches=2)
+    [('F', 0), ('F', 1)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+Task = tuple[str, int]
+#: (stage, kind, microbatch)
+StageTask = tuple[int, str, int]
+
+SCHEDULES = ("message", "1f1b", "gpipe")
+
+
+def check_schedule(name: str) -> str:
+    """``name`` if it is one of :data:`SCHEDULES`, else a ``ValueError`` listing them."""
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
+    return name
+
+
+def gpipe(stage: int, stages: int, microbatches: int) -> list[Task]:
+    """All forwards, then all backwards (GPipe)."""
+    forwards = [("F", mb) for mb in range(microbatches)]
+    if stage == stages - 1:
+        return forwards
+    return forwards + [("B", mb) for mb in range(microbatches)]
+
+
+def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Task]:
+    """Warm-up forwards, then one forward one backward, then the remaining backwards."""
+    if stage == stages - 1:
+        return [("F", mb) for mb in range(microbatches)]
+    warmup = min(stages - stage - 1, microbatches)
+    order: list[Task] = [("F", mb) for mb in range(warmup)]
+    next_f, next_b = warmup, 0
+    while next_b < microbatches:
+        if next_f < microbatches:
+            order.append(("F", next_f))
+            next_f += 1
+        order.append(("B", next_b))
+        next_b += 1
+    return order
+
+
+def static_order(name: str, stage: int, stages: int, microbatches: int) -> list[Task]:
+    if name == "gpipe":
+        return gpipe(stage, stages, microbatches)
+    if name == "1f1b":
+        return one_f_one_b(stage, stages, microbatches)
+    raise ValueError(f"unknown static schedule {name!r}; choose one of {SCHEDULES}")
+
+
+class StageView(Protocol):
+    """What a schedule reads of one stage's progress in the dispatch queue."""
+
+    forwards: int  # forwards done (the next forward is microbatch ``forwards``)
+    backwards: int
+    cotangents: Mapping  # microbatch → gradient arrived from the next stage
+    last_kind: str  # kind of the last task this stage ran ("" before the first)
+
+
+#: ``has_input(stage, kind, mb)``: the task's input has arrived (and, for a
+#: forward, ``mb`` is the stage's next microbatch)
+HasInput = Callable[[int, str, int], bool]
+
+
+class Schedule(Protocol):
+    """Decides which ready task of this process's stages runs next."""
+
+    name: str
+
+    def start(self, local: list[int], stages: int, microbatches: int) -> None:
+        """Called once at the start of a step."""
+
+    def pick(self, states: Mapping[int, StageView], has_input: HasInput,
+             microbatches: int) -> StageTask | None:  # fmt: skip
+        """The next task, or ``None`` when none may run yet."""
+
+    def ran(self, stage: int) -> None:
+        """Called after a task of ``stage`` ran."""
+
+
+class StaticSchedule:
+    """Each stage follows a fixed order (:func:`gpipe` or :func:`one_f_one_b`)."""
+
+    def __init__(self, name: str):
+        if name not in ("gpipe", "1f1b"):
+            raise ValueError(f"unknown static schedule {name!r}; choose one of {SCHEDULES}")
+        self.name = name
+        self._order: dict[int, list[Task]] = {}
+        self._position: dict[int, int] = {}
+
+    def start(self, local, stages, microbatches) -> None:
+        self._order = {s: static_order(self.name, s, stages, microbatches) for s in local}
+        self._position = {s: 0 for s in local}
+
+    def pick(self, states, has_input, microbatches):
+        for s in states:
+            if self._position[s] < len(self._order[s]):
+                kind, mb = self._order[s][self._position[s]]
+                if has_input(s, kind, mb):
+                    return s, kind, mb
+        return None
+
+    def ran(self, stage: int) -> None:
+        self._position[stage] += 1
+
+
+class MessageDriven:
+    """AxoNN: run whichever task's input has arrived, backward first.
+
+    On stage 0 each backward that returns is followed at once by the next
+    microbatch's forward (so downstream stages stay fed), and stage 0 keeps at
+    most ``limit`` microbatches between their forward and backward.
+    """
+
+    name = "message"
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._stages = 1
+
+    def start(self, local, stages, microbatches) -> None:
+        self._stages = stages
+
+    def _admits(self, st: StageView) -> bool:
+        return self._stages == 1 or st.forwards - st.backwards < self.limit
+
+    def pick(self, states, has_input, microbatches):
+        first = states.get(0)
+        if first is not None and first.last_kind == "B" and first.forwards < microbatches \
+                and self._admits(first) and has_input(0, "F", first.forwards):  # fmt: skip
+            return 0, "F", first.forwards
+        backward = [(mb, s) for s, st in states.items() for mb in st.cotangents
+                    if has_input(s, "B", mb)]  # fmt: skip
+        if backward:
+            mb, s = min(backward, key=lambda t: (t[0], -t[1]))
+            return s, "B", mb
+        forward = [(st.forwards, s) for s, st in states.items()
+                   if st.forwards < microbatches and (s != 0 or self._admits(st))
+                   and has_input(s, "F", st.forwards)]  # fmt: skip
+        if forward:
+            mb, s = min(forward, key=lambda t: (t[0], -t[1]))
+            return s, "F", mb
+        return None
+
+    def ran(self, stage: int) -> None:
+        pass
+
+
+def make_schedule(name: str, *, limit: int | None, stages: int) -> Schedule:
+    """The schedule called ``name``; ``limit`` (message-driven) defaults to ``stages``."""
+    check_schedule(name)
+    if name == "message":
+        return MessageDriven(limit if limit is not None else stages)
+    return StaticSchedule(name)

@@ -1,0 +1,164 @@
+"""Per-stage compiled programs of a pipelined model.
+
+What each stage reads and sends is planned by the partitioner
+(:class:`~axonn_jax.partitioner.flows.StageFlow`, part of the
+:class:`~axonn_jax.partitioner.program.Program`). :class:`StageProgram` compiles, once, the three programs the dispatch queue
+runs on one microbatch: ``forward`` (outbound values + the residuals for the
+backward), ``backward`` (parameter and inbound gradients from the outbound
+cotangents), and on the last stage ``forward_backward`` (loss and gradients
+in one program). Each runs the 4D executor inside ``shard_map`` on the stage's
+own mesh.
+
+Example:
+    >>> executor = Executor(program)                                          # doctest: +SKIP
+    >>> stage = StageProgram(program.stage_flows[0], executor, mesh, last=False)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import NamedSharding
+
+from axonn_jax.partitioner.flows import StageFlow
+from axonn_jax.partitioner.layout import Layout
+from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.sharded import on_mesh, sharding, spec
+
+
+class StageProgram:
+    """The compiled programs of one stage, on its mesh.
+
+    ``loss_fn(outputs, batch) -> scalar`` is applied on the last stage to the
+    model outputs (rebuilt with ``out_tree``) and the microbatch ``batch``.
+    """
+
+    def __init__(
+        self,
+        flow: StageFlow,
+        executor: Executor,
+        mesh: jax.sharding.Mesh,
+        *,
+        last: bool,
+        out_tree=None,
+        loss_fn: Callable | None = None,
+        remat: Callable[[Callable], Callable] | None = None,
+    ):
+        self.flow, self.executor, self.grid, self.mesh = flow, executor, executor.grid, mesh
+        self.last = last
+        self.out_tree, self.loss_fn = out_tree, loss_fn
+        self._remat = remat or (lambda f: f)
+        self.diff_in, self.diff_out = flow.diff_in, flow.diff_out
+        self._body = self._shard_mapped()
+        self.forward = jax.jit(self._forward)
+        self.backward = jax.jit(self._backward)
+        self.forward_backward = jax.jit(self._forward_backward)
+        self.compiled = False  # True once compile() replaced the jits by executables
+
+    # --- shardings -------------------------------------------------------
+    def spec(self, layout: Layout):
+        return spec(layout, self.grid)
+
+    def sharding(self, layout: Layout) -> NamedSharding:
+        return sharding(self.mesh, self.grid, layout)
+
+    def param_sharding(self, i: int) -> NamedSharding:
+        """Where parameter ``i`` (model leaf index) is read by this stage."""
+        return self.sharding(self.executor.param_storage[i])
+
+    @property
+    def inbound_shardings(self) -> list[NamedSharding]:
+        return [self.sharding(l) for l in self.flow.inbound_layouts]
+
+    @property
+    def outbound_shardings(self) -> list[NamedSharding]:
+        return [self.sharding(l) for l in self.flow.outbound_layouts]
+
+    def inbound_avals(self) -> list[jax.ShapeDtypeStruct]:
+        return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
+                for v, s in zip(self.flow.inbound, self.inbound_shardings)]  # fmt: skip
+
+    # --- the stage as a function of local shards --------------------------
+    def _shard_mapped(self) -> Callable:
+        flow, ex = self.flow, self.executor
+        storage = [ex.param_storage[i] for i in flow.params]
+        arg_layouts = [ex.arg_layouts[j] for j in flow.args]
+
+        def body(params, args, inbound):
+            env, lay = ex.bind(params, args, param_vars=flow.params, arg_vars=flow.args)
+            for var, x, layout in zip(flow.inbound, inbound, flow.inbound_layouts):
+                env[var], lay[var] = x, layout
+            ex.run(flow.eqns, env, lay)
+            return ex.outputs(env, lay, flow.outbound, flow.outbound_layouts)
+
+        return on_mesh(body, self.mesh, self.grid,
+                       in_layouts=[storage, arg_layouts, list(flow.inbound_layouts)],
+                       out_layouts=list(flow.outbound_layouts))  # fmt: skip
+
+    def _split(self, inbound):
+        return [inbound[i] for i in self.diff_in]
+
+    def _merge(self, inbound, diff):
+        merged = list(inbound)
+        for i, x in zip(self.diff_in, diff):
+            merged[i] = x
+        return merged
+
+    def _stage_fn(self, args, inbound):
+        """f(params, differentiable inbound) → (differentiable outbound, the rest)."""
+
+        def f(params, diff):
+            outs = self._body(params, args, self._merge(inbound, diff))
+            return [outs[i] for i in self.diff_out], outs
+
+        return self._remat(f)
+
+    # --- the compiled programs --------------------------------------------
+    def _forward(self, params, args, inbound):
+        """One microbatch forward: (outbound values, residuals for :meth:`backward`)."""
+        f = self._stage_fn(args, inbound)
+        _, vjp, outs = jax.vjp(f, params, self._split(inbound), has_aux=True)
+        return outs, vjp
+
+    @staticmethod
+    def _backward(vjp, cotangents):
+        """Gradients ``(params, differentiable inbound)`` from outbound cotangents."""
+        return vjp(cotangents)
+
+    def _forward_backward(self, params, args, inbound, batch):
+        """Last stage: loss of one microbatch and gradients for params and inbound."""
+        f = self._stage_fn(args, inbound)
+
+        def loss(params, diff):
+            _, outs = f(params, diff)
+            return self.loss_fn(jax.tree.unflatten(self.out_tree, outs), batch)
+
+        value, (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1))(
+            params, self._split(inbound)
+        )
+        return value, g_params, g_in
+
+    def compile(self, params, args, batch=None) -> None:
+        """Compile this stage's programs ahead of time (before any message is exchanged).
+
+        ``params``/``args``/``batch`` are arrays or ShapeDtypeStructs of one
+        microbatch; afterwards :attr:`forward`, :attr:`backward` and
+        :attr:`forward_backward` are the compiled executables, so the first step
+        measures (and times out on) communication only, not a peer's compilation.
+        """
+        inbound = self.inbound_avals()
+        if self.last:
+            self.forward_backward = self.forward_backward.lower(params, args, inbound, batch).compile()
+        else:
+            forward = self.forward.lower(params, args, inbound).compile()
+            _, residuals = forward.out_info
+            self.backward = self.backward.lower(residuals, self.outbound_cotangent_avals()).compile()
+            self.forward = forward
+        self.compiled = True
+
+    def outbound_cotangent_avals(self) -> list[jax.ShapeDtypeStruct]:
+        shardings = self.outbound_shardings
+        return [jax.ShapeDtypeStruct(self.flow.outbound[i].aval.shape,
+                                     self.flow.outbound[i].aval.dtype, sharding=shardings[i])
+                for i in self.diff_out]  # fmt: skip

@@ -1,0 +1,215 @@
+"""A planned model on this process's devices: meshes, parameter homes, shardings.
+
+:class:`ParamHomes` says which pipeline stages use each parameter and where
+this process keeps it (the first local stage that uses it; ``None`` when no
+local stage does). :class:`PlacedModel` holds the stage meshes of a
+:class:`~axonn_jax.partitioner.plan.Plan` and does everything that needs them:
+parameter shardings, sharded init, placing and gathering full parameters,
+and the checks that a params pytree matches the plan.
+
+Example:
+    >>> placed = PlacedModel(plan, stage_meshes(plan.grid))        # doctest: +SKIP
+    >>> params = placed.init(program.traced.init, jax.random.key(0))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.trace import path_string
+from axonn_jax.runtime.mesh import local_stages
+from axonn_jax.runtime.sharded import place
+from axonn_jax.runtime.pipeline.transport import InProcessTransport, MpiTransport, Transport
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamHomes:
+    """Which stages use which parameters, and each parameter's home stage here.
+
+    ``home[i]`` is the first stage on this process that uses parameter ``i``
+    (stage 0 for a parameter no stage uses), or ``None`` when no stage of this
+    process needs it.
+    """
+
+    users: tuple[tuple[int, ...], ...]
+    local: tuple[int, ...]
+    home: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, plan: Plan, local: Sequence[int]) -> ParamHomes:
+        users = [[st.index for st in plan.stages if p.path in st.params] for p in plan.params]
+        home = []
+        for stages in users:
+            here = [s for s in stages if s in local] or ([0] if not stages and 0 in local else [])
+            home.append(here[0] if here else None)
+        return cls(tuple(map(tuple, users)), tuple(local), tuple(home))
+
+    def is_local(self, i: int) -> bool:
+        return self.home[i] is not None
+
+    def shared(self) -> list[int]:
+        """Parameters used by more than one stage."""
+        return [i for i, stages in enumerate(self.users) if len(stages) > 1]
+
+    def groups(self) -> dict[int, list[int]]:
+        """Home stage → the parameters kept there (this process only)."""
+        out: dict[int, list[int]] = {}
+        for i, home in enumerate(self.home):
+            if home is not None:
+                out.setdefault(home, []).append(i)
+        return out
+
+
+class PlacedModel:
+    """A :class:`Plan` on its stage meshes (one per pipeline stage, stage 0 first)."""
+
+    def __init__(self, plan: Plan, meshes: Sequence[jax.sharding.Mesh]):
+        self.plan, self.grid = plan, plan.grid
+        self.meshes = list(meshes)
+        self.local = local_stages(self.meshes)
+        self.homes = ParamHomes.of(plan, self.local)
+        processes = {d.process_index for m in self.meshes for d in m.devices.flat}
+        self.multiprocess = len(processes) > 1
+        self._transport: Transport | None = None
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        """The stage mesh of a grid without pipeline."""
+        if self.grid.pipeline != 1:
+            raise ValueError(
+                f"{self.grid} has pipeline={self.grid.pipeline}: each stage has its own "
+                "mesh (pm.stage_meshes) and the model runs through pm.value_and_grad / "
+                "pm.train_step; pm.mesh and pm.apply need pipeline=1."
+            )
+        return self.meshes[0]
+
+    @property
+    def transport(self) -> Transport:
+        """How stages and processes exchange messages (in-process copies, or MPI)."""
+        if self._transport is None:
+            self._transport = MpiTransport(self.meshes) if self.multiprocess else InProcessTransport()
+        return self._transport
+
+    # --- shardings --------------------------------------------------------
+    @property
+    def param_shardings(self):
+        """NamedSharding pytree matching the params pytree (``None`` for other processes' leaves)."""
+        if self.grid.pipeline == 1:
+            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.param_specs)
+        home = self.homes.home
+        leaves = [None if home[i] is None else NamedSharding(self.meshes[home[i]], p.spec)
+                  for i, p in enumerate(self.plan.params)]  # fmt: skip
+        return jax.tree.unflatten(self.plan.param_tree, leaves)
+
+    def subtree(self, leaves: list, keep: Sequence[int]):
+        """The params pytree with only the leaves ``keep`` (others ``None``)."""
+        picked = [leaf if i in keep else None for i, leaf in enumerate(leaves)]
+        return jax.tree.unflatten(self.plan.param_tree, picked)
+
+    # --- parameters -------------------------------------------------------
+    def init(self, init_fn: Callable, key: jax.Array):
+        """``init_fn(key)`` (full params) computed directly in the sharded layout.
+
+        One program per local stage with a pipeline, each keeping only its leaves.
+        """
+        shardings = jax.tree.leaves(self.param_shardings, is_leaf=lambda x: x is None)
+        if self.grid.pipeline == 1:
+            return jax.jit(init_fn, out_shardings=self.param_shardings)(key)
+        leaves: list = [None] * len(shardings)
+        for mine in self.homes.groups().values():
+
+            def init_stage(k, mine=mine):
+                full = jax.tree.leaves(init_fn(k))
+                return [full[i] for i in mine]
+
+            values = jax.jit(init_stage, out_shardings=[shardings[i] for i in mine])(key)
+            for i, v in zip(mine, values):
+                leaves[i] = v
+        return jax.tree.unflatten(self.plan.param_tree, leaves)
+
+    def shard(self, full_params):
+        """Place a full params pytree (e.g. pretrained weights) into the layout."""
+        self.check_params(full_params)
+        leaves = jax.tree.leaves(full_params)
+        shardings = jax.tree.leaves(self.param_shardings, is_leaf=lambda x: x is None)
+        placed = [None if sh is None else place(np.asarray(leaf), sh)
+                  for leaf, sh in zip(leaves, shardings)]  # fmt: skip
+        return jax.tree.unflatten(self.plan.param_tree, placed)
+
+    def gather(self, params):
+        """Full parameters as host NumPy arrays, on every process."""
+        leaves = self.param_leaves(params)
+        self.check_params(params, dtypes=False)
+        out: list = [None] * len(leaves)
+        groups: dict = {}
+        for i, leaf in enumerate(leaves):
+            if leaf is not None:
+                groups.setdefault(leaf.sharding.mesh, []).append(i)
+        for mesh, idx in groups.items():
+            full = NamedSharding(mesh, P())
+            gathered = jax.jit(lambda p: p, out_shardings=[full] * len(idx))([leaves[i] for i in idx])
+            for i, a in zip(idx, gathered):
+                out[i] = np.asarray(a.addressable_data(0))
+        if self.grid.pipeline > 1 and self.multiprocess:  # the same decision on every rank
+            for part in self.transport.allgather([(i, a) for i, a in enumerate(out) if a is not None]):
+                for i, a in part:
+                    out[i] = a if out[i] is None else out[i]
+        return jax.tree.unflatten(self.plan.param_tree, out)
+
+    def param_leaves(self, params) -> list:
+        """Leaves of a params pytree (``None`` kept for leaves of other processes)."""
+        leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
+        if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
+            self.check_params(params)
+        home = self.homes.home if self.grid.pipeline > 1 else [0] * len(leaves)
+        if any(leaf is None and h is not None for leaf, h in zip(leaves, home)):
+            self.check_params(params)
+        return leaves
+
+    def check_params(self, params, *, dtypes: bool = True) -> None:
+        """Raise ``ValueError`` naming the first leaf that does not match the plan.
+
+        ``dtypes=False`` accepts floating leaves of another precision (the
+        half-precision device parameters of ``train_step(precision=...)``).
+        """
+        plan = self.plan
+        leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
+        if tree != plan.param_tree:
+            expected = {p.path for p in plan.params}
+            got = {path_string(k) for k, _ in leaves_with_path}
+            raise ValueError(
+                "params pytree does not match the plan: missing "
+                f"{sorted(expected - got) or 'none'}, unexpected {sorted(got - expected) or 'none'}. "
+                "Remedy: pass the pytree returned by pm.init / pm.shard (or model.init(...)['params'])."
+            )
+        for i, ((_, leaf), p) in enumerate(zip(leaves_with_path, plan.params)):
+            if leaf is None:
+                if self.grid.pipeline == 1 or self.homes.home[i] is not None:
+                    raise ValueError(
+                        f"parameter '{p.path}' is None but this process runs a stage that uses "
+                        f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard."
+                    )
+                continue
+            shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", np.float32))
+            if shape != p.shape:
+                raise ValueError(
+                    f"parameter '{p.path}' has shape {shape}, the plan expects {p.shape} "
+                    f"(grid {self.grid}). Remedy: re-partition for this model size."
+                )
+            planned = np.dtype(p.dtype)
+            both_float = jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(planned, jnp.floating)
+            if dtype != planned and (dtypes or not both_float):
+                raise ValueError(
+                    f"parameter '{p.path}' has dtype {dtype}, the plan expects {p.dtype}. "
+                    "Remedy: cast the params (e.g. jax.tree.map(lambda x: x.astype(...))) or "
+                    "re-partition with parameters of that dtype."
+                )
+

@@ -1,0 +1,102 @@
+"""The one ``shard_map`` around planned code: layouts in, layouts out, manual over live axes.
+
+Axes of size 1 are logical only (they carry the normal/transposed alternation
+but move nothing), so ``shard_map`` is manual over the other axes alone; with
+no such axis (one device) the body runs as it is. Every program that runs the
+4D executor — ``pm.apply``, the pipeline's stage programs, the NaN finder's
+probed stages — goes through :func:`on_mesh`.
+
+Example:
+    >>> body = on_mesh(lambda ps, xs: executor(ps, xs), mesh, grid,        # doctest: +SKIP
+    ...                in_layouts=([p.storage for p in plan.params], arg_layouts),
+    ...                out_layouts=[output_layouts])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from axonn_jax.partitioner.grid import BATCH_AXES, Grid
+from axonn_jax.partitioner.layout import Layout, live, to_spec
+from axonn_jax.partitioner.program import Program
+from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.overlap import Overlap
+
+#: a positional argument's layouts: a list (one Layout per array) or one Layout
+LayoutGroup = Sequence[Layout] | Layout
+
+
+def spec(layout: Layout, grid: Grid) -> jax.sharding.PartitionSpec:
+    """The PartitionSpec of ``layout`` over the live (size > 1) axes of ``grid``."""
+    return to_spec(live(layout, grid))
+
+
+def sharding(mesh, grid: Grid, layout: Layout) -> NamedSharding:
+    """Where a global array laid out as ``layout`` lives on ``mesh``."""
+    return NamedSharding(mesh, spec(layout, grid))
+
+
+def manual_axes(mesh, grid: Grid) -> frozenset[str]:
+    """The mesh axes ``shard_map`` is manual over: those of size > 1 in ``grid``."""
+    return frozenset(a for a in mesh.axis_names if grid.axis_size(a) > 1)
+
+
+def _specs(group: LayoutGroup, grid: Grid):
+    if isinstance(group, list):
+        return [spec(layout, grid) for layout in group]
+    return spec(group, grid)
+
+
+def on_mesh(body: Callable, mesh, grid: Grid, *, in_layouts: Sequence[LayoutGroup],
+            out_layouts: list[Layout] | tuple[LayoutGroup, ...]) -> Callable:  # fmt: skip
+    """``body`` (a function of local shards) as a function of global arrays on ``mesh``.
+
+    ``in_layouts`` has one entry per positional argument of ``body``: a *list*
+    of Layouts for a list of arrays, or one Layout (a tuple) for one array.
+    ``out_layouts`` is a list of Layouts for a list result, or a tuple of such
+    entries for a tuple result.
+    """
+    manual = manual_axes(mesh, grid)
+    if not manual:  # one device: nothing to communicate, no shard_map needed
+        return body
+    if isinstance(out_layouts, list):
+        out_specs = _specs(out_layouts, grid)
+    else:
+        out_specs = tuple(_specs(g, grid) for g in out_layouts)
+    return jax.shard_map(body, mesh=mesh, in_specs=tuple(_specs(g, grid) for g in in_layouts),
+                         out_specs=out_specs, axis_names=manual)  # fmt: skip
+
+
+def apply_program(program: Program, mesh, params: Sequence[jax.Array], args: Sequence[jax.Array],
+                  *, overlap: Overlap = Overlap()) -> list:  # fmt: skip
+    """The model's output leaves: ``program`` on ``mesh`` (a Mesh or an AbstractMesh)."""
+    executor = Executor(program, overlap=overlap)
+    body = on_mesh(lambda ps, xs: executor(ps, xs), mesh, program.grid,
+                   in_layouts=[list(program.param_storage), list(program.arg_layouts)],
+                   out_layouts=list(program.output_layouts))  # fmt: skip
+    return body(list(params), list(args))
+
+
+def place(value: Any, sharding: NamedSharding) -> jax.Array:
+    """Put a host or device array onto ``sharding`` (only this process's shards)."""
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    if isinstance(value, jax.Array) and value.is_fully_addressable:
+        return jax.device_put(value, sharding)
+    array = np.asarray(value)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def batch_sharding(mesh, grid: Grid, shape: Sequence[int]) -> NamedSharding:
+    """Dim 0 over the live batch axes (data, z) when it divides, else replicated."""
+    axes = tuple(a for a in BATCH_AXES if grid.axis_size(a) > 1)
+    parts = int(np.prod([grid.axis_size(a) for a in axes])) if axes else 1
+    if shape and axes and shape[0] % parts == 0:
+        return NamedSharding(mesh, P(axes))
+    return NamedSharding(mesh, P())

@@ -1,0 +1,186 @@
+"""A complete training step: gradients (pipelined or not) and the optimizer update.
+
+The optimizer is any optax ``GradientTransformation`` wrapped in a
+:class:`~axonn_jax.runtime.offload.MasterOptimizer`: the device holds the parameters
+in the chosen precision; float32 master weights and the optimizer state sit
+next to them or, with ``offload=True``, in host memory, with layouts derived
+from the parameters' layouts. fp16 adds dynamic loss scaling: a step whose
+gradients overflowed anywhere (any shard, stage or process) is skipped
+everywhere and the scale halves. Every program has fixed output shardings, so
+a step compiles once.
+
+Example:
+    >>> step = pm.train_step(loss_fn, optax.adamw(1e-3), microbatches=4,   # doctest: +SKIP
+    ...                      precision="bf16", offload=True)
+    >>> params, opt_state = step.init(params)                             # doctest: +SKIP
+    >>> params, opt_state, loss = step(params, opt_state, batch)          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from axonn_jax.runtime.offload import MasterOptimizer
+from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
+
+#: ``value_and_grad(loss_fn, **options)`` → ``(params, batch) → (loss, grads)``
+GradientFactory = Callable[..., Callable]
+
+
+class OptState(NamedTuple):
+    """What :class:`TrainStep` carries between steps besides the device parameters."""
+
+    optimizer: Any  # MasterState (or {stage: MasterState} with a pipeline)
+    loss_scale: LossScale | None  # fp16 only
+
+
+def _none(x) -> bool:
+    return x is None
+
+
+class TrainStep:
+    """``(params, opt_state, batch) → (params, opt_state, loss)``.
+
+    Without a pipeline the whole step is one jitted program. With a pipeline,
+    the gradients come from the dispatch queue and the update runs as one
+    program per stage on this process (each stage's parameters live on that
+    stage's mesh); the finiteness flag of fp16 is combined over stages and
+    processes before any stage updates.
+
+    Args:
+        placed: the model on this process's devices.
+        value_and_grad: ``value_and_grad(loss_fn, **options)`` → the gradient
+            function (``pm.value_and_grad``).
+        loss_fn: ``loss_fn(outputs, batch) → scalar``.
+        optimizer: any optax ``GradientTransformation``.
+        precision: "fp32" (default), "bf16" or "fp16" parameters and gradients on device.
+        offload: master weights and optimizer state in host memory.
+        update_on, bucket_bytes: see :class:`~axonn_jax.runtime.offload.MasterOptimizer`.
+        **options: those of :meth:`~axonn_jax.Partitioned.value_and_grad`.
+    """
+
+    def __init__(self, placed: PlacedModel, value_and_grad: GradientFactory, loss_fn: Callable,
+                 optimizer: optax.GradientTransformation, *,
+                 precision: str | Precision = "fp32", offload: bool = False,
+                 update_on: str = "host", bucket_bytes: int = 64 * 2**20, **options):  # fmt: skip
+        self.placed, self.loss_fn, self.optimizer = placed, loss_fn, optimizer
+        self.plan = placed.plan
+        self._gradients = value_and_grad
+        self.precision = Precision.of(precision)
+        self.master = dict(precision=self.precision, offload=offload, update_on=update_on,
+                           bucket_bytes=bucket_bytes)  # fmt: skip
+        self.options = options
+        if placed.grid.pipeline > 1 and self.precision.loss_scaling:
+            raise ValueError(
+                f"precision fp16 needs dynamic loss scaling, which pipelined steps "
+                f"({placed.grid}) do not support yet. Remedy: precision='bf16' (no loss scale "
+                "needed), or a grid with pipeline=1."
+            )
+        self.value_and_grad = value_and_grad(loss_fn, **options)
+        self._programs: dict = {}  # stage (or None) → (MasterOptimizer, jitted step/update)
+
+    # --- pieces -----------------------------------------------------------------
+    def _optimizer(self, stage) -> MasterOptimizer:
+        placed = self.placed
+        if stage is None:
+            shardings = placed.param_shardings
+        else:
+            shardings = placed.subtree(jax.tree.leaves(placed.param_shardings, is_leaf=_none),
+                                       placed.homes.groups()[stage])  # fmt: skip
+        return MasterOptimizer(self.optimizer, shardings, **self.master)
+
+    def _compiled(self, stage):
+        if stage in self._programs:
+            return self._programs[stage]
+        master = self._optimizer(stage)
+        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
+        if stage is not None:
+            picked = self.placed.subtree(abstract, self.placed.homes.groups()[stage])
+            abstract = jax.tree.leaves(picked, is_leaf=_none)
+        abstract = jax.tree.unflatten(self.plan.param_tree, abstract)
+        # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
+        out = (master.param_shardings, master.state_shardings(abstract))
+        if stage is None:
+            replicated = NamedSharding(self.placed.mesh, P())
+            scale = replicated if self.precision.loss_scaling else None
+            run = jax.jit(self._whole_step(master), donate_argnums=(0, 1),
+                          out_shardings=(out[0], OptState(out[1], scale), replicated))  # fmt: skip
+        else:
+
+            def update(params, grads, state, finite):
+                return master.update(grads, state, params, finite=finite)
+
+            run = jax.jit(update, donate_argnums=(0, 2), out_shardings=out)
+        self._programs[stage] = (master, run)
+        return self._programs[stage]
+
+    def _whole_step(self, master: MasterOptimizer):
+        gradients, plan, loss_fn, options = self._gradients, self.plan, self.loss_fn, self.options
+
+        def step(params, opt_state: OptState, batch):
+            scale = opt_state.loss_scale
+
+            def scaled_loss(outputs, b):
+                loss = loss_fn(outputs, b)
+                return scale.scale_loss(loss) if scale is not None else loss
+
+            value_and_grad = gradients(scaled_loss, **options)
+            loss, grads = value_and_grad(as_planned(params, plan), batch)
+            finite = all_finite(grads) if scale is not None else None
+            params, state = master.update(grads, opt_state.optimizer, params, finite=finite,
+                                          grad_scale=None if scale is None else scale.scale)  # fmt: skip
+            if scale is not None:
+                loss, scale = loss / scale.scale, scale.update(finite)
+            return params, OptState(state, scale), loss
+
+        return step
+
+    # --- the public calls -----------------------------------------------------------
+    def init(self, params) -> tuple[Any, OptState]:
+        """``(device params, opt_state)`` from full-precision ``params`` (``pm.init``)."""
+        scale = self.precision.loss_scale() if self.precision.loss_scaling else None
+        placed = self.placed
+        if placed.grid.pipeline == 1:
+            device, state = self._compiled(None)[0].init(params)
+            if scale is not None:
+                scale = jax.device_put(scale, NamedSharding(placed.mesh, P()))
+            return device, OptState(state, scale)
+        leaves = placed.param_leaves(params)
+        out, states = list(leaves), {}
+        for s, idx in placed.homes.groups().items():
+            device, states[s] = self._compiled(s)[0].init(placed.subtree(leaves, idx))
+            new = jax.tree.leaves(device, is_leaf=_none)
+            for i in idx:
+                out[i] = new[i]
+        return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
+
+    def __call__(self, params, opt_state: OptState, batch):
+        placed = self.placed
+        if placed.grid.pipeline == 1:
+            return self._compiled(None)[1](params, opt_state, batch)
+        loss, grads = self.value_and_grad(params, batch)
+        p_leaves = placed.param_leaves(params)
+        g_leaves = placed.param_leaves(grads)
+        finite = None
+        if self.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
+            local = all(bool(np.asarray(all_finite(g))) for g in g_leaves if g is not None)
+            finite = placed.transport.all_true(local)
+        out, states = list(p_leaves), {}
+        for s, idx in placed.homes.groups().items():
+            new_params, states[s] = self._compiled(s)[1](
+                placed.subtree(p_leaves, idx), placed.subtree(g_leaves, idx),
+                opt_state.optimizer[s], finite,
+            )  # fmt: skip
+            new = jax.tree.leaves(new_params, is_leaf=_none)
+            for i in idx:
+                out[i] = new[i]
+        return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, None), loss
+
