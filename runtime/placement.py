@@ -79,6 +79,8 @@ class PlacedModel:
         processes = {d.process_index for m in self.meshes for d in m.devices.flat}
         self.multiprocess = len(processes) > 1
         self._transport: Transport | None = None
+        #: compiled pipeline stage programs (see :mod:`axonn_jax.runtime.pipeline.runner`)
+        self.stage_programs: dict = {}
 
     @property
     def mesh(self) -> jax.sharding.Mesh:

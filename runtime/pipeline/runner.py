@@ -69,11 +69,6 @@ class PipelineOptions:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
 
 
-#: compiled stage programs, shared by every step object with the same program,
-#: loss, remat and overlap: (id(placed), signature, loss_fn, remat, overlap) → programs
-_STAGE_PROGRAMS: dict = {}
-
-
 class PipelinedValueAndGrad:
     """``(params, batch) → (loss, grads)`` for a model placed on pipeline stages.
 
@@ -99,8 +94,10 @@ class PipelinedValueAndGrad:
     # --- program set-up (once per input shapes) ------------------------------
     def _setup(self, args, kwargs) -> tuple[Program, list[StageProgram]]:
         program = self.programs(args, kwargs)
-        key = (id(self.placed), program.signature, self.loss_fn, self.options.remat, self.overlap)
-        if key not in _STAGE_PROGRAMS:
+        # shared by every step object with the same inputs, loss, remat and overlap: compiled once
+        cache = self.placed.stage_programs
+        key = (program.signature, self.loss_fn, self.options.remat, self.overlap)
+        if key not in cache:
             executor = Executor(program, overlap=self.overlap)
             meshes = self.placed.meshes
             last = len(program.stage_flows) - 1
@@ -110,8 +107,8 @@ class PipelinedValueAndGrad:
                              remat=self.options.remat)  # fmt: skip
                 for f in program.stage_flows
             ]
-            _STAGE_PROGRAMS[key] = (self.placed, program, stages)  # keeps placed alive: id stays unique
-        return _STAGE_PROGRAMS[key][1:]
+            cache[key] = (program, stages)
+        return cache[key]
 
     # --- one step ---------------------------------------------------------------
     def __call__(self, params, batch) -> tuple[Any, Any]:
