@@ -17,6 +17,7 @@ Example (a user-written jitted train step)::
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -145,6 +146,13 @@ class Partitioned:
     def param_homes(self) -> ParamHomes:
         """Which stages use each parameter and its home stage on this process."""
         return self.placed.homes
+
+    @property
+    def stage_layout(self) -> ParamHomes:
+        """Deprecated name of :attr:`param_homes`."""
+        warnings.warn("pm.stage_layout is now pm.param_homes (axonn_jax 0.2); the old name goes "
+                      "in 0.3.", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.param_homes
 
     @property
     def transport(self):
