@@ -160,7 +160,6 @@ class Executor:
     """Interpret ``jaxpr`` on local shards; call inside ``shard_map`` on a stage mesh."""
 
     def __init__(self, program: Program, *, overlap: Overlap = Overlap()):
-        self.program = program
         self.jaxpr, self.consts, self.grid = program.jaxpr, list(program.consts), program.grid
         self.param_storage = list(program.param_storage)
         self.arg_layouts = list(program.arg_layouts)

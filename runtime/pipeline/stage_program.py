@@ -2,8 +2,8 @@
 
 What each stage reads and sends is planned by the partitioner
 (:class:`~axonn_jax.partitioner.flows.StageFlow`, part of the
-:class:`~axonn_jax.partitioner.program.Program`). :class:`StageProgram` compiles, once, the three programs the dispatch queue
-runs on one microbatch: ``forward`` (outbound values + the residuals for the
+:class:`~axonn_jax.partitioner.program.Program`). :class:`StageProgram`
+compiles, once, the three programs the dispatch queue runs on one microbatch: ``forward`` (outbound values + the residuals for the
 backward), ``backward`` (parameter and inbound gradients from the outbound
 cotangents), and on the last stage ``forward_backward`` (loss and gradients
 in one program). Each runs the 4D executor inside ``shard_map`` on the stage's
