@@ -17,6 +17,7 @@ Example (a user-written jitted train step)::
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 
@@ -107,8 +108,7 @@ class Partitioned:
         """What every rank of a job must agree on (see :mod:`axonn_jax.runtime.consistency`)."""
         from axonn_jax.runtime.consistency import fingerprint
 
-        return fingerprint(self.model, self.plan, self.program, self.options.layout_options()
-                           | {"stages": self.options.stages})  # fmt: skip
+        return fingerprint(self.model, self.plan, self.program, dataclasses.asdict(self.options))
 
     # --- devices ----------------------------------------------------------
     @property

@@ -23,7 +23,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from axonn_jax.partitioner.flows import StageFlow, stage_flows, variable_layouts
 from axonn_jax.partitioner.grid import Grid
@@ -31,7 +30,7 @@ from axonn_jax.partitioner.layout import Layout, output_layout
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.propagation import PlannedLayouts, batch_problems, plan_layouts
 from axonn_jax.partitioner.stages import plan_stages
-from axonn_jax.partitioner.trace import TracedModel, call_leaves, inline_calls, trace_model
+from axonn_jax.partitioner.trace import TracedModel, abstract, call_leaves, inline_calls, trace_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +86,7 @@ def signature_of(avals, tree, static) -> tuple:
 def call_signature(args, kwargs) -> tuple:
     """The :attr:`Program.signature` a call with ``args``/``kwargs`` would have."""
     leaves, static = call_leaves(args, kwargs)
-    avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
-             for a in leaves]  # fmt: skip
-    return signature_of(avals, jax.tree.structure((args, kwargs)), static)
+    return signature_of([abstract(a) for a in leaves], jax.tree.structure((args, kwargs)), static)
 
 
 def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOptions(),

@@ -56,7 +56,8 @@ class TracedModel:
         return jax.tree.unflatten(self.arg_tree, leaves)
 
 
-def _abstract(x):
+def abstract(x) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array argument (a ShapeDtypeStruct passes through)."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     x = jnp.asarray(x) if not hasattr(x, "shape") else x
@@ -100,7 +101,7 @@ def trace_model(model, *args, **kwargs) -> TracedModel:
         nnx = None
     import flax.linen as nn
 
-    abstract_args = jax.tree.map(lambda x: x if is_static(x) else _abstract(x), (args, kwargs))
+    abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
     if isinstance(model, nn.Module):
         return _trace_linen(model, abstract_args)
     if nnx is not None and isinstance(model, nnx.Module):
@@ -156,14 +157,14 @@ def _trace_nnx(model, abstract_args) -> TracedModel:
         del key  # an nnx module already carries its initial values
         return values
 
-    abstract_params = jax.tree.map(_abstract, values)
+    abstract_params = jax.tree.map(abstract, values)
     return _finish("nnx", abstract_params, abstract_args, apply, init, extra_state=rest)
 
 
 def _finish(kind, params, abstract_args, apply, init, extra_state=None) -> TracedModel:
     leaves_with_path, param_tree = jax.tree_util.tree_flatten_with_path(params)
     paths = tuple(path_string(p) for p, _ in leaves_with_path)
-    param_avals = tuple(_abstract(v) for _, v in leaves_with_path)
+    param_avals = tuple(abstract(v) for _, v in leaves_with_path)
     all_arg_leaves, arg_tree = jax.tree.flatten(abstract_args)
     static = tuple((i, x) for i, x in enumerate(all_arg_leaves) if is_static(x))
     arg_leaves = [x for x in all_arg_leaves if not is_static(x)]

@@ -3,7 +3,7 @@
 Different grids, models, example input shapes, options or library versions on
 different ranks would make their programs issue different collectives, which
 hangs or silently corrupts. :func:`check_consistent` compares a fingerprint of
-a :class:`~axonn_jax.Partitioned` across all processes with one small MPI
+a partitioned model (:func:`fingerprint`) across all processes with one small MPI
 allgather (digests only; the details travel only when they differ) and raises
 ``ValueError`` on *every* rank, naming the ranks that differ and how.
 :class:`~axonn_jax.Partitioned` runs it when it first needs its devices,
@@ -30,6 +30,7 @@ from axonn_jax.runtime.launch import world
 FIELDS = ("versions", "grid", "model", "inputs", "params", "options", "plan")
 #: differences listed per field before "and N more"
 MAX_LISTED = 3
+
 
 class Comm(Protocol):
     def allgather(self, obj: Any) -> list: ...

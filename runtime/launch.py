@@ -180,10 +180,6 @@ class HostComm:
     def rank(self) -> int:
         return self.comm.Get_rank()
 
-    @property
-    def size(self) -> int:
-        return self.comm.Get_size()
-
     def allgather(self, obj: Any) -> list:
         """Every process's ``obj``, in rank order, on every process."""
         return self.comm.allgather(obj)

@@ -33,7 +33,7 @@ from axonn_jax.partitioner.grid import STAGE_AXES, Grid
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
-from axonn_jax.partitioner.trace import call_leaves, is_static
+from axonn_jax.partitioner.trace import abstract, call_leaves, is_static
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.sharded import apply_program
 
@@ -99,7 +99,7 @@ def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
         )
     if not args and not kwargs:
         args, kwargs = example.traced.example_call()
-    args, kwargs = jax.tree.map(lambda x: x if is_static(x) else _abstract(x), (args, kwargs))
+    args, kwargs = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
     program = programs(args, kwargs)
     mesh = abstract_stage_mesh(grid)
 
@@ -289,13 +289,6 @@ def _subjaxprs(eqn):
         for item in value if isinstance(value, (tuple, list)) else (value,):
             if isinstance(item, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
                 yield _open(item)
-
-
-def _abstract(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-    return jax.ShapeDtypeStruct(np.shape(x), dtype)
 
 
 def _is_var(v) -> bool:

@@ -116,7 +116,7 @@ class PipelinedValueAndGrad:
         plan, grid = placed.plan, placed.grid
         m = opts.microbatches
         batch_leaves, batch_tree = jax.tree.flatten(batch)
-        size = check_batch(batch_leaves, m, grid)
+        size = _check_batch(batch_leaves, m, grid)
         mb_size = size // m
 
         def microbatch(mb):
@@ -204,7 +204,7 @@ class PipelinedValueAndGrad:
         return np.float32(self.placed.transport.broadcast(local, root=last_owner))
 
 
-def check_batch(leaves, microbatches: int, grid) -> int:
+def _check_batch(leaves, microbatches: int, grid) -> int:
     """The batch size, after checking it splits into ``microbatches`` × data × z."""
     if not leaves:
         raise ValueError("the batch is empty: pass the model inputs (and targets) as arrays")
@@ -251,7 +251,7 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
         if microbatches == 1:
             return grad_fn(params, batch)
         leaves, tree = jax.tree.flatten(batch)
-        size = check_batch(leaves, microbatches, grid) // microbatches
+        size = _check_batch(leaves, microbatches, grid) // microbatches
         total_loss, total = 0.0, None
         for mb in range(microbatches):
             part = jax.tree.unflatten(tree, [x[mb * size : (mb + 1) * size] for x in leaves])
