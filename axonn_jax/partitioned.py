@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 
@@ -184,16 +185,34 @@ class Partitioned:
         return self.placed.init(traced.init, key)
 
     def shard(self, full_params):
-        """Place a full params pytree (e.g. pretrained weights) into the layout."""
-        return self.placed.shard(full_params)
+        """Place a full params pytree (e.g. pretrained weights) into the layout.
+
+        Accepts the params tree or the linen variables dict ``{'params': ...}``
+        (returned in the same form).
+        """
+        tree, wrapped = self._planned_tree(full_params)
+        return _wrap(self.placed.shard(tree), wrapped)
 
     def gather(self, params):
         """Full parameters back as host NumPy arrays, on every process.
 
         With a pipeline over several processes, each leaf is gathered on the
-        processes of its stage and then sent to the others.
+        processes of its stage and then sent to the others. Accepts (and
+        returns) the params tree or the linen variables dict.
         """
-        return self.placed.gather(params)
+        tree, wrapped = self._planned_tree(params)
+        return _wrap(self.placed.gather(tree), wrapped)
+
+    def _planned_tree(self, tree) -> tuple[Any, bool]:
+        """``tree`` as the plan holds it, and whether it came as ``{'params': tree}``.
+
+        A model with state is planned over its whole variables dict; a model
+        without state over its params, which linen users also pass wrapped.
+        """
+        if (isinstance(tree, Mapping) and set(tree) == {"params"}
+                and jax.tree.structure(tree["params"]) == self.plan.param_tree):  # fmt: skip
+            return tree["params"], True
+        return tree, False
 
     def check_params(self, params, *, dtypes: bool = True) -> None:
         """Raise ``ValueError`` naming the first leaf that does not match the plan.
@@ -210,7 +229,17 @@ class Partitioned:
         A pure function of JAX arrays: put it inside your own ``jax.jit`` and
         ``jax.grad``; gradients come back in the parameter layout. Outputs keep
         their batch dim split over (data, z); other dims are gathered.
+        ``params`` may be the linen variables dict. As with linen,
+        ``rngs={'dropout': key}`` feeds the model's RNG streams (the bits equal
+        the plain model's on every grid) and ``mutable=['batch_stats']``
+        returns ``(outputs, updates)``; an nnx model with state (BatchStat, RNG
+        counters) always returns ``(outputs, {'state': new_state})``.
+
+        Example:
+            >>> out, updates = pm.apply(variables, x, rngs={"dropout": key},  # doctest: +SKIP
+            ...                         mutable=["batch_stats"])
         """
+        params, _ = self._planned_tree(params)
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
         param_leaves = jax.tree.leaves(params)
@@ -257,13 +286,16 @@ class Partitioned:
                                                        default_inputs, microbatched_value_and_grad)  # fmt: skip
         from axonn_jax.runtime.remat import resolve_remat
 
+        from axonn_jax.runtime.model_call import ModelCall
+
         remat = resolve_remat(remat)
+        call = ModelCall.of(self.program.traced)
         if self.grid.pipeline == 1:
             return microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs or default_inputs,
-                                               microbatches, remat)  # fmt: skip
+                                               microbatches, remat, call)  # fmt: skip
         options = PipelineOptions(microbatches, schedule, limit, timeout, remat, delay)
         return PipelinedValueAndGrad(self.placed, self.program_for, loss_fn, inputs=inputs,
-                                     options=options, overlap=self.overlap)  # fmt: skip
+                                     options=options, overlap=self.overlap, call=call)  # fmt: skip
 
     def train_step(self, loss_fn: Callable, optimizer, *, precision: str = "fp32",
                    offload: bool = False, update_on: str = "host",
@@ -284,9 +316,11 @@ class Partitioned:
         """
         from axonn_jax.runtime.train_step import TrainStep
 
+        from axonn_jax.runtime.model_call import ModelCall
+
         return TrainStep(self.placed, self.value_and_grad, loss_fn, optimizer, precision=precision,
                          offload=offload, update_on=update_on, bucket_bytes=bucket_bytes,
-                         **options)  # fmt: skip
+                         call=ModelCall.of(self.program.traced), **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
     def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
@@ -310,3 +344,7 @@ class Partitioned:
                                              overlap=self.overlap, optimizer_slots=optimizer_slots,
                                              **kwargs)  # fmt: skip
         return self._reports[key]
+
+
+def _wrap(tree, wrapped: bool):
+    return {"params": tree} if wrapped else tree

@@ -32,6 +32,7 @@ class ParamPlan:
     storage: Layout  # stored layout (what PartitionSpec says)
     use: Layout  # layout after the depth (z) gather, where it is consumed
     role: ParamRole
+    trainable: bool = True  # False: model state (e.g. BatchNorm statistics), not differentiated
 
     @property
     def spec(self) -> jax.sharding.PartitionSpec:
@@ -61,8 +62,9 @@ class Plan:
     def build(cls, traced, grid: Grid, layouts: PlannedLayouts, stages=()) -> Plan:
         params = [
             ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)), layouts.storage[path],
-                      layouts.use[path], layouts.roles[path])  # fmt: skip
-            for path, aval in zip(traced.param_paths, traced.param_avals)
+                      layouts.use[path], layouts.roles[path], trainable)  # fmt: skip
+            for path, aval, trainable in zip(traced.param_paths, traced.param_avals,
+                                             traced.trainable or [True] * traced.num_params)  # fmt: skip
         ]
         return cls(
             grid=grid,
@@ -112,7 +114,7 @@ class Plan:
         rows = [("parameter", "shape", "stored as", "role", "bytes/device")]
         for p in self.params:
             rows.append((p.path, "×".join(map(str, p.shape)) or "scalar", describe(p.storage),
-                         p.role.value, f"{p.bytes_per_device(g):,}"))  # fmt: skip
+                         p.role.value if p.trainable else f"state, {p.role.value}", f"{p.bytes_per_device(g):,}"))  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
             f"Plan for {g}: {len(self.params)} parameters, "

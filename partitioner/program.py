@@ -110,7 +110,8 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
     """
     traced = trace_model(model, *args, **kwargs)
     grid = plan.grid
-    problems = batch_problems([a.shape for a in traced.arg_avals], grid)
+    problems = batch_problems([a.shape for j, a in enumerate(traced.arg_avals)
+                               if j not in traced.rng_args], grid)  # fmt: skip
     if problems:
         raise ValueError(f"{problems[0]} (grid {grid})")
     closed = inline_calls(traced.jaxpr)
@@ -126,7 +127,10 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
 
 def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: PlannedLayouts) -> Program:
     storage = tuple(p.storage for p in plan.params)
-    targets = tuple(output_layout(lay) for lay in layouts.outs)
+    targets = [output_layout(lay) for lay in layouts.outs]
+    for out, var in traced.state_outputs:  # updated state returns in its variable's layout
+        targets[out] = storage[var]
+    targets = tuple(targets)
     per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args)
     stages = plan.stages or plan_stages(traced, closed.jaxpr, 1)
     flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets)

@@ -176,10 +176,13 @@ class _Walk:
             self.pending[var] = (i, tuple(range(len(R.shape_of(var)))))
             self.lineage[var] = {i: tuple(range(len(R.shape_of(var))))}
         self.arg_layouts = []
-        for problem in batch_problems([R.shape_of(v) for v in invars[n:]], self.grid):
+        keys = self.traced.rng_args
+        batch = [R.shape_of(v) for j, v in enumerate(invars[n:]) if j not in keys]
+        for problem in batch_problems(batch, self.grid):
             self._problem(problem)
-        for var in invars[n:]:
-            lay = batch_layout(R.shape_of(var), self.grid)
+        for j, var in enumerate(invars[n:]):  # RNG keys are replicated, batches split
+            shape = R.shape_of(var)
+            lay = replicated(len(shape)) if j in keys else batch_layout(shape, self.grid)
             self.layout[var] = lay
             self.arg_layouts.append(lay)
         for var in self.jaxpr.constvars:
@@ -239,7 +242,8 @@ class _Walk:
 
     def _fallback(self, eqn, reason: str) -> None:
         feeding = sorted(
-            {self.traced.param_paths[self.pending[v][0]] for v in eqn.invars if v in self.pending}
+            {self.traced.param_paths[self.pending[v][0]] for v in eqn.invars
+             if not R.is_literal(v) and v in self.pending}
         )
         fb = Fallback(eqn.primitive.name, reason, _where(eqn), tuple(feeding))
         if self.strict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from axonn_jax.partitioner.grid import X, Y, Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
 from axonn_jax.partitioner.layout import (
     Layout,
     divides,
@@ -314,6 +314,39 @@ def dynamic_update_slice(eqn, layouts, ctx) -> Step:
     return Step([target, target] + [() for _ in eqn.invars[2:]], [target], [()], dict(eqn.params))
 
 
+#: key-sized PRNG operations: run on every device (a key is a few words; exact by construction)
+KEY_PRIMITIVES = frozenset(["random_seed", "random_wrap", "random_unwrap", "random_fold_in",
+                            "random_split", "threefry2x32", "random_clone"])  # fmt: skip
+
+
+def random_keys(eqn, layouts, ctx) -> Step:
+    """PRNG key arithmetic: replicated, like a scalar (no fallback: nothing is repeated)."""
+    return replicate(eqn, "")
+
+
+def random_bits(eqn, layouts, ctx) -> Step:
+    """Random bits: each device draws only its shard (dim 0 split over the batch axes).
+
+    With JAX's partitionable threefry a bit depends on the key and its global
+    index only, so the runtime (:mod:`axonn_jax.runtime.random_bits`) draws
+    exactly the plain model's bits for the local block.
+    """
+    shape = tuple(eqn.params["shape"])
+    key_ndim = len(shape_of(eqn.invars[0]))
+    out = [()] * (key_ndim + len(shape))
+    live = any(ctx.grid.axis_size(a) > 1 for a in BATCH_AXES)
+    if key_ndim == 0 and shape and live and divides(shape[0], BATCH_AXES, ctx.grid):
+        out[0] = BATCH_AXES
+    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params))
+
+
+def bitcast_convert_type(eqn, layouts, ctx) -> Step:
+    """Same-width bitcasts (random bits → floats) are elementwise; others change the rank."""
+    if len(shape_of(eqn.invars[0])) == len(shape_of(eqn.outvars[0])):
+        return elementwise(eqn, layouts, ctx)
+    return replicate(eqn, "bitcast between types of different widths")
+
+
 def iota(eqn, layouts, ctx) -> Step:
     return Step([], [replicated(len(shape_of(eqn.outvars[0])))], [()], dict(eqn.params))
 
@@ -494,6 +527,9 @@ _RULES = {
     "dynamic_slice": dynamic_slice,
     "dynamic_update_slice": dynamic_update_slice,
     "iota": iota,
+    "random_bits": random_bits,
+    "bitcast_convert_type": bitcast_convert_type,
+    **{name: random_keys for name in KEY_PRIMITIVES},
     "gather": gather,
     "dot_general": dot_general,
     "conv_general_dilated": conv,

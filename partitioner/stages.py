@@ -43,7 +43,7 @@ class Stage:
 
 def _nbytes(var) -> int:
     aval = var.aval
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    return int(math.prod(aval.shape)) * aval.dtype.itemsize  # PRNG key dtypes too
 
 
 def equation_flops(eqn) -> float:

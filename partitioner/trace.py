@@ -6,17 +6,31 @@ is a :class:`TracedModel`: a closed jaxpr whose first inputs are the
 parameter leaves (in ``jax.tree`` order) followed by the flattened call
 arguments, plus what is needed to rebuild pytrees.
 
+Models with state (linen collections besides ``params`` such as BatchNorm's
+``batch_stats``; nnx variables other than ``nnx.Param``) are traced over their
+whole variables dict: ``{'params': ..., 'batch_stats': ...}`` for linen,
+``{'params': ..., 'state': ...}`` for nnx (RNG keys as raw key data). Those
+leaves are planned and placed like parameters but are not trainable; a call
+that updates them (linen ``mutable=[...]``; nnx always) returns
+``(outputs, updates)`` as ``model.apply(..., mutable=...)`` does. RNG streams
+(``rngs={'dropout': key}``) are array inputs of the call.
+
 Example:
     >>> import flax.linen as nn, jax.numpy as jnp
     >>> traced = trace_model(nn.Dense(4), jnp.zeros((2, 3)))
     >>> traced.param_paths
     ('bias', 'kernel')
+    >>> bn = trace_model(nn.BatchNorm(use_running_average=False), jnp.zeros((4, 3)),
+    ...                  mutable=["batch_stats"])
+    >>> bn.param_paths, bn.trainable, bn.state_outputs
+    (('batch_stats/mean', 'batch_stats/var', 'params/bias', 'params/scale'), (False, False, True, True), ((1, 0), (2, 1)))
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -40,12 +54,19 @@ class TracedModel:
     out_tree: Any
     apply: Callable  # apply(params, *args, **kwargs): the unpartitioned model
     init: Callable  # init(key) -> full params (used only for the reference path)
-    extra_state: Any = None  # nnx non-Param state (constants for the jaxpr)
     static_args: tuple = ()  # ((leaf position, value), ...): Python scalars baked in
+    trainable: tuple[bool, ...] = ()  # per variable leaf: a parameter (True) or state (False)
+    state_outputs: tuple[tuple[int, int], ...] = ()  # (output leaf, variable leaf it updates)
+    rng_args: frozenset[int] = frozenset()  # positions in arg_avals of RNG keys (``rngs=``)
 
     @property
     def num_params(self) -> int:
         return len(self.param_avals)
+
+    @property
+    def has_state(self) -> bool:
+        """True when the variables include non-trainable state (the tree is a variables dict)."""
+        return not all(self.trainable)
 
     def example_call(self) -> tuple[tuple, dict]:
         """The traced call's ``(args, kwargs)``: ShapeDtypeStructs and the static values."""
@@ -112,19 +133,65 @@ def trace_model(model, *args, **kwargs) -> TracedModel:
     )
 
 
+#: keyword arguments of ``model.apply`` (not of the model's ``__call__``)
+APPLY_KWARGS = ("rngs", "mutable")
+
+
+def _split_apply_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    call = {k: v for k, v in kwargs.items() if k not in APPLY_KWARGS}
+    return call, {k: kwargs[k] for k in APPLY_KWARGS if k in kwargs}
+
+
 def _trace_linen(model, abstract_args) -> TracedModel:
     args, kwargs = abstract_args
+    call_kwargs, apply_kwargs = _split_apply_kwargs(kwargs)
+    streams = sorted(apply_kwargs.get("rngs") or {})
+
+    def init_variables(key):
+        if isinstance(key, Mapping):  # linen's {'params': key, 'dropout': key, ...}
+            keys = dict(key)
+        else:
+            keys = dict(zip(["params", *streams], jax.random.split(key, 1 + len(streams))))
+        return model.init(keys, *args_like(args), **args_like(call_kwargs))
+
+    with _linen_remedies():
+        variables = jax.eval_shape(init_variables, jax.random.key(0))
+    stateful = set(variables) != {"params"}
 
     def init(key):
-        variables = model.init(key, *args_like(args), **args_like(kwargs))
-        _check_collections(variables)
-        return variables["params"]
+        full = init_variables(key)
+        return full if stateful else full["params"]
 
-    def apply(params, *call_args, **call_kwargs):
-        return model.apply({"params": params}, *call_args, **call_kwargs)
+    def apply(tree, *call_args, **kw):
+        kw, extra = _split_apply_kwargs(kw)
+        return model.apply(tree if stateful else {"params": tree}, *call_args, **extra, **kw)
 
-    params = jax.eval_shape(init, jax.random.key(0))
-    return _finish("linen", params, abstract_args, apply, init)
+    params = variables if stateful else variables["params"]
+    returns_updates = bool(apply_kwargs.get("mutable"))
+    with _linen_remedies():
+        return _finish("linen", params, abstract_args, apply, init, returns_updates=returns_updates)
+
+
+@contextlib.contextmanager
+def _linen_remedies():
+    """Flax's errors about missing RNG streams and immutable state, with the remedy here."""
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised with the remedy, or as it was
+        kind = type(err).__name__
+        if kind == "InvalidRngError":
+            raise ValueError(
+                f"{err}. Remedy: pass the RNG streams the model draws in the call given to "
+                "partition(), e.g. partition(model, grid, x, rngs={'dropout': key}) (a "
+                "jax.random.key or its ShapeDtypeStruct), and the same rngs= to pm.apply."
+            ) from err
+        if kind == "ModifyScopeVariableError":
+            raise ValueError(
+                f"{err}. Remedy: the call updates model state (train mode): pass "
+                "mutable=['batch_stats'] (the collections it updates) to partition() and "
+                "pm.apply, as with model.apply; pm.value_and_grad and pm.train_step do it for you."
+            ) from err
+        raise
 
 
 def args_like(tree):
@@ -132,42 +199,64 @@ def args_like(tree):
     return jax.tree.map(lambda a: a if is_static(a) else jnp.zeros(a.shape, a.dtype), tree)
 
 
-def _check_collections(variables) -> None:
-    extra = sorted(set(variables) - {"params"})
-    if extra:
-        raise ValueError(
-            f"the model creates variable collections {extra} besides 'params'; "
-            "axonn_jax partitions stateless models (params only). Remedy: make them "
-            "constants or pass them as call arguments."
-        )
-
-
 def _trace_nnx(model, abstract_args) -> TracedModel:
     from flax import nnx
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    values = nnx.to_pure_dict(params)
+    rest_values = jax.tree.map(_key_data, nnx.to_pure_dict(rest))
+    stateful = bool(jax.tree.leaves(rest_values))
+    values = {"params": nnx.to_pure_dict(params), "state": rest_values} if stateful \
+        else nnx.to_pure_dict(params)  # fmt: skip
+    key_impls = {path_string(p): jax.random.key_impl(v)
+                 for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]
+                 if _is_key(v)}  # fmt: skip
 
-    def apply(new_values, *call_args, **call_kwargs):
-        state = nnx.clone(params) if hasattr(nnx, "clone") else params
-        nnx.replace_by_pure_dict(state, new_values)
-        return nnx.merge(graphdef, state, rest)(*call_args, **call_kwargs)
+    def apply(tree, *call_args, **call_kwargs):
+        param_state, rest_state = nnx.clone(params), nnx.clone(rest)
+        nnx.replace_by_pure_dict(param_state, tree["params"] if stateful else tree)
+        if stateful:
+            nnx.replace_by_pure_dict(rest_state, _wrap_keys(tree["state"], key_impls))
+        module = nnx.merge(graphdef, param_state, rest_state)
+        out = module(*call_args, **call_kwargs)
+        if not stateful:
+            return out
+        _, _, new_rest = nnx.split(module, nnx.Param, ...)
+        return out, {"state": jax.tree.map(_key_data, nnx.to_pure_dict(new_rest))}
 
     def init(key):
         del key  # an nnx module already carries its initial values
         return values
 
     abstract_params = jax.tree.map(abstract, values)
-    return _finish("nnx", abstract_params, abstract_args, apply, init, extra_state=rest)
+    return _finish("nnx", abstract_params, abstract_args, apply, init, returns_updates=stateful)
 
 
-def _finish(kind, params, abstract_args, apply, init, extra_state=None) -> TracedModel:
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _key_data(x):
+    """A typed PRNG key as its raw ``uint32`` data (placed, gathered and saved like any array)."""
+    return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _wrap_keys(tree, impls: dict):
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [jax.random.wrap_key_data(v, impl=impls[path_string(p)]) if path_string(p) in impls
+              else v for p, v in flat]  # fmt: skip
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _finish(kind, params, abstract_args, apply, init, *, returns_updates: bool) -> TracedModel:
     leaves_with_path, param_tree = jax.tree_util.tree_flatten_with_path(params)
     paths = tuple(path_string(p) for p, _ in leaves_with_path)
+    stateful = isinstance(params, dict) and "params" in params and len(params) > 1
+    trainable = tuple(not stateful or p.startswith("params/") for p in paths)
     param_avals = tuple(abstract(v) for _, v in leaves_with_path)
     all_arg_leaves, arg_tree = jax.tree.flatten(abstract_args)
     static = tuple((i, x) for i, x in enumerate(all_arg_leaves) if is_static(x))
     arg_leaves = [x for x in all_arg_leaves if not is_static(x)]
+    rng_args = frozenset(j for j, key in enumerate(_rng_leaf_flags(abstract_args)) if key)
     out_store = {}
 
     def flat_fn(*leaves):
@@ -177,10 +266,16 @@ def _finish(kind, params, abstract_args, apply, init, extra_state=None) -> Trace
         full = [fixed[i] if i in fixed else next(dynamic) for i in range(len(all_arg_leaves))]
         call_args, call_kwargs = jax.tree.unflatten(arg_tree, full)
         out = apply(p, *call_args, **call_kwargs)
-        out_leaves, out_store["tree"] = jax.tree.flatten(out)
-        return out_leaves
+        with_path, out_store["tree"] = jax.tree_util.tree_flatten_with_path(out)
+        out_store["paths"] = [path_string(q) for q, _ in with_path]
+        return [v for _, v in with_path]
 
     closed = jax.make_jaxpr(flat_fn)(*param_avals, *arg_leaves)
+    state_outputs = ()
+    if returns_updates:  # (outputs, updates): updates mirror the variables' paths
+        index = {path: i for i, path in enumerate(paths)}
+        state_outputs = tuple((k, index[q[2:]]) for k, q in enumerate(out_store["paths"])
+                              if q.startswith("1/") and q[2:] in index)  # fmt: skip
     return TracedModel(
         kind=kind,
         jaxpr=closed,
@@ -193,8 +288,22 @@ def _finish(kind, params, abstract_args, apply, init, extra_state=None) -> Trace
         out_tree=out_store["tree"],
         apply=apply,
         init=init,
-        extra_state=extra_state,
+        trainable=trainable,
+        state_outputs=state_outputs,
+        rng_args=rng_args,
     )
+
+
+def _rng_leaf_flags(abstract_args) -> list[bool]:
+    """Per array leaf of the call: is it an RNG key (typed, or under ``rngs=``)?"""
+    flags = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_args)[0]:
+        if is_static(leaf):
+            continue
+        under_rngs = len(path) > 1 and path[0] == jax.tree_util.SequenceKey(1) and \
+            getattr(path[1], "key", None) == "rngs"  # fmt: skip
+        flags.append(under_rngs or _is_key(leaf))
+    return flags
 
 
 def inline_calls(closed) -> Any:

@@ -35,6 +35,7 @@ from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
 from axonn_jax.runtime.pointwise import bind_custom_jvp
+from axonn_jax.runtime.random_bits import local_bits
 from axonn_jax.runtime.varying import match_vma, vary, vma
 
 #: primitives that start a "layer" for the gather prefetch (OAG)
@@ -303,7 +304,11 @@ class Executor:
         )
         for i in lazy:
             values[i] = self._materialise(env[eqn.invars[i]], layouts[i], step.targets[i], together)
-        outs = self._bind(eqn, values, step.params)
+        if eqn.primitive.name == "random_bits":  # only this device's block of the bits
+            outs = [local_bits(values[0], eqn.params["bit_width"], tuple(eqn.params["shape"]),
+                               step.outs[0], self.grid)]  # fmt: skip
+        else:
+            outs = self._bind(eqn, values, step.params)
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
             axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
             if axes:

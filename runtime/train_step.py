@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.offload import MasterOptimizer
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
@@ -70,8 +71,10 @@ class TrainStep:
     def __init__(self, placed: PlacedModel, value_and_grad: GradientFactory, loss_fn: Callable,
                  optimizer: optax.GradientTransformation, *,
                  precision: str | Precision = "fp32", offload: bool = False,
-                 update_on: str = "host", bucket_bytes: int = 64 * 2**20, **options):  # fmt: skip
+                 update_on: str = "host", bucket_bytes: int = 64 * 2**20,
+                 call: ModelCall | None = None, **options):  # fmt: skip
         self.placed, self.loss_fn, self.optimizer = placed, loss_fn, optimizer
+        self.call = call or ModelCall({}, stateful=False, mutable=())
         self.plan = placed.plan
         self._gradients = value_and_grad
         self.precision = Precision.of(precision)
@@ -91,7 +94,7 @@ class TrainStep:
     def _optimizer(self, stage) -> MasterOptimizer:
         placed = self.placed
         if stage is None:
-            shardings = placed.param_shardings
+            shardings, _ = self.call.split(placed.param_shardings)
         else:
             shardings = placed.subtree(jax.tree.leaves(placed.param_shardings, is_leaf=_none),
                                        placed.homes.groups()[stage])  # fmt: skip
@@ -105,10 +108,12 @@ class TrainStep:
         if stage is not None:
             picked = self.placed.subtree(abstract, self.placed.homes.groups()[stage])
             abstract = jax.tree.leaves(picked, is_leaf=_none)
-        abstract = jax.tree.unflatten(self.plan.param_tree, abstract)
+        abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
         # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
         out = (master.param_shardings, master.state_shardings(abstract))
         if stage is None:
+            _, state_shardings = self.call.split(self.placed.param_shardings)
+            out = (self.call.merge(out[0], state_shardings), out[1])
             replicated = NamedSharding(self.placed.mesh, P())
             scale = replicated if self.precision.loss_scaling else None
             run = jax.jit(self._whole_step(master), donate_argnums=(0, 1),
@@ -124,8 +129,9 @@ class TrainStep:
 
     def _whole_step(self, master: MasterOptimizer):
         gradients, plan, loss_fn, options = self._gradients, self.plan, self.loss_fn, self.options
+        call = self.call
 
-        def step(params, opt_state: OptState, batch):
+        def step(variables, opt_state: OptState, batch, rngs):
             scale = opt_state.loss_scale
 
             def scaled_loss(outputs, b):
@@ -133,13 +139,17 @@ class TrainStep:
                 return scale.scale_loss(loss) if scale is not None else loss
 
             value_and_grad = gradients(scaled_loss, **options)
-            loss, grads = value_and_grad(as_planned(params, plan), batch)
+            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs)
+            params, model_state = call.split(variables)
+            if call.stateful:
+                loss, updates = loss
+                model_state = {**model_state, **updates}
             finite = all_finite(grads) if scale is not None else None
             params, state = master.update(grads, opt_state.optimizer, params, finite=finite,
                                           grad_scale=None if scale is None else scale.scale)  # fmt: skip
             if scale is not None:
                 loss, scale = loss / scale.scale, scale.update(finite)
-            return params, OptState(state, scale), loss
+            return call.merge(params, model_state), OptState(state, scale), loss
 
         return step
 
@@ -149,10 +159,11 @@ class TrainStep:
         scale = self.precision.loss_scale() if self.precision.loss_scaling else None
         placed = self.placed
         if placed.grid.pipeline == 1:
+            params, model_state = self.call.split(params)
             device, state = self._compiled(None)[0].init(params)
             if scale is not None:
                 scale = jax.device_put(scale, NamedSharding(placed.mesh, P()))
-            return device, OptState(state, scale)
+            return self.call.merge(device, model_state), OptState(state, scale)
         leaves = placed.param_leaves(params)
         out, states = list(leaves), {}
         for s, idx in placed.homes.groups().items():
@@ -162,11 +173,12 @@ class TrainStep:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
 
-    def __call__(self, params, opt_state: OptState, batch):
+    def __call__(self, params, opt_state: OptState, batch, rngs=None):
+        """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""
         placed = self.placed
         if placed.grid.pipeline == 1:
-            return self._compiled(None)[1](params, opt_state, batch)
-        loss, grads = self.value_and_grad(params, batch)
+            return self._compiled(None)[1](params, opt_state, batch, rngs)
+        loss, grads = self.value_and_grad(params, batch, rngs)
         p_leaves = placed.param_leaves(params)
         g_leaves = placed.param_leaves(grads)
         finite = None

@@ -31,6 +31,7 @@ import numpy as np
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue, StepResult
@@ -85,7 +86,15 @@ class PipelinedValueAndGrad:
 
     def __init__(self, placed: PlacedModel, programs: ProgramSource, loss_fn: Callable, *,
                  inputs: Callable | None, options: PipelineOptions,
-                 overlap: Overlap = Overlap()):  # fmt: skip
+                 overlap: Overlap = Overlap(), call: ModelCall | None = None):  # fmt: skip
+        self.call = call or ModelCall({}, stateful=False, mutable=())
+        if self.call.stateful:
+            what = ", ".join(self.call.mutable) or "nnx state"
+            raise ValueError(
+                f"the model has state besides its parameters ({what}), which pipelined steps "
+                f"(grid {placed.grid}) do not carry yet. Remedy: "
+                "a grid with pipeline=1 (any x, y, z, data), or a model without mutable state."
+            )
         self.placed, self.programs, self.loss_fn = placed, programs, loss_fn
         self.inputs = inputs or default_inputs
         self.options, self.overlap = options, overlap
@@ -111,7 +120,7 @@ class PipelinedValueAndGrad:
         return cache[key]
 
     # --- one step ---------------------------------------------------------------
-    def __call__(self, params, batch) -> tuple[Any, Any]:
+    def __call__(self, params, batch, rngs=None) -> tuple[Any, Any]:
         placed, opts = self.placed, self.options
         plan, grid = placed.plan, placed.grid
         m = opts.microbatches
@@ -123,8 +132,11 @@ class PipelinedValueAndGrad:
             leaves = [leaf[mb * mb_size : (mb + 1) * mb_size] for leaf in batch_leaves]
             return jax.tree.unflatten(batch_tree, leaves)
 
+        def call_kwargs(mb):  # RNG keys: one stream per microbatch, the same on every stage
+            return self.call.kwargs(rngs, mb, m)
+
         example = self.inputs(microbatch(0))
-        _, programs = self._setup(example, {})
+        _, programs = self._setup(example, call_kwargs(0))
         local = placed.homes.local
         leaves = placed.param_leaves(params)
         stage_params = {
@@ -136,7 +148,7 @@ class PipelinedValueAndGrad:
 
         def stage_args(s, mb):
             if (s, mb) not in args_cache:
-                arg_leaves, _ = call_leaves(self.inputs(microbatch(mb)), {})
+                arg_leaves, _ = call_leaves(self.inputs(microbatch(mb)), call_kwargs(mb))
                 prog = programs[s]
                 args_cache[(s, mb)] = [
                     place(arg_leaves[j], prog.sharding(prog.executor.arg_layouts[j]))
@@ -234,30 +246,41 @@ def _on(x: jax.Array, sharding) -> jax.Array:
 
 
 def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs: Callable,
-                                microbatches: int, remat: Callable | None = None) -> Callable:  # fmt: skip
-    """Without a pipeline: a jittable ``(params, batch) → (loss, grads)``.
+                                microbatches: int, remat: Callable | None = None,
+                                call: ModelCall | None = None) -> Callable:  # fmt: skip
+    """Without a pipeline: a jittable ``(variables, batch, rngs=None) → (loss, grads)``.
 
-    ``apply(params, *args)`` runs the model. Microbatches run one after
-    another in the same program and their gradients are averaged (the loss is
-    the mean of the microbatch losses).
+    ``apply(variables, *args, **kwargs)`` runs the model. Microbatches run one
+    after another in the same program and their gradients are averaged (the
+    loss is the mean of the microbatch losses). A model with state returns
+    ``((loss, updates), grads)``, ``grads`` for ``variables['params']`` only
+    (see :mod:`axonn_jax.runtime.model_call`).
     """
+    call = call or ModelCall({}, stateful=False, mutable=())
 
-    def loss_of(params, batch):
-        return loss_fn(apply(params, *inputs(batch)), batch)
+    def loss_of(params, state, batch, rngs, mb):
+        result = apply(call.merge(params, state), *inputs(batch), **call.kwargs(rngs, mb, microbatches))
+        outputs, updates = call.outputs(result)
+        return loss_fn(outputs, batch), updates
 
-    grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of)
+    grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of, has_aux=True)
 
-    def value_and_grad(params, batch):
-        if microbatches == 1:
-            return grad_fn(params, batch)
+    def value_and_grad(variables, batch, rngs=None):
+        params, state = call.split(variables)
         leaves, tree = jax.tree.flatten(batch)
-        size = _check_batch(leaves, microbatches, grid) // microbatches
-        total_loss, total = 0.0, None
+        size = _check_batch(leaves, microbatches, grid) // microbatches if microbatches > 1 else 0
+        losses, updates, total = [], [], None
         for mb in range(microbatches):
-            part = jax.tree.unflatten(tree, [x[mb * size : (mb + 1) * size] for x in leaves])
-            loss, grads = grad_fn(params, part)
-            total_loss = total_loss + loss
+            part = batch if microbatches == 1 else \
+                jax.tree.unflatten(tree, [x[mb * size : (mb + 1) * size] for x in leaves])  # fmt: skip
+            (loss, new_state), grads = grad_fn(params, state, part, rngs, mb)
+            losses.append(loss)
+            updates.append(new_state)
             total = grads if total is None else jax.tree.map(jax.numpy.add, total, grads)
-        return total_loss / microbatches, jax.tree.map(lambda g: g / microbatches, total)
+        loss = losses[0] if microbatches == 1 else sum(losses[1:], losses[0]) / microbatches
+        grads = total if microbatches == 1 else jax.tree.map(lambda g: g / microbatches, total)
+        if not call.stateful:
+            return loss, grads
+        return (loss, mean_updates(updates)), grads
 
     return value_and_grad

@@ -1,0 +1,86 @@
+"""How training calls the model: keyword flags, RNG streams and model state.
+
+A model with state (BatchNorm statistics, nnx RNG counters) is handled as a
+variables dict ``{'params': ..., <collections>: ...}``: only ``params`` is
+differentiated; the other collections are inputs of the call and come back
+updated (linen ``mutable=[...]``). RNG streams are keys passed as
+``rngs={'dropout': key}``; with several microbatches, microbatch ``m`` draws
+from ``jax.random.fold_in(key, m)`` (so one microbatch is exactly the plain
+``model.apply(..., rngs=...)``).
+
+Example:
+    >>> call = ModelCall(static_kwargs={"train": True}, stateful=False, mutable=())
+    >>> call.kwargs(None, 0, 1)
+    {'train': True}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from axonn_jax.partitioner.trace import APPLY_KWARGS, TracedModel, is_static
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCall:
+    """The fixed part of every training call of the model."""
+
+    static_kwargs: Mapping[str, Any]  # the flags given to partition() (e.g. train=True)
+    stateful: bool  # the variables are {'params': ..., <state collections>: ...}
+    mutable: tuple[str, ...]  # linen collections returned updated (nnx: always all)
+
+    @classmethod
+    def of(cls, traced: TracedModel) -> ModelCall:
+        _, kwargs = traced.example_call()
+        static = {k: v for k, v in kwargs.items() if k not in APPLY_KWARGS and is_static(v)}
+        stateful = traced.has_state
+        mutable = ()
+        if stateful and traced.kind == "linen":
+            mutable = tuple(sorted({p.split("/")[0] for p in traced.param_paths} - {"params"}))
+        return cls(static, stateful, mutable)
+
+    def kwargs(self, rngs: Mapping[str, jax.Array] | None, microbatch, microbatches: int) -> dict:
+        """Keyword arguments of the model call for one microbatch."""
+        kw = dict(self.static_kwargs)
+        if rngs:
+            kw["rngs"] = rngs if microbatches == 1 else \
+                {name: jax.random.fold_in(key, microbatch) for name, key in rngs.items()}  # fmt: skip
+        if self.mutable:
+            kw["mutable"] = list(self.mutable)
+        return kw
+
+    def split(self, variables) -> tuple[Any, dict | None]:
+        """``(params, state)``: the trainable tree and the other collections."""
+        if not self.stateful:
+            return variables, None
+        return variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+    def merge(self, params, state: dict | None):
+        return params if state is None else {"params": params, **state}
+
+    def outputs(self, result) -> tuple[Any, dict | None]:
+        """``(model outputs, state updates)`` of one call."""
+        return result if self.stateful else (result, None)
+
+
+def mean_updates(updates: list[dict]) -> dict:
+    """State updates of several microbatches: floats averaged, others from the last one.
+
+    For BatchNorm's running mean this equals the update of the whole batch;
+    the variance averages the microbatches' variances (each microbatch is
+    normalised with its own statistics, as in plain gradient accumulation).
+    """
+    if len(updates) == 1:
+        return updates[0]
+
+    def combine(*xs):
+        if jnp.issubdtype(xs[0].dtype, jnp.floating):
+            return sum(xs[1:], xs[0]) / len(xs)
+        return xs[-1]
+
+    return jax.tree.map(combine, *updates)

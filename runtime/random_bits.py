@@ -1,0 +1,102 @@
+"""Random bits drawn shard by shard, equal to the plain model's bits.
+
+With JAX's partitionable threefry (``jax_threefry_partitionable``, the
+default since JAX 0.5) the bits of ``jax.random.bits(key, shape)`` at global
+index ``i`` are ``threefry2x32(key, hi(i), lo(i))`` of the row-major 64-bit
+linear index. A device therefore draws exactly its block of the global array
+from the block's global indices, and dropout on a partitioned model uses the
+very mask of the unpartitioned one. Anything else (another PRNG, the legacy
+non-partitionable threefry, batched keys) draws the whole array and slices it:
+still exact, at full size.
+
+Example (inside ``shard_map``)::
+
+    bits = local_bits(key, 32, (8, 64), layout=(("data", "z"), ()), grid=grid)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.random import threefry2x32_p
+
+from axonn_jax.partitioner.grid import Grid
+from axonn_jax.partitioner.layout import Layout, live, local_shape
+
+_MASK16 = 0xFFFF
+
+
+def local_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...], layout: Layout,
+               grid: Grid) -> jax.Array:  # fmt: skip
+    """This device's block (``layout`` of the global ``shape``) of ``random_bits(key)``."""
+    dtype = np.dtype(f"uint{bit_width}")
+    if not _blockwise(key):
+        full = jax.random.bits(key, shape, dtype)
+        return _slice(full, layout, grid)
+    local = local_shape(shape, layout, grid)
+    hi, lo = _linear_index(shape, _offsets(shape, layout, grid), local)
+    k1, k2 = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32_p.bind(k1, k2, hi, lo)
+    if bit_width == 64:
+        return lax.shift_left(bits1.astype(dtype), dtype.type(32)) | bits2.astype(dtype)
+    return (bits1 ^ bits2).astype(dtype)
+
+
+def _blockwise(key: jax.Array) -> bool:
+    impl = str(jax.random.key_impl(key)) if jnp.ndim(key) == 0 else ""
+    return "threefry2x32" in impl and bool(jax.config.jax_threefry_partitionable)
+
+
+def _offsets(shape, layout: Layout, grid: Grid) -> list:
+    """Global start of this device's block in each dim (traced: uses ``axis_index``)."""
+    offsets = []
+    for size, axes in zip(shape, live(layout, grid)):
+        index, parts = 0, 1
+        for axis in axes:
+            index = index * grid.axis_size(axis) + lax.axis_index(axis)
+            parts *= grid.axis_size(axis)
+        offsets.append(jnp.uint32(0) if not axes else (index * (size // parts)).astype(jnp.uint32))
+    return offsets
+
+
+def _linear_index(shape, offsets, local) -> tuple[jax.Array, jax.Array]:
+    """Row-major global linear index of every element of the block, as uint32 (hi, lo)."""
+    if math.prod(shape) >= 2**64:
+        raise NotImplementedError(f"random bits of {math.prod(shape)} elements (≥ 2**64)")
+    hi = jnp.zeros(local, jnp.uint32)
+    lo = jnp.zeros(local, jnp.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        coord = lax.broadcasted_iota(jnp.uint32, local, d) + offsets[d]
+        t_hi, t_lo = _mul(coord, stride)
+        hi, lo = _add(hi, lo, t_hi, t_lo)
+        stride *= shape[d]
+    return hi, lo
+
+
+def _mul(a: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
+    """``a * c mod 2**64`` as (hi, lo) uint32, for uint32 ``a`` and a Python int ``c``."""
+    c_hi, c_lo = (c >> 32) & 0xFFFFFFFF, c & 0xFFFFFFFF
+    a_lo, a_hi = a & _MASK16, a >> 16
+    l_lo, l_hi = np.uint32(c_lo & _MASK16), np.uint32(c_lo >> 16)
+    ll, lh, hl, hh = a_lo * l_lo, a_lo * l_hi, a_hi * l_lo, a_hi * l_hi
+    mid = lh + hl
+    mid_carry = (mid < lh).astype(jnp.uint32)
+    lo = ll + (mid << 16)
+    lo_carry = (lo < ll).astype(jnp.uint32)
+    hi = hh + (mid >> 16) + (mid_carry << 16) + lo_carry + a * np.uint32(c_hi)
+    return hi, lo
+
+
+def _add(h1, l1, h2, l2) -> tuple[jax.Array, jax.Array]:
+    lo = l1 + l2
+    return h1 + h2 + (lo < l1).astype(jnp.uint32), lo
+
+
+def _slice(full: jax.Array, layout: Layout, grid: Grid) -> jax.Array:
+    local = local_shape(full.shape, layout, grid)
+    return lax.dynamic_slice(full, _offsets(full.shape, layout, grid), local)

@@ -1,0 +1,303 @@
+"""RNG streams (dropout) and model state (BatchNorm) equal the plain Flax model.
+
+With JAX's partitionable threefry a dropout mask depends on the key and the
+element's global index only, so a partitioned model draws the very mask of the
+plain one: the same loss, gradients and AdamW trajectory with the same keys
+(bounds of ``test_partition.py``). BatchNorm statistics are computed over the
+global batch (train mode) and used as given (eval mode).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import grid_id
+from flax import linen as nn
+from flax import nnx
+from partition_cases import BATCH, GRIDS, LR, SEQ, STEPS, VOCAB, _leaves, _padding_mask, \
+    _positions, _tokens, assert_matches_reference  # fmt: skip
+
+import axonn_jax
+from axonn_jax.models import next_token_loss
+
+KEY = jax.random.key(42)
+
+
+def _gpt2_with_dropout():
+    import transformers as hf
+    from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
+
+    config = hf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
+                           resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # fmt: skip
+    return gpt2.FlaxGPT2LMHeadModule(config), (_tokens(4), _padding_mask(), _positions())
+
+
+def _loss(out, tokens):
+    return next_token_loss(out.logits, tokens)
+
+
+def _dropout_trajectory(apply, params, args, keys):
+    """AdamW steps of ``apply(params, *args, rngs)`` with one dropout key per step."""
+    optimizer = optax.adamw(LR)
+
+    @jax.jit
+    def step(p, s, key):
+        loss, grads = jax.value_and_grad(lambda q: _loss(apply(q, *args, {"dropout": key}), args[0]))(p)
+        updates, s = optimizer.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss, grads
+
+    p, s, losses, first = params, optimizer.init(params), [], None
+    for key in keys:
+        p, s, loss, grads = step(p, s, key)
+        losses.append(float(loss))
+        first = grads if first is None else first
+    return losses, first, p
+
+
+@pytest.fixture(scope="module")
+def gpt2_reference():
+    model, args = _gpt2_with_dropout()
+    params = model.init(jax.random.key(0), *args)["params"]
+
+    def plain(p, *a_rngs):
+        *a, rngs = a_rngs
+        return model.apply({"params": p}, *a, deterministic=False, rngs=rngs)
+
+    keys = [jax.random.fold_in(KEY, t) for t in range(STEPS)]
+    ref = _dropout_trajectory(plain, params, args, keys)
+    no_dropout = model.apply({"params": params}, *args, deterministic=True)
+    assert abs(float(_loss(no_dropout, args[0])) - ref[0][0]) > 1e-3  # dropout really is on
+    return model, args, jax.tree.map(np.asarray, params), keys, ref
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
+def test_gpt2_dropout_trajectory_matches_plain(grid, gpt2_reference, devices):
+    model, args, params, keys, ref = gpt2_reference
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), *args, deterministic=False,
+                             rngs={"dropout": KEY})  # fmt: skip
+    assert not pm.plan.warnings, pm.plan.warnings
+
+    def part(p, *a_rngs):
+        *a, rngs = a_rngs
+        return pm.apply(p, *a, deterministic=False, rngs=rngs)
+
+    losses, grads, final = _dropout_trajectory(part, pm.shard(params), args, keys)
+    result = {"init": params, "ref": ref, "part": (losses, pm.gather(grads), pm.gather(final))}
+    assert_matches_reference(result, f"gpt2+dropout {grid}")
+
+
+def _accumulated_reference(model, params, args, key, microbatches):
+    """Plain gradient accumulation: microbatch m draws from fold_in(key, m)."""
+    size = BATCH // microbatches
+
+    def loss_of(p, part, k):
+        out = model.apply({"params": p}, *part, deterministic=False, rngs={"dropout": k})
+        return _loss(out, part[0])
+
+    total_loss, total = 0.0, None
+    for mb in range(microbatches):
+        part = tuple(a[mb * size : (mb + 1) * size] for a in args)
+        k = key if microbatches == 1 else jax.random.fold_in(key, mb)
+        loss, grads = jax.value_and_grad(loss_of)(params, part, k)
+        total_loss += float(loss)
+        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    return total_loss / microbatches, jax.tree.map(lambda g: np.asarray(g) / microbatches, total)
+
+
+@pytest.mark.parametrize("grid,microbatches", [
+    (dict(x=2, z=2, data=2), 2),
+    (dict(pipeline=2, x=2, z=2), 1),
+    (dict(pipeline=2, x=2, z=2), 2),
+    (dict(pipeline=2, data=2, y=2), 2),
+], ids=lambda v: grid_id(v) if isinstance(v, dict) else f"mb{v}")  # fmt: skip
+def test_value_and_grad_with_dropout_key(grid, microbatches, gpt2_reference, devices):
+    """pm.value_and_grad(rngs=...), pipelined included: loss and grads of the plain model."""
+    model, args, params, keys, _ = gpt2_reference
+    ref_loss, ref_grads = _accumulated_reference(model, params, args, keys[1], microbatches)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), *args, deterministic=False,
+                             rngs={"dropout": KEY})  # fmt: skip
+    step = pm.value_and_grad(lambda out, batch: _loss(out, batch[0]), microbatches=microbatches)
+    if grid.get("pipeline", 1) == 1:
+        step = jax.jit(step)
+    loss, grads = step(pm.shard(params), args, rngs={"dropout": keys[1]})
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    got, ref = _leaves(pm.gather(grads)), _leaves(ref_grads)
+    scale = max(np.max(np.abs(g)) for g in ref.values())
+    for path, g in ref.items():
+        np.testing.assert_allclose(got[path], g, atol=1e-5 * np.max(np.abs(g)) + 1e-6 * scale,
+                                   rtol=0, err_msg=path)  # fmt: skip
+
+
+def test_train_step_with_per_step_keys(gpt2_reference, devices):
+    """pm.train_step(..., rngs=) follows the plain AdamW trajectory with the same keys."""
+    model, args, params, keys, ref = gpt2_reference
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, y=2, z=2), *args, deterministic=False,
+                             rngs={"dropout": KEY})  # fmt: skip
+    step = pm.train_step(lambda out, batch: _loss(out, batch[0]), optax.adamw(LR))
+    p, s = step.init(pm.shard(params))
+    losses = []
+    for key in keys:
+        p, s, loss = step(p, s, args, rngs={"dropout": key})
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+
+
+def test_raw_keys_and_unsplit_key_inputs(devices):
+    """A raw uint32[2] key is an RNG input (replicated), not a batch to split."""
+
+    class Drop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dropout(0.5, deterministic=False)(nn.Dense(16)(x))
+
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    raw = jax.random.PRNGKey(3)
+    model = Drop()
+    params = model.init(jax.random.key(0), x)["params"]
+    pm = axonn_jax.partition(model, axonn_jax.Grid(data=2, x=2, z=2), x, rngs={"dropout": raw})
+    assert not pm.plan.warnings, pm.plan.warnings
+    out = jax.jit(lambda p, k: pm.apply(p, x, rngs={"dropout": k}))(pm.shard(params), raw)
+    ref = model.apply({"params": params}, x, rngs={"dropout": raw})
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+
+
+def test_missing_rng_stream_names_the_remedy(devices):
+    class Drop(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dropout(0.5, deterministic=False)(x)
+
+    with pytest.raises(ValueError, match=r"rngs=\{'dropout': key\}"):
+        axonn_jax.partition(Drop(), axonn_jax.Grid(data=2), np.zeros((4, 8), np.float32))
+
+
+# --- model state: BatchNorm ------------------------------------------------------
+
+
+class BNNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(32, use_bias=False)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        x = nn.Dropout(0.1, deterministic=not train)(nn.relu(x))
+        return nn.Dense(16)(x)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
+def test_batchnorm_train_steps_match_plain(grid, devices):
+    """Variables dict in, (params, batch_stats) out of train_step: the plain trajectory."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((BATCH * 2, 16)).astype(np.float32)
+    y = rng.standard_normal((BATCH * 2, 16)).astype(np.float32)
+    model, optimizer = BNNet(), optax.adamw(LR)
+    variables = model.init(jax.random.key(0), x, train=False)
+
+    def loss_fn(out, batch):
+        return jnp.mean((out - batch[1]) ** 2)
+
+    @jax.jit
+    def plain_step(v, s, key):
+        def loss_of(p):
+            out, updates = model.apply({**v, "params": p}, x, rngs={"dropout": key},
+                                       mutable=["batch_stats"])  # fmt: skip
+            return loss_fn(out, (x, y)), updates
+
+        (loss, updates), grads = jax.value_and_grad(loss_of, has_aux=True)(v["params"])
+        delta, s = optimizer.update(grads, s, v["params"])
+        return {"params": optax.apply_updates(v["params"], delta), **updates}, s, loss
+
+    keys = [jax.random.fold_in(KEY, t) for t in range(STEPS)]
+    v, s, ref_losses = variables, optimizer.init(variables["params"]), []
+    for key in keys:
+        v, s, loss = plain_step(v, s, key)
+        ref_losses.append(float(loss))
+
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), x, rngs={"dropout": KEY},
+                             mutable=["batch_stats"])  # fmt: skip
+    assert [p.path for p in pm.plan.params if not p.trainable] == [
+        "batch_stats/BatchNorm_0/mean", "batch_stats/BatchNorm_0/var"]  # fmt: skip
+    step = pm.train_step(loss_fn, optimizer, inputs=lambda batch: (batch[0],))
+    pv, ps = step.init(pm.shard(variables))
+    losses = []
+    for key in keys:
+        pv, ps, loss = step(pv, ps, (x, y), rngs={"dropout": key})
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got, want, init = _leaves(pm.gather(pv)), _leaves(v), _leaves(variables)
+    for path, ref in want.items():
+        err = np.linalg.norm(got[path] - ref)
+        assert err <= 1e-3 * np.linalg.norm(ref - init[path]) + 1e-6, (path, err)
+    # eval mode: the running statistics are used as given
+    eval_out = jax.jit(lambda v: pm.apply(v, x, train=False))(pv)
+    np.testing.assert_allclose(np.asarray(eval_out), np.asarray(model.apply(v, x, train=False)),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_variables_dict_and_params_tree_are_the_same(devices):
+    """pm.shard / apply / gather take the linen variables dict as well as the params tree."""
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    model = nn.Dense(8)
+    variables = model.init(jax.random.key(0), x)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, z=2, data=2), x)
+    apply = jax.jit(pm.apply)
+    by_tree = apply(pm.shard(variables["params"]), x)
+    wrapped = pm.shard(variables)
+    assert set(wrapped) == {"params"}
+    np.testing.assert_array_equal(np.asarray(apply(wrapped, x)), np.asarray(by_tree))
+    back = pm.gather(wrapped)
+    np.testing.assert_array_equal(back["params"]["kernel"], np.asarray(variables["params"]["kernel"]))
+    np.testing.assert_allclose(np.asarray(by_tree), np.asarray(model.apply(variables, x)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def _hf_vision(name):
+    import transformers as hf
+    from transformers.models.regnet import modeling_flax_regnet as regnet
+    from transformers.models.resnet import modeling_flax_resnet as resnet
+
+    if name == "resnet":
+        config = hf.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                                 layer_type="basic")  # fmt: skip
+        return resnet.FlaxResNetModule(config)
+    config = hf.RegNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], groups_width=8)
+    return regnet.FlaxRegNetModule(config)
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(x=2, y=2, z=2)], ids=grid_id)
+@pytest.mark.parametrize("name", ["resnet", "regnet"])
+def test_hf_batchnorm_models_train_and_eval(name, grid, devices):
+    """HF FlaxResNetModel / FlaxRegNetModel: outputs, grads and batch_stats of train mode; eval mode."""
+    module = _hf_vision(name)
+    images = np.random.default_rng(0).standard_normal((BATCH, 32, 32, 3)).astype(np.float32)
+    variables = module.init(jax.random.key(0), images)
+
+    def loss(out):
+        return jnp.mean(out.pooler_output**2)
+
+    def plain(p):  # (pixel_values, deterministic=False): BatchNorm on batch statistics
+        out, updates = module.apply({**variables, "params": p}, images, False, mutable=["batch_stats"])
+        return loss(out), updates
+
+    (ref_loss, ref_updates), ref_grads = jax.value_and_grad(plain, has_aux=True)(variables["params"])
+    pm = axonn_jax.partition(module, axonn_jax.Grid(**grid), images, False, mutable=["batch_stats"])
+    placed = pm.shard(variables)
+
+    def part(p, state):
+        out, updates = pm.apply({**state, "params": p}, images, False, mutable=["batch_stats"])
+        return loss(out), updates
+
+    state = {k: v for k, v in placed.items() if k != "params"}
+    (got_loss, updates), grads = jax.jit(jax.value_and_grad(part, has_aux=True))(placed["params"], state)
+    np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
+    got = pm.gather({**placed, "params": grads, **updates})
+    for tree, ref in ((got["params"], ref_grads), (got["batch_stats"], ref_updates["batch_stats"])):
+        ref_l, got_l = _leaves(ref), _leaves(tree)
+        scale = max(np.max(np.abs(v)) for v in ref_l.values())
+        for path, r in ref_l.items():
+            np.testing.assert_allclose(got_l[path], r, rtol=0, err_msg=path,
+                                       atol=1e-5 * np.max(np.abs(r)) + 1e-6 * scale)  # fmt: skip
+    evaluated = jax.jit(lambda v: pm.apply(v, images, True))(placed)
+    expected = module.apply(variables, images, True)
+    np.testing.assert_allclose(np.asarray(evaluated.pooler_output), np.asarray(expected.pooler_output),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
