@@ -55,3 +55,10 @@ def test_killed_rank_ends_the_whole_job(n):
     assert result.returncode != 0
     assert time.monotonic() - start < 120
     assert "unexpectedly finished" not in result.stdout + result.stderr
+
+
+def test_dropout_on_a_pipeline_across_two_processes():
+    """GPT-2 with dropout 0.1 on pipeline=2 under mpiexec -n 2: the plain model's grads and steps."""
+    result = run_mpi(2, "dropout_equivalence.py", timeout=500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("OK rank") == 2, result.stdout

@@ -15,60 +15,17 @@ import pytest
 from conftest import grid_id
 from flax import linen as nn
 from flax import nnx
-from partition_cases import BATCH, GRIDS, LR, SEQ, STEPS, VOCAB, _leaves, _padding_mask, \
-    _positions, _tokens, assert_matches_reference  # fmt: skip
+from partition_cases import BATCH, GRIDS, LR, STEPS, _leaves, assert_matches_reference
+from rng_cases import KEY, accumulated_reference, dropout_loss, dropout_trajectory, plain_dropout_run
 
 import axonn_jax
-from axonn_jax.models import next_token_loss
-
-KEY = jax.random.key(42)
-
-
-def _gpt2_with_dropout():
-    import transformers as hf
-    from transformers.models.gpt2 import modeling_flax_gpt2 as gpt2
-
-    config = hf.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                           resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)  # fmt: skip
-    return gpt2.FlaxGPT2LMHeadModule(config), (_tokens(4), _padding_mask(), _positions())
-
-
-def _loss(out, tokens):
-    return next_token_loss(out.logits, tokens)
-
-
-def _dropout_trajectory(apply, params, args, keys):
-    """AdamW steps of ``apply(params, *args, rngs)`` with one dropout key per step."""
-    optimizer = optax.adamw(LR)
-
-    @jax.jit
-    def step(p, s, key):
-        loss, grads = jax.value_and_grad(lambda q: _loss(apply(q, *args, {"dropout": key}), args[0]))(p)
-        updates, s = optimizer.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss, grads
-
-    p, s, losses, first = params, optimizer.init(params), [], None
-    for key in keys:
-        p, s, loss, grads = step(p, s, key)
-        losses.append(float(loss))
-        first = grads if first is None else first
-    return losses, first, p
-
 
 @pytest.fixture(scope="module")
 def gpt2_reference():
-    model, args = _gpt2_with_dropout()
-    params = model.init(jax.random.key(0), *args)["params"]
-
-    def plain(p, *a_rngs):
-        *a, rngs = a_rngs
-        return model.apply({"params": p}, *a, deterministic=False, rngs=rngs)
-
-    keys = [jax.random.fold_in(KEY, t) for t in range(STEPS)]
-    ref = _dropout_trajectory(plain, params, args, keys)
+    model, args, params, keys, ref = plain_dropout_run(STEPS)
     no_dropout = model.apply({"params": params}, *args, deterministic=True)
-    assert abs(float(_loss(no_dropout, args[0])) - ref[0][0]) > 1e-3  # dropout really is on
-    return model, args, jax.tree.map(np.asarray, params), keys, ref
+    assert abs(float(dropout_loss(no_dropout, args[0])) - ref[0][0]) > 1e-3  # dropout really is on
+    return model, args, params, keys, ref
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
@@ -82,27 +39,9 @@ def test_gpt2_dropout_trajectory_matches_plain(grid, gpt2_reference, devices):
         *a, rngs = a_rngs
         return pm.apply(p, *a, deterministic=False, rngs=rngs)
 
-    losses, grads, final = _dropout_trajectory(part, pm.shard(params), args, keys)
+    losses, grads, final = dropout_trajectory(part, pm.shard(params), args, keys)
     result = {"init": params, "ref": ref, "part": (losses, pm.gather(grads), pm.gather(final))}
     assert_matches_reference(result, f"gpt2+dropout {grid}")
-
-
-def _accumulated_reference(model, params, args, key, microbatches):
-    """Plain gradient accumulation: microbatch m draws from fold_in(key, m)."""
-    size = BATCH // microbatches
-
-    def loss_of(p, part, k):
-        out = model.apply({"params": p}, *part, deterministic=False, rngs={"dropout": k})
-        return _loss(out, part[0])
-
-    total_loss, total = 0.0, None
-    for mb in range(microbatches):
-        part = tuple(a[mb * size : (mb + 1) * size] for a in args)
-        k = key if microbatches == 1 else jax.random.fold_in(key, mb)
-        loss, grads = jax.value_and_grad(loss_of)(params, part, k)
-        total_loss += float(loss)
-        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
-    return total_loss / microbatches, jax.tree.map(lambda g: np.asarray(g) / microbatches, total)
 
 
 @pytest.mark.parametrize("grid,microbatches", [
@@ -114,10 +53,10 @@ def _accumulated_reference(model, params, args, key, microbatches):
 def test_value_and_grad_with_dropout_key(grid, microbatches, gpt2_reference, devices):
     """pm.value_and_grad(rngs=...), pipelined included: loss and grads of the plain model."""
     model, args, params, keys, _ = gpt2_reference
-    ref_loss, ref_grads = _accumulated_reference(model, params, args, keys[1], microbatches)
+    ref_loss, ref_grads = accumulated_reference(model, params, args, keys[1], microbatches)
     pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), *args, deterministic=False,
                              rngs={"dropout": KEY})  # fmt: skip
-    step = pm.value_and_grad(lambda out, batch: _loss(out, batch[0]), microbatches=microbatches)
+    step = pm.value_and_grad(lambda out, batch: dropout_loss(out, batch[0]), microbatches=microbatches)
     if grid.get("pipeline", 1) == 1:
         step = jax.jit(step)
     loss, grads = step(pm.shard(params), args, rngs={"dropout": keys[1]})
@@ -134,7 +73,7 @@ def test_train_step_with_per_step_keys(gpt2_reference, devices):
     model, args, params, keys, ref = gpt2_reference
     pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, y=2, z=2), *args, deterministic=False,
                              rngs={"dropout": KEY})  # fmt: skip
-    step = pm.train_step(lambda out, batch: _loss(out, batch[0]), optax.adamw(LR))
+    step = pm.train_step(lambda out, batch: dropout_loss(out, batch[0]), optax.adamw(LR))
     p, s = step.init(pm.shard(params))
     losses = []
     for key in keys:
@@ -301,3 +240,61 @@ def test_hf_batchnorm_models_train_and_eval(name, grid, devices):
     expected = module.apply(variables, images, True)
     np.testing.assert_allclose(np.asarray(evaluated.pooler_output), np.asarray(expected.pooler_output),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+class NNXNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.dense(x)))))
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(y=2, z=2, data=2)], ids=grid_id)
+def test_nnx_dropout_and_batchnorm_match_plain(grid, devices):
+    """nnx state (BatchStat, the Dropout stream's key and counter) in and out, as the module does."""
+    x = np.random.default_rng(2).standard_normal((BATCH, 16)).astype(np.float32)
+    model = NNXNet(nnx.Rngs(0, dropout=7))
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), x)
+    variables = pm.init(jax.random.key(0))
+    assert set(variables) == {"params", "state"}
+    assert all(not p.trainable for p in pm.plan.params if p.path.startswith("state/"))
+
+    def loss(out):
+        return jnp.mean(out**2)
+
+    @jax.jit
+    def part(v):
+        def of(p):
+            out, updates = pm.apply({**v, "params": p}, x)
+            return loss(out), (out, updates)
+
+        return jax.value_and_grad(of, has_aux=True)(v["params"])
+
+    for call in range(2):  # the second call draws from the advanced RNG counter
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def plain(p):
+            fresh = nnx.clone(params)
+            nnx.replace_by_pure_dict(fresh, p)
+            module = nnx.merge(graphdef, fresh, nnx.clone(rest))
+            out = module(x)
+            return loss(out), (out, nnx.state(module, nnx.BatchStat))
+
+        (ref_loss, (ref_out, ref_stats)), ref_grads = jax.value_and_grad(plain, has_aux=True)(
+            nnx.to_pure_dict(params))  # fmt: skip
+        (got_loss, (out, updates)), grads = part(variables)
+        np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-6)
+        got_grads = pm.gather({**variables, "params": grads})["params"]
+        for path, r in _leaves(ref_grads).items():
+            np.testing.assert_allclose(_leaves(got_grads)[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+        new_state = pm.gather({**variables, **updates})["state"]
+        for path, r in _leaves(nnx.to_pure_dict(ref_stats)).items():
+            np.testing.assert_allclose(_leaves(new_state)[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+        assert int(_leaves(new_state)["drop/rngs/count"]) == call + 1
+        model(x)  # advance the plain module (statistics and RNG counter) the same way
+        variables = {**variables, **updates}
