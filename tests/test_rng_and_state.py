@@ -298,3 +298,19 @@ def test_nnx_dropout_and_batchnorm_match_plain(grid, devices):
         assert int(_leaves(new_state)["drop/rngs/count"]) == call + 1
         model(x)  # advance the plain module (statistics and RNG counter) the same way
         variables = {**variables, **updates}
+
+
+def test_init_takes_linen_key_dicts_and_pipelines_refuse_state(devices):
+    x = np.zeros((BATCH, 16), np.float32)
+    model = BNNet()
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, data=4), x, rngs={"dropout": KEY},
+                             mutable=["batch_stats"])  # fmt: skip
+    keys = {"params": jax.random.key(3), "dropout": jax.random.key(4)}
+    got = pm.gather(pm.init(keys))
+    want = model.init(keys, x)
+    for path, ref in _leaves(want).items():
+        np.testing.assert_array_equal(_leaves(got)[path], np.asarray(ref), err_msg=path)
+    piped = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2, x=4), x, rngs={"dropout": KEY},
+                                mutable=["batch_stats"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"state besides its parameters \(batch_stats\).*pipeline=1"):
+        piped.value_and_grad(lambda out, b: jnp.mean(out))
