@@ -31,7 +31,7 @@ from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime import launch
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import ParamHomes, PlacedModel
-from axonn_jax.runtime.sharded import apply_program
+from axonn_jax.runtime.sharded import program_function
 from axonn_jax.runtime.step_report import StepReport, step_report
 
 
@@ -94,6 +94,7 @@ class Partitioned:
         self.program: Program = program  # for the example inputs given to partition()
         self._programs: dict = {program.signature: program}
         self._placed: PlacedModel | None = None
+        self._functions: dict = {}  # program signature → jitted program function
         self._reports: dict = {}
 
     # --- programs ---------------------------------------------------------
@@ -245,7 +246,10 @@ class Partitioned:
         param_leaves = jax.tree.leaves(params)
         if len(param_leaves) != len(self.plan.params):
             self.check_params(params)
-        outs = apply_program(program, self.mesh, param_leaves, arg_leaves, overlap=self.overlap)
+        if program.signature not in self._functions:  # one jitted function per input signature
+            self._functions[program.signature] = program_function(program, self.mesh,
+                                                                   overlap=self.overlap)  # fmt: skip
+        outs = self._functions[program.signature](list(param_leaves), list(arg_leaves))
         return jax.tree.unflatten(program.out_tree, outs)
 
     __call__ = apply

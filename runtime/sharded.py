@@ -76,11 +76,22 @@ def on_mesh(body: Callable, mesh, grid: Grid, *, in_layouts: Sequence[LayoutGrou
 def apply_program(program: Program, mesh, params: Sequence[jax.Array], args: Sequence[jax.Array],
                   *, overlap: Overlap = Overlap()) -> list:  # fmt: skip
     """The model's output leaves: ``program`` on ``mesh`` (a Mesh or an AbstractMesh)."""
+    return program_function(program, mesh, overlap=overlap)(list(params), list(args))
+
+
+def program_function(program: Program, mesh, *, overlap: Overlap = Overlap()) -> Callable:
+    """``(param leaves, arg leaves) → output leaves``: ``program`` on ``mesh``, jitted.
+
+    Under ``jax.jit`` the inner jit is inlined; called eagerly (or under an
+    eager ``jax.grad``) it compiles once per input signature, since an eager
+    ``shard_map`` cannot run the executor's custom-VJP collectives. Keep the
+    returned function to reuse its compilation.
+    """
     executor = Executor(program, overlap=overlap)
     body = on_mesh(lambda ps, xs: executor(ps, xs), mesh, program.grid,
                    in_layouts=[list(program.param_storage), list(program.arg_layouts)],
                    out_layouts=list(program.output_layouts))  # fmt: skip
-    return body(list(params), list(args))
+    return jax.jit(body)
 
 
 def place(value: Any, sharding: NamedSharding) -> jax.Array:
