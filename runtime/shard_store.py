@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import tensorstore as ts
+from jax.sharding import SingleDeviceSharding
 
 #: Per-chunk codecs: raw little-endian bytes followed by a CRC-32C checksum.
 CODECS = ({"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"})
@@ -175,7 +176,10 @@ async def read(directory: Path, meta: LeafMeta, sharding: jax.sharding.Sharding 
         host = dict(zip(keys, blocks))
     except ValueError as err:  # tensorstore reports I/O and checksum failures as ValueError
         raise DamagedArrayError(f"reading {directory} failed: {err}") from None
-    arrays = [jax.device_put(host[_key(index)], device) for device, index in wanted.items()]
+    # each block in the target's memory kind (e.g. pinned_host for offloaded optimizer state)
+    kind = sharding.memory_kind
+    arrays = [jax.device_put(host[_key(index)], SingleDeviceSharding(device, memory_kind=kind))
+              for device, index in wanted.items()]  # fmt: skip
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
