@@ -94,6 +94,13 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3,
                  asynchronous: bool = True, read_only: bool = False) -> None:  # fmt: skip
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
+                                        or max_to_keep < 1):  # fmt: skip
+            raise ValueError(
+                f"max_to_keep must be a positive number of steps or None (keep all), got "
+                f"{max_to_keep!r}: {max_to_keep!r} would delete every checkpoint it writes. "
+                "Remedy: max_to_keep=1 keeps only the latest step."
+            )
         self.directory = Path(directory).absolute()
         self._read_only = read_only
         options = ocp.CheckpointManagerOptions(

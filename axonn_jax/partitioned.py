@@ -243,9 +243,8 @@ class Partitioned:
         params, _ = self._planned_tree(params)
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
+        self.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
         param_leaves = jax.tree.leaves(params)
-        if len(param_leaves) != len(self.plan.params):
-            self.check_params(params)
         if program.signature not in self._functions:  # one jitted function per input signature
             self._functions[program.signature] = program_function(program, self.mesh,
                                                                    overlap=self.overlap)  # fmt: skip

@@ -203,10 +203,15 @@ def _trace_nnx(model, abstract_args) -> TracedModel:
     from flax import nnx
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    rest_values = jax.tree.map(_key_data, nnx.to_pure_dict(rest))
-    stateful = bool(jax.tree.leaves(rest_values))
-    values = {"params": nnx.to_pure_dict(params), "state": rest_values} if stateful \
-        else nnx.to_pure_dict(params)  # fmt: skip
+    stateful = bool(jax.tree.leaves(nnx.to_pure_dict(rest)))
+
+    def current_values():
+        """The module's values now (weights loaded after partition() included)."""
+        _, now, now_rest = nnx.split(model, nnx.Param, ...)
+        if not stateful:
+            return nnx.to_pure_dict(now)
+        return {"params": nnx.to_pure_dict(now),
+                "state": jax.tree.map(_key_data, nnx.to_pure_dict(now_rest))}  # fmt: skip
     key_impls = {path_string(p): jax.random.key_impl(v)
                  for p, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(rest))[0]
                  if _is_key(v)}  # fmt: skip
@@ -224,10 +229,10 @@ def _trace_nnx(model, abstract_args) -> TracedModel:
         return out, {"state": jax.tree.map(_key_data, nnx.to_pure_dict(new_rest))}
 
     def init(key):
-        del key  # an nnx module already carries its initial values
-        return values
+        del key  # an nnx module already carries its values: those it holds when init is called
+        return current_values()
 
-    abstract_params = jax.tree.map(abstract, values)
+    abstract_params = jax.tree.map(abstract, current_values())
     return _finish("nnx", abstract_params, abstract_args, apply, init, returns_updates=stateful)
 
 

@@ -335,3 +335,10 @@ def test_bad_inputs_are_refused_with_remedies(devices, tmp_path):
     ckpt.close()
     with pytest.raises(CheckpointError, match="does not exist"):
         checkpoint.latest_step(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("keep", [0, -1, 1.5, True])
+def test_max_to_keep_that_would_delete_every_step_is_refused(keep, tmp_path):
+    with pytest.raises(ValueError, match=r"max_to_keep must be a positive number of steps or None"):
+        Checkpointer(tmp_path, max_to_keep=keep)
+    assert not any(tmp_path.iterdir())

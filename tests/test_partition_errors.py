@@ -127,3 +127,33 @@ def test_bad_planner_cli_arguments(capsys):
             cli.main(argv)
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_apply_refuses_a_tree_with_other_names_shapes_or_dtypes(devices):
+    """Same leaf count is not enough: names, shapes and dtypes are checked on every call."""
+    model = Narrow()
+    pm = axonn_jax.partition(model, Grid(x=2, y=2, z=2), X)
+    params = pm.shard(jax.tree.map(np.asarray, model.init(jax.random.key(0), X)["params"]))
+    renamed = {"renamed": params["narrow"], "out": params["out"]}
+    with pytest.raises(ValueError, match=r"missing \['narrow/bias', 'narrow/kernel'\], unexpected "
+                                         r"\['renamed/bias', 'renamed/kernel'\]"):  # fmt: skip
+        jax.jit(pm.apply)(renamed, X)
+    swapped = {"narrow": params["out"], "out": params["narrow"]}
+    with pytest.raises(ValueError, match=r"'narrow/bias' has shape"):
+        pm.apply(swapped, X)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+    with pytest.raises(ValueError, match=r"has dtype bfloat16, the plan expects float32"):
+        pm.apply(half, X)
+
+
+def test_nnx_weights_loaded_after_partition_are_used(devices):
+    """pm.init of an nnx module reads the module's values when it is called, not at partition()."""
+    from flax import nnx
+
+    model = nnx.Linear(12, 8, rngs=nnx.Rngs(0))
+    pm = axonn_jax.partition(model, Grid(x=2, y=2, z=2), X)
+    model.kernel.value = jnp.full((12, 8), 0.5)  # e.g. pretrained weights loaded afterwards
+    params = pm.init(jax.random.key(0))
+    np.testing.assert_array_equal(pm.gather(params)["kernel"], np.full((12, 8), 0.5, np.float32))
+    np.testing.assert_allclose(np.asarray(jax.jit(pm.apply)(params, X)), np.asarray(model(X)),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
