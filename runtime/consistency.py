@@ -57,11 +57,52 @@ def fingerprint(model, plan: Plan, program: Program, options: Mapping[str, Any])
     }
 
 
+def step_fingerprint(optimizer, abstract_params, options: Mapping[str, Any]) -> dict[str, Any]:
+    """What every rank's train step must agree on: the optimizer's update and the step options.
+
+    The update is traced on the abstract parameters; its fingerprint is the
+    jaxpr's digest plus the scalar constants it holds (learning rate, betas,
+    weight decay, clipping threshold, schedule values), which name the usual
+    difference in the error message.
+    """
+    import jax
+
+    state = jax.eval_shape(optimizer.init, abstract_params)
+    closed = jax.make_jaxpr(optimizer.update)(abstract_params, state, abstract_params)
+    text = str(closed.jaxpr)
+    constants = sorted({float(f"{float(c):.6g}") for c in _scalars(closed)})
+    summary = f"update {hashlib.sha256(text.encode()).hexdigest()[:12]} with constants {constants}"
+    return {"optimizer": summary, "step": repr(sorted(options.items()))}
+
+
+def _scalars(closed):
+    """Scalar literals and constants of a closed jaxpr (nested jaxprs included)."""
+    import numpy as np
+    from jax.extend import core as jex_core
+
+    for const in closed.consts:
+        if np.ndim(const) == 0 and np.issubdtype(np.asarray(const).dtype, np.number):
+            yield np.asarray(const)
+    stack = [closed.jaxpr]
+    while stack:
+        jaxpr = stack.pop()
+        for eqn in jaxpr.eqns:
+            for v in eqn.invars:
+                if isinstance(v, jex_core.Literal) and np.ndim(v.val) == 0 \
+                        and np.issubdtype(np.asarray(v.val).dtype, np.number):  # fmt: skip
+                    yield np.asarray(v.val)
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    stack.append(inner)
+
+
 def digests(print_: dict[str, Any]) -> dict[str, str]:
     return {k: hashlib.sha256(repr(v).encode()).hexdigest()[:16] for k, v in print_.items()}
 
 
-def check_consistent(mine: dict[str, Any], comm: Comm | None = None) -> None:
+def check_consistent(mine: dict[str, Any], comm: Comm | None = None, *,
+                     remedy: str | None = None) -> None:  # fmt: skip
     """Raise ``ValueError`` on every rank unless all ranks have the same :func:`fingerprint`.
 
     ``comm``: anything with ``allgather`` (default: :func:`~axonn_jax.runtime.launch.world`;
@@ -74,7 +115,7 @@ def check_consistent(mine: dict[str, Any], comm: Comm | None = None) -> None:
     if all(d == every[0] for d in every):
         return
     details = comm.allgather(mine)  # every rank sees the mismatch, so every rank gets here
-    raise ValueError(describe(details) + _REMEDY)
+    raise ValueError(describe(details) + (_REMEDY if remedy is None else remedy))
 
 
 _REMEDY = (
@@ -95,11 +136,13 @@ def describe(prints: list[dict[str, Any]]) -> str:
     for ranks in groups.values():
         who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {_span(ranks)}"
         other = prints[ranks[0]]
-        fields = [f for f in FIELDS if other[f] != ref[f]]
+        fields = [f for f in (*FIELDS, *ref) if f in ref and other[f] != ref[f]]
+        fields = list(dict.fromkeys(fields))
         if fields != ["plan"]:  # the plan follows from the rest: report it alone only
             fields = [f for f in fields if f != "plan"]
         lines += [f"{who} {_difference(f, other[f], ref[f])}" for f in fields]
-    return "the ranks of this job partition different things: " + "; ".join(lines) + "."
+    what = "partition different things" if "grid" in ref else "run different train steps"
+    return f"the ranks of this job {what}: " + "; ".join(lines) + "."
 
 
 def _span(ranks: list[int]) -> str:

@@ -27,6 +27,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.offload import MasterOptimizer
 from axonn_jax.runtime.placement import PlacedModel
@@ -155,7 +156,12 @@ class TrainStep:
 
     # --- the public calls -----------------------------------------------------------
     def init(self, params) -> tuple[Any, OptState]:
-        """``(device params, opt_state)`` from full-precision ``params`` (``pm.init``)."""
+        """``(device params, opt_state)`` from full-precision ``params`` (``pm.init``).
+
+        Collective under MPI: first checks that every rank runs the same
+        optimizer (hyperparameters included) and step options.
+        """
+        self._check_ranks_agree()
         scale = self.precision.loss_scale() if self.precision.loss_scaling else None
         placed = self.placed
         if placed.grid.pipeline == 1:
@@ -172,6 +178,14 @@ class TrainStep:
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
+
+    def _check_ranks_agree(self) -> None:
+        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
+        abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
+        options = {**{k: repr(v) for k, v in self.options.items()}, **{k: repr(v) for k, v in self.master.items()}}
+        check_consistent(step_fingerprint(self.optimizer, abstract, options), remedy=(
+            " Remedy: build the optimizer and train-step options from the same arguments on "
+            "every rank (learning rate, schedule, clipping, precision, microbatches)."))
 
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
         """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""

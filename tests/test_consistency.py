@@ -59,7 +59,7 @@ def test_differences_are_named_by_rank():
 
 @pytest.mark.mpi
 def test_every_rank_raises_under_mpiexec():
-    """Rank 1 has another grid, then another hidden size: both ranks raise, no hang."""
+    """Rank 1 has another grid, hidden size, then learning rate: both ranks raise, no hang."""
     result = run_mpi(2, "inconsistent_ranks.py", "caught", devices_per_process=4, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
@@ -68,6 +68,9 @@ def test_every_rank_raises_under_mpiexec():
                "has grid Grid(x=2, y=1, z=2, data=1, pipeline=2) but rank 0 has Grid(x=2, y=2" in output
         assert f"RAISED {rank} model: the ranks of this job partition different things: rank 1 " \
                "has parameter 'dense_0/bias' float32[64] but rank 0 has float32[32]" in output
+        assert f"RAISED {rank} optimizer: the ranks of this job run different train steps: rank 1 " \
+               "has optimizer update" in output
+    assert "-0.002" in output and "-0.001" in output  # the learning rates, named
     assert "unexpectedly finished" not in output
 
 

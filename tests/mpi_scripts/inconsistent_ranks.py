@@ -2,8 +2,8 @@
 
 Usage: mpiexec -n P python inconsistent_ranks.py caught|uncaught
 
-``caught``: two cases in one job — the last rank uses a different grid, then
-a different hidden size. Each rank prints ``RAISED <rank> <case>: <message>``
+``caught``: three cases in one job — the last rank uses a different grid, then
+a different hidden size, then a different learning rate in its train step. Each rank prints ``RAISED <rank> <case>: <message>``
 for each and exits 3 (so every rank is seen to raise, without a hang).
 ``uncaught``: the different grid, not caught: the abort hook must end the job.
 """
@@ -15,6 +15,7 @@ import axonn_jax
 info = axonn_jax.init()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from axonn_jax import Grid  # noqa: E402
 from axonn_jax.models import MLP  # noqa: E402
@@ -24,6 +25,7 @@ x = np.zeros((8, 16), np.float32)
 CASES = {
     "grid": (MLP((32, 16)), Grid(x=2, z=2, pipeline=2) if last else Grid(x=2, y=2, z=2)),
     "model": (MLP((64 if last else 32, 16)), Grid(x=2, y=2, z=2)),
+    "optimizer": (MLP((32, 16)), Grid(x=2, y=2, z=2)),  # another learning rate on the last rank
 }
 
 
@@ -31,6 +33,9 @@ def attempt(name: str) -> None:
     model, grid = CASES[name]
     pm = axonn_jax.partition(model, grid, x)
     params = pm.init(jax.random.key(0))  # first use of the devices: checked here
+    if name == "optimizer":
+        step = pm.train_step(lambda out, batch: (out**2).mean(), optax.adamw(2e-3 if last else 1e-3))
+        params, _ = step.init(params)  # the train step is checked here
     jax.block_until_ready(params)
     print(f"rank {info.process_index}: unexpectedly finished {name}", flush=True)
 
