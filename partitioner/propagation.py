@@ -113,7 +113,23 @@ def plan_layouts(
             break
         hints.update(new_hints)
     planned = walk.result()
-    return dataclasses.replace(planned, notes=planned.notes + replaced_rules(traced.jaxpr))
+    unmatched = unmatched_patterns(traced.param_paths, rules or {}, replicate)
+    if unmatched and strict:
+        raise ValueError(f"{unmatched[0]} (grid {grid}; strict=True)")
+    return dataclasses.replace(planned, notes=planned.notes + replaced_rules(traced.jaxpr) + unmatched)
+
+
+def unmatched_patterns(paths: Sequence[str], rules: Mapping[str, Sequence],
+                       replicate: Sequence[str]) -> tuple[str, ...]:  # fmt: skip
+    """One message per ``rules=``/``replicate=`` pattern that matches no parameter path."""
+    shown = ", ".join(paths[:6]) + (", …" if len(paths) > 6 else "")
+    return tuple(
+        f"{option}= pattern {pattern!r} matches no parameter, so it does nothing. Remedy: use a "
+        f"regex over the parameter paths (re.search), e.g. {shown}"
+        for option, patterns in (("rules", list(rules)), ("replicate", list(replicate)))
+        for pattern in patterns
+        if not any(re.search(pattern, path) for path in paths)
+    )
 
 
 def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:

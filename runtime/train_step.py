@@ -189,6 +189,7 @@ class TrainStep:
 
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
         """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""
+        _check_step_inputs(params, opt_state)
         placed = self.placed
         if placed.grid.pipeline == 1:
             return self._compiled(None)[1](params, opt_state, batch, rngs)
@@ -210,3 +211,22 @@ class TrainStep:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, None), loss
 
+
+
+def _check_step_inputs(params, opt_state) -> None:
+    """Clear errors for an opt_state from elsewhere and for params an earlier step donated."""
+    if not isinstance(opt_state, OptState):
+        raise TypeError(
+            f"opt_state must be what step.init(params) returned (an OptState), got "
+            f"{type(opt_state).__name__}. Remedy: params, opt_state = step.init(params), then "
+            "pass both to every step (optimizer.init(params) is not enough: the step keeps "
+            "master weights and the loss scale there)."
+        )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"parameter '{jax.tree_util.keystr(path)}' has been deleted: an earlier step "
+                "was given these params and donated their memory to its outputs. Remedy: pass "
+                "the params returned by the previous step; to keep older values, copy them "
+                "first (jax.tree.map(jnp.copy, params)) or save them with pm.gather."
+            )

@@ -157,3 +157,36 @@ def test_nnx_weights_loaded_after_partition_are_used(devices):
     np.testing.assert_array_equal(pm.gather(params)["kernel"], np.full((12, 8), 0.5, np.float32))
     np.testing.assert_allclose(np.asarray(jax.jit(pm.apply)(params, X)), np.asarray(model(X)),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_rules_and_replicate_patterns_that_match_nothing(devices):
+    pm = axonn_jax.partition(Narrow(), Grid(x=2, y=2, z=2), X, replicate=["narow"],
+                             rules={"head/kernel": ("y", None)})  # fmt: skip
+    text = "\n".join(pm.plan.warnings)
+    assert "replicate= pattern 'narow' matches no parameter" in text and "narrow/bias" in text
+    assert "rules= pattern 'head/kernel' matches no parameter" in text
+    with pytest.raises(ValueError, match=r"replicate= pattern 'narow' matches no parameter.*strict=True"):
+        axonn_jax.partition(Narrow(), Grid(x=2, y=2, z=2), X, replicate=["narow"], strict=True)
+
+
+def test_train_step_inputs_that_cannot_work_are_named(devices):
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid(x=2, y=2, z=2), X)
+    target = np.ones((8, 8), np.float32)
+
+    def loss(out, batch):
+        return jnp.mean((out - target) ** 2)
+
+    for bad in (0, 2.0, -1, True):
+        with pytest.raises(ValueError, match=rf"microbatches must be a positive integer, got {bad!r}"):
+            pm.value_and_grad(loss, microbatches=bad)
+    with pytest.raises(TypeError, match=r"the batch is a dict \(keys \['x'\]\).*inputs="):
+        pm.value_and_grad(loss)(pm.init(jax.random.key(0)), {"x": X})
+    step = pm.train_step(loss, optax.sgd(0.1))
+    params, opt_state = step.init(pm.init(jax.random.key(0)))
+    with pytest.raises(TypeError, match=r"opt_state must be what step.init\(params\) returned"):
+        step(params, optax.sgd(0.1).init(params), X)
+    new_params, opt_state, _ = step(params, opt_state, X)
+    with pytest.raises(ValueError, match=r"parameter '\['narrow'\]\['bias'\]' has been deleted.*donated"):
+        step(params, opt_state, X)  # the first step donated these

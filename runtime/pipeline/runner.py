@@ -22,7 +22,7 @@ Example (``mpiexec -n 2 python train.py``)::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -46,7 +46,24 @@ ProgramSource = Callable[[tuple, dict], Program]
 
 def default_inputs(batch) -> tuple:
     """The model's positional arguments from a batch: the batch itself, or its items."""
+    if isinstance(batch, Mapping):
+        raise TypeError(
+            f"the batch is a dict (keys {sorted(batch)}), so which entries the model takes "
+            "cannot be guessed. Remedy: pass inputs=, e.g. pm.value_and_grad(loss_fn, "
+            "inputs=lambda batch: (batch['input_ids'],)) (the same for pm.train_step)."
+        )
     return tuple(batch) if isinstance(batch, tuple) else (batch,)
+
+
+def check_microbatches(microbatches) -> int:
+    """``microbatches`` as a positive int, or ``ValueError`` naming what was given."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, (int, np.integer)) \
+            or microbatches < 1:  # fmt: skip
+        raise ValueError(
+            f"microbatches must be a positive integer, got {microbatches!r}. Remedy: "
+            "microbatches=1 (no splitting) or the number of slices of the batch, e.g. 4."
+        )
+    return int(microbatches)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +79,7 @@ class PipelineOptions:
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
-        if self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        check_microbatches(self.microbatches)
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 microbatch in flight, got {self.limit}")
         if self.timeout <= 0:
@@ -257,6 +273,7 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
     (see :mod:`axonn_jax.runtime.model_call`).
     """
     call = call or ModelCall({}, stateful=False, mutable=())
+    microbatches = check_microbatches(microbatches)
 
     def loss_of(params, state, batch, rngs, mb):
         result = apply(call.merge(params, state), *inputs(batch), **call.kwargs(rngs, mb, microbatches))
