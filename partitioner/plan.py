@@ -106,8 +106,12 @@ class Plan:
 
     @property
     def warnings(self) -> tuple[str, ...]:
+        """What was left unsplit, and why; identical lines merged with their count."""
         out = [f"replicated {f.primitive} at {f.where}: {f.reason}" for f in self.fallbacks]
-        return tuple(out) + self.notes
+        counts: dict[str, int] = {}
+        for line in [*out, *self.notes]:
+            counts[line] = counts.get(line, 0) + 1
+        return tuple(line if n == 1 else f"{line} ({n} times)" for line, n in counts.items())
 
     def __str__(self) -> str:
         g = self.grid

@@ -336,7 +336,8 @@ def inlined_body(eqn) -> tuple | None:
     return body(eqn)
 
 
-def _eval_inlined(jaxpr, consts, args):
+def _eval_inlined(jaxpr, consts, args, outer=None):
+    """Evaluate ``jaxpr`` with nested calls flattened; ``outer``: the source of the call."""
     env = {}
 
     def read(v):
@@ -349,13 +350,39 @@ def _eval_inlined(jaxpr, consts, args):
     for eqn in jaxpr.eqns:
         invals = [read(v) for v in eqn.invars]
         inner = inlined_body(eqn)
+        source = _user_source(eqn, outer)
         if inner is not None:
             inner_jaxpr, inner_consts = inner
-            outs = _eval_inlined(inner_jaxpr, inner_consts, invals[-len(inner_jaxpr.invars) :])
+            outs = _eval_inlined(inner_jaxpr, inner_consts, invals[-len(inner_jaxpr.invars) :],
+                                 source)  # fmt: skip
         else:  # a primitive, or a call kept whole (partitioner.pointwise)
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+            with _source_context(source):  # warnings then name the model's line, not this one
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+def _user_source(eqn, outer):
+    """``eqn``'s source info if it names a user frame, else that of the call it sits in."""
+    try:
+        from jax._src import source_info_util
+
+        info = eqn.source_info
+        if outer is None or source_info_util.user_frame(info.traceback) is not None:
+            return info
+        return outer
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other JAX versions
+        return None
+
+
+def _source_context(info):
+    """Trace under ``info``'s traceback and name stack (JAX-internal API; best effort)."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.user_context(info.traceback, name_stack=info.name_stack)
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other JAX versions
+        return contextlib.nullcontext()

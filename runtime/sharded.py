@@ -75,23 +75,30 @@ def on_mesh(body: Callable, mesh, grid: Grid, *, in_layouts: Sequence[LayoutGrou
 
 def apply_program(program: Program, mesh, params: Sequence[jax.Array], args: Sequence[jax.Array],
                   *, overlap: Overlap = Overlap()) -> list:  # fmt: skip
-    """The model's output leaves: ``program`` on ``mesh`` (a Mesh or an AbstractMesh)."""
-    return program_function(program, mesh, overlap=overlap)(list(params), list(args))
+    """The model's output leaves: ``program`` on ``mesh`` (a Mesh or an AbstractMesh), traced inline.
+
+    For tracing inside a caller's transformation (step reports); to run it,
+    use :func:`program_function`.
+    """
+    return _program_body(program, mesh, overlap)(list(params), list(args))
 
 
 def program_function(program: Program, mesh, *, overlap: Overlap = Overlap()) -> Callable:
     """``(param leaves, arg leaves) → output leaves``: ``program`` on ``mesh``, jitted.
 
-    Under ``jax.jit`` the inner jit is inlined; called eagerly (or under an
-    eager ``jax.grad``) it compiles once per input signature, since an eager
-    ``shard_map`` cannot run the executor's custom-VJP collectives. Keep the
-    returned function to reuse its compilation.
+    Under the caller's ``jax.jit`` it is one nested call that XLA inlines;
+    called eagerly (or under an eager ``jax.grad``) it compiles once per input
+    signature, since an eager ``shard_map`` cannot run the executor's
+    custom-VJP collectives. Keep the returned function to reuse its compilation.
     """
+    return jax.jit(_program_body(program, mesh, overlap))
+
+
+def _program_body(program: Program, mesh, overlap: Overlap) -> Callable:
     executor = Executor(program, overlap=overlap)
-    body = on_mesh(lambda ps, xs: executor(ps, xs), mesh, program.grid,
+    return on_mesh(lambda ps, xs: executor(ps, xs), mesh, program.grid,
                    in_layouts=[list(program.param_storage), list(program.arg_layouts)],
                    out_layouts=list(program.output_layouts))  # fmt: skip
-    return jax.jit(body)
 
 
 def place(value: Any, sharding: NamedSharding) -> jax.Array:

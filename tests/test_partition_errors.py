@@ -190,3 +190,20 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
     new_params, opt_state, _ = step(params, opt_state, X)
     with pytest.raises(ValueError, match=r"parameter '\['narrow'\]\['bias'\]' has been deleted.*donated"):
         step(params, opt_state, X)  # the first step donated these
+
+
+def test_fallback_warnings_name_the_model_line_once(devices):
+    """A rule-less op inside a jitted library call is reported at the model's own line, merged."""
+
+    class Spectral(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(16)(x)
+            for _ in range(3):
+                h = jnp.fft.fft(h).real  # jnp.fft.fft is a jit: its body is inlined
+            return nn.Dense(8)(h)
+
+    pm = axonn_jax.partition(Spectral(), Grid(x=2, y=2, z=2), X)
+    (warning,) = [w for w in pm.plan.warnings if "fft" in w]
+    line = next(n for n, text in enumerate(open(__file__), 1) if "h = jnp.fft.fft(h).real  #" in text)
+    assert f"test_partition_errors.py:{line}" in warning and warning.endswith("(3 times)"), warning
