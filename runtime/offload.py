@@ -202,15 +202,22 @@ class MasterOptimizer:
         """
         self._check_structure(grads, "grads")
         if not self.offload:
-            master = state.master if self.keeps_master else params
-            new_master, inner = self._step(grads, state.inner, master, finite, grad_scale)
-            device = self.precision.to_device(new_master)
-            return device, MasterState(new_master if self.keeps_master else None, inner)
+            return self.step_on_device(params, grads, state, finite, grad_scale)
         if self.update_on == "host":
             return self._update_on_host(grads, state, finite, grad_scale)
         return self._update_streamed(grads, state, finite, grad_scale)
 
     # --- the arithmetic (wherever it runs) ------------------------------------
+    def step_on_device(self, params, grads, state: MasterState, finite=None, grad_scale=None):
+        """The update without offload, on any parameter tree (no structure check).
+
+        :mod:`~axonn_jax.runtime.stage_update` traces it on the whole model.
+        """
+        master = state.master if self.keeps_master else params
+        new_master, inner = self._step(grads, state.inner, master, finite, grad_scale)
+        device = self.precision.to_device(new_master)
+        return device, MasterState(new_master if self.keeps_master else None, inner)
+
     def _step(self, grads, inner, master, finite, grad_scale):
         grads = cast_floating(grads, self.precision.master_dtype)
         if grad_scale is not None:

@@ -32,6 +32,7 @@ from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.offload import MasterOptimizer
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
+from axonn_jax.runtime.stage_update import StageUpdate, describe
 
 #: ``value_and_grad(loss_fn, **options)`` → ``(params, batch) → (loss, grads)``
 GradientFactory = Callable[..., Callable]
@@ -55,7 +56,9 @@ class TrainStep:
     the gradients come from the dispatch queue and the update runs as one
     program per stage on this process (each stage's parameters live on that
     stage's mesh); the finiteness flag of fp16 is combined over stages and
-    processes before any stage updates.
+    processes before any stage updates. An optimizer that combines stages
+    (global-norm clipping) runs as the same whole-model update split into
+    rounds over the stages (:mod:`~axonn_jax.runtime.stage_update`).
 
     Args:
         placed: the model on this process's devices.
@@ -90,6 +93,7 @@ class TrainStep:
             )
         self.value_and_grad = value_and_grad(loss_fn, **options)
         self._programs: dict = {}  # stage (or None) → (MasterOptimizer, jitted step/update)
+        self._across_stages: StageUpdate | None | bool = False  # False: not analysed yet
 
     # --- pieces -----------------------------------------------------------------
     def _optimizer(self, stage) -> MasterOptimizer:
@@ -154,6 +158,22 @@ class TrainStep:
 
         return step
 
+    def _stage_update(self) -> StageUpdate | None:
+        """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
+        if self._across_stages is False:
+            masters = {s: self._compiled(s)[0] for s in self.placed.homes.groups()}
+            abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
+            update = StageUpdate.of(self.placed, masters,
+                                    jax.tree.unflatten(self.plan.param_tree, abstract))  # fmt: skip
+            if update is not None and self.master["offload"]:
+                raise ValueError(
+                    f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
+                    f"stages (e.g. a global norm), which offload=True cannot do exactly on "
+                    f"{self.placed.grid}. Remedy: offload=False, a leaf-wise optimizer, or pipeline=1."
+                )
+            self._across_stages = update
+        return self._across_stages
+
     # --- the public calls -----------------------------------------------------------
     def init(self, params) -> tuple[Any, OptState]:
         """``(device params, opt_state)`` from full-precision ``params`` (``pm.init``).
@@ -170,6 +190,7 @@ class TrainStep:
             if scale is not None:
                 scale = jax.device_put(scale, NamedSharding(placed.mesh, P()))
             return self.call.merge(device, model_state), OptState(state, scale)
+        self._stage_update()  # refuse what cannot be exact before any work
         leaves = placed.param_leaves(params)
         out, states = list(leaves), {}
         for s, idx in placed.homes.groups().items():
@@ -200,17 +221,25 @@ class TrainStep:
         if self.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
             local = all(bool(np.asarray(all_finite(g))) for g in g_leaves if g is not None)
             finite = placed.transport.all_true(local)
-        out, states = list(p_leaves), {}
-        for s, idx in placed.homes.groups().items():
-            new_params, states[s] = self._compiled(s)[1](
-                placed.subtree(p_leaves, idx), placed.subtree(g_leaves, idx),
-                opt_state.optimizer[s], finite,
-            )  # fmt: skip
-            new = jax.tree.leaves(new_params, is_leaf=_none)
+        groups = placed.homes.groups()
+        across = self._stage_update()
+        if across is not None:  # the whole-model update, in rounds over the stages
+            stage_params, states = across({s: placed.subtree(p_leaves, idx) for s, idx in groups.items()},
+                                          {s: placed.subtree(g_leaves, idx) for s, idx in groups.items()},
+                                          opt_state.optimizer, finite)  # fmt: skip
+        else:  # leaf-wise: each stage on its own is exact
+            stage_params, states = {}, {}
+            for s, idx in groups.items():
+                stage_params[s], states[s] = self._compiled(s)[1](
+                    placed.subtree(p_leaves, idx), placed.subtree(g_leaves, idx),
+                    opt_state.optimizer[s], finite,
+                )  # fmt: skip
+        out = list(p_leaves)
+        for s, idx in groups.items():
+            new = jax.tree.leaves(stage_params[s], is_leaf=_none)
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, None), loss
-
 
 
 def _check_step_inputs(params, opt_state) -> None:

@@ -1,0 +1,79 @@
+"""Optimizers that combine pipeline stages (global-norm clipping) give the whole-model update.
+
+See ``runtime/stage_update.py``; the numerics and bounds are in ``stage_update_cases.py``.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from mpi_util import run_mpi
+from pipeline_cases import build
+from stage_update_cases import run
+
+import axonn_jax
+from axonn_jax.runtime.stage_update import MAX_EXCHANGED_ELEMENTS
+
+GRID = axonn_jax.Grid.parse("pipeline=2,x=2,z=2")
+
+
+@pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged"])
+def test_cross_stage_optimizer_equals_plain_optax(name, devices):
+    failures = run(GRID, name)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.fixture(scope="module")
+def gpt_two_stages(devices):
+    case = build("gpt")
+    pm = axonn_jax.partition(case.model, GRID, *case.inputs(case.batch(1)))
+    return case, pm, pm.init(jax.random.key(0))
+
+
+def test_leaf_wise_optimizer_keeps_per_stage_updates(gpt_two_stages):
+    case, pm, params = gpt_two_stages
+    step = pm.train_step(case.loss, optax.MultiSteps(optax.adamw(1e-3), 2), inputs=case.inputs)
+    assert step._stage_update() is None
+    clipped = pm.train_step(case.loss, optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)),
+                            inputs=case.inputs)  # fmt: skip
+    assert clipped._stage_update() is not None and clipped._stage_update().rounds > 1
+
+
+def _normalize_flat() -> optax.GradientTransformation:
+    """Mixes whole leaves: every update is divided by the flattened vector's norm."""
+
+    def update(updates, state, params=None):
+        flat, unravel = jax.flatten_util.ravel_pytree(updates)
+        return unravel(flat / np.float32(2.0) + flat[::-1]), state
+
+    return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+
+def test_mixing_whole_parameters_is_refused(gpt_two_stages):
+    import jax.flatten_util  # noqa: F401
+
+    case, pm, params = gpt_two_stages
+    step = pm.train_step(case.loss, _normalize_flat(), inputs=case.inputs)
+    with pytest.raises(ValueError) as err:
+        step.init(params)
+    message = str(err.value)
+    assert "combines the parameters of pipeline stages [0, 1]" in message
+    assert "`concatenate`" in message and "test_stage_update.py" in message  # the source line
+    assert f"at most {MAX_EXCHANGED_ELEMENTS} elements" in message and "Remedy:" in message
+
+
+def test_offload_refuses_a_cross_stage_optimizer(gpt_two_stages):
+    case, pm, params = gpt_two_stages
+    step = pm.train_step(case.loss, optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+                         inputs=case.inputs, offload=True)  # fmt: skip
+    with pytest.raises(ValueError, match=r"offload=True cannot do exactly .*Remedy: offload=False"):
+        step.init(params)
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged"])
+def test_cross_stage_optimizer_under_mpiexec(name):
+    result = run_mpi(2, "stage_update_equivalence.py", "pipeline=2", name, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert result.stdout.count("OK rank") == 2, result.stdout
