@@ -241,6 +241,8 @@ class Partitioned:
             ...                         mutable=["batch_stats"])
         """
         params, _ = self._planned_tree(params)
+        if self.grid.pipeline > 1:
+            return self.forward(params, *args, **kwargs)
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
         self.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
@@ -252,6 +254,34 @@ class Partitioned:
         return jax.tree.unflatten(program.out_tree, outs)
 
     __call__ = apply
+
+    def forward(self, params, *args, microbatches: int = 1, timeout: float = 60.0, **kwargs):
+        """The model's outputs on every grid; with a pipeline, a forward-only pass of the stages.
+
+        With ``pipeline > 1`` the stages run through the dispatch queue (forward
+        tasks only, no residuals kept), the batch split into ``microbatches``
+        along dim 0 so that stages overlap, and the outputs come back on every
+        process as host NumPy arrays. It is eager: call it outside ``jax.jit``
+        (to train, use :meth:`value_and_grad` / :meth:`train_step`). Without a
+        pipeline it is :meth:`apply`.
+
+        Example:
+            >>> logits = pm.forward(params, tokens, microbatches=4)  # doctest: +SKIP
+        """
+        if self.grid.pipeline == 1:
+            return self.apply(params, *args, **kwargs)
+        from axonn_jax.runtime.pipeline.forward import is_traced, pipelined_forward
+
+        if is_traced((params, args, kwargs)):
+            raise ValueError(
+                f"pm.apply on a pipeline grid ({self.grid}) runs the stages from Python, one "
+                "process per stage, so it cannot be traced by jax.jit/jax.grad. Remedy: call "
+                "pm.apply (or pm.forward) outside jax.jit for evaluation and sampling, and "
+                "train with pm.value_and_grad / pm.train_step."
+            )
+        params, _ = self._planned_tree(params)
+        return pipelined_forward(self.placed, self.program_for, params, args, kwargs,
+                                 microbatches=microbatches, overlap=self.overlap, timeout=timeout)  # fmt: skip
 
     # --- training ---------------------------------------------------------
     def value_and_grad(

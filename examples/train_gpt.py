@@ -128,11 +128,10 @@ def main(argv=None) -> int:
     train_step = pm.train_step(next_byte_loss, optimizer, precision=args.precision,
                                offload=args.offload, **options)  # fmt: skip
     params, opt_state = train_step.init(params)  # params now in --precision on the devices
-    evaluate = pm.value_and_grad(next_byte_loss, **options)  # the loss; gradients unused
-    if grid.pipeline == 1:
-        from axonn_jax.runtime.precision import as_planned
+    logits_of = _partitioned_forward(pm, microbatches=args.microbatches)
 
-        evaluate = jax.jit(lambda p, b, f=evaluate: f(as_planned(p, pm.plan), b))
+    def evaluate(params, batch):  # forward only, on the grid (pipelines included)
+        return next_byte_loss(logits_of(params, inputs(batch)[0]), batch)
 
     valid = batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1)
 
@@ -163,7 +162,7 @@ def main(argv=None) -> int:
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
         if step % 50 == 0 or step == args.steps - 1:
-            row["valid_loss"] = float(evaluate(params, valid)[0])
+            row["valid_loss"] = float(evaluate(params, valid))
         rows.append(row)
         if board is not None:
             for key in ("loss", "valid_loss", "tokens_per_s"):
@@ -184,13 +183,15 @@ def main(argv=None) -> int:
     if grid.pipeline > 1:  # the last step's tasks on every rank (a collective)
         train_step.value_and_grad.trace(out / "trace.json", out / "timeline.png",
                                         title=f"{args.schedule} schedule, {grid}")
-    full = jax.tree.map(lambda a: a.astype(np.float32), pm.gather(params))  # a collective
+    # sampled through the partitioned model on every rank (a collective; the same key everywhere)
+    sample_logits = _partitioned_forward(pm, microbatches=1)  # one row per batch shard
+    sample = _generate(lambda t: sample_logits(params, t), train_tokens[:args.seq],
+                       args.sample_bytes, args.seq, copies=grid.data * grid.z)  # fmt: skip
     if info.is_main:
         if first_step:  # resumed: keep the rows of the steps before the checkpoint
             rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows
         _write_csv(out / "metrics.csv", rows)
         _plot(out / "loss.png", rows, title=f"GPT {config.num_layers}L/{config.hidden}H on {grid}")
-        sample = _generate(model, full, train_tokens[:args.seq], args.sample_bytes, args.seq)
         if not rows:
             print(f"nothing to do: the checkpoint is already at step {first_step} >= --steps")
             return 0
@@ -257,18 +258,49 @@ def _plot(path: Path, rows: list[dict], *, title: str) -> None:
     plt.close(fig)
 
 
-def _generate(model, params, prompt, n: int, window: int) -> str:
-    """Sample ``n`` bytes from the gathered (full) parameters on the host."""
+def _partitioned_forward(pm, *, microbatches: int):
+    """``logits_of(device params, tokens)`` → host logits, from the partitioned model on its grid.
+
+    With a pipeline: :meth:`~axonn_jax.Partitioned.forward` (forward-only tasks
+    through the dispatch queue). Without: a jitted ``pm.apply`` on the batch
+    placed over (data, z), gathered to every process.
+    """
     import jax
-    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from axonn_jax.runtime.precision import as_planned
+    from axonn_jax.runtime.sharded import batch_sharding, place
+
+    if pm.grid.pipeline > 1:
+        return lambda params, tokens: pm.forward(as_planned(params, pm.plan), tokens,
+                                                 microbatches=microbatches)  # fmt: skip
+    apply = jax.jit(lambda p, t: pm.apply(as_planned(p, pm.plan), t))
+
+    def logits_of(params, tokens):
+        tokens = place(np.asarray(tokens), batch_sharding(pm.mesh, pm.grid, np.shape(tokens)))
+        logits = apply(params, tokens)
+        if jax.process_count() > 1:
+            return np.asarray(multihost_utils.process_allgather(logits, tiled=True))
+        return np.asarray(logits)
+
+    return logits_of
+
+
+def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> str:
+    """Sample ``n`` bytes; ``logits_of(tokens)`` runs the partitioned model.
+
+    The context is repeated ``copies`` times so that the batch splits over the
+    grid's batch axes (and microbatches); row 0 is used.
+    """
+    import jax
     import numpy as np
 
-    apply = jax.jit(lambda p, t: model.apply({"params": p}, t))
     tokens = list(np.asarray(prompt, dtype=np.int32))
     key = jax.random.key(0)
     for _ in range(n):
-        context = np.asarray(tokens[-window:], dtype=np.int32)[None]
-        logits = apply(params, jnp.asarray(context))[0, -1]
+        context = np.repeat(np.asarray(tokens[-window:], dtype=np.int32)[None], copies, axis=0)
+        logits = logits_of(context)[0, -1]
         key, sub = jax.random.split(key)
         tokens.append(int(jax.random.categorical(sub, logits / 0.8)))
     return bytes(tokens[len(prompt) :]).decode("utf-8", errors="replace")

@@ -60,6 +60,11 @@ class StageFlow:
     outbound: tuple  # variables sent to the next stage (model outputs on the last)
     inbound_layouts: tuple[Layout, ...]
     outbound_layouts: tuple[Layout, ...]
+    #: model state this stage updates: (variable, index of the variable leaf it replaces)
+    updates: tuple = ()
+    update_layouts: tuple[Layout, ...] = ()
+    #: last stage: positions in the model's outputs of ``outbound`` (state updates excluded)
+    output_positions: tuple[int, ...] = ()
 
     @property
     def diff_in(self) -> list[int]:
@@ -77,8 +82,15 @@ def is_float(aval) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
 
 
-def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts) -> list[StageFlow]:
-    """Split ``jaxpr`` (inlined, params first) into per-stage data flows."""
+def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts,
+                state_outputs: Sequence[tuple[int, int]] = ()) -> list[StageFlow]:  # fmt: skip
+    """Split ``jaxpr`` (inlined, params first) into per-stage data flows.
+
+    ``state_outputs`` are ``(output position, variable leaf)`` pairs of model
+    state the call returns updated (BatchNorm statistics): each stays on the
+    stage that computes it (``StageFlow.updates``) instead of travelling to the
+    last stage; an update equal to its input changes nothing and is dropped.
+    """
     made_by = param_like_producers(jaxpr, num_params)
     params = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
     args = {v: j for j, v in enumerate(jaxpr.invars[num_params:])}
@@ -97,7 +109,9 @@ def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts) -> l
 
     # needs[s]: activations used at stage >= s but defined before s
     last = len(stages) - 1
-    final = [v for v in jaxpr.outvars if not R.is_literal(v)]
+    state_at = dict(state_outputs)  # output position → variable leaf
+    kept = [k for k in range(len(jaxpr.outvars)) if k not in state_at]
+    final = [jaxpr.outvars[k] for k in kept if not R.is_literal(jaxpr.outvars[k])]
     needs: list[list] = [[] for _ in stages]
     for s in range(len(stages)):
         later = [v for t in range(s, len(stages)) for v in live_inputs(own[t])] + final
@@ -109,7 +123,9 @@ def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts) -> l
     flows = []
     for st, eqns in zip(stages, own):
         s = st.index
-        used = list(live_inputs(eqns)) + (final if s == last else [])
+        updates = tuple((jaxpr.outvars[k], i) for k, i in state_at.items()
+                        if not R.is_literal(jaxpr.outvars[k]) and stage_of.get(jaxpr.outvars[k]) == s)  # fmt: skip
+        used = list(live_inputs(eqns)) + (final if s == last else []) + [v for v, _ in updates]
         prelude, stack, visited = [], [v for v in used if v in made_by], set()
         while stack:  # parameter cast chains this stage must re-run
             v = stack.pop()
@@ -122,7 +138,7 @@ def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts) -> l
         order = {id(e): k for k, e in enumerate(jaxpr.eqns)}
         prelude.sort(key=lambda e: order[id(e)])
         roots = set(used) | {u for e in prelude for u in e.invars if not R.is_literal(u)}
-        outbound = tuple(needs[s + 1]) if s < last else tuple(jaxpr.outvars)
+        outbound = tuple(needs[s + 1]) if s < last else tuple(jaxpr.outvars[k] for k in kept)
         flows.append(
             StageFlow(
                 index=s,
@@ -133,7 +149,11 @@ def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts) -> l
                 outbound=outbound,
                 inbound_layouts=tuple(layouts[v] for v in needs[s]),
                 outbound_layouts=tuple(layouts[v] for v in needs[s + 1]) if s < last
-                else tuple(out_layouts),
+                else tuple(out_layouts[k] for k in kept),
+                updates=updates,
+                update_layouts=tuple(out_layouts[k] for k, i in state_at.items()
+                                     if (jaxpr.outvars[k], i) in updates),  # fmt: skip
+                output_positions=tuple(kept) if s == last else (),
             )
         )
     return flows

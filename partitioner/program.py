@@ -133,6 +133,7 @@ def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: Plann
     targets = tuple(targets)
     per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args)
     stages = plan.stages or plan_stages(traced, closed.jaxpr, 1)
-    flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets)
+    flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets,
+                        traced.state_outputs)  # fmt: skip
     return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,
                    targets, tuple(flows))  # fmt: skip

@@ -58,6 +58,7 @@ class TracedModel:
     trainable: tuple[bool, ...] = ()  # per variable leaf: a parameter (True) or state (False)
     state_outputs: tuple[tuple[int, int], ...] = ()  # (output leaf, variable leaf it updates)
     rng_args: frozenset[int] = frozenset()  # positions in arg_avals of RNG keys (``rngs=``)
+    rng_state: frozenset[int] = frozenset()  # variable leaves holding nnx RNG keys (raw key data)
 
     @property
     def num_params(self) -> int:
@@ -233,7 +234,10 @@ def _trace_nnx(model, abstract_args) -> TracedModel:
         return current_values()
 
     abstract_params = jax.tree.map(abstract, current_values())
-    return _finish("nnx", abstract_params, abstract_args, apply, init, returns_updates=stateful)
+    traced = _finish("nnx", abstract_params, abstract_args, apply, init, returns_updates=stateful)
+    keys = {f"state/{path}" for path in key_impls}
+    return dataclasses.replace(traced, rng_state=frozenset(
+        i for i, path in enumerate(traced.param_paths) if path in keys))
 
 
 def _is_key(x) -> bool:

@@ -22,6 +22,7 @@ explicit backward of :func:`~axonn_jax.runtime.overlap.contraction` (OAR).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -380,4 +381,10 @@ def _one_copy(x: jax.Array, layout: Layout) -> jax.Array:
     extra = tuple(sorted(vma(x) - used_axes(layout)))
     if not extra:
         return x
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(x)
+        return jax.random.wrap_key_data(_one_copy(jax.random.key_data(x), layout + ((),)), impl=impl)
+    if not is_float(x):  # integers (e.g. nnx RNG state): no gradient, so the first device's copy
+        first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in extra])
+        return lax.psum(jnp.where(first, x, jnp.zeros_like(x)), extra)
     return lax.all_gather(x, extra, axis=0, tiled=False, to="invarying")[0]

@@ -33,6 +33,7 @@ class ModelCall:
     static_kwargs: Mapping[str, Any]  # the flags given to partition() (e.g. train=True)
     stateful: bool  # the variables are {'params': ..., <state collections>: ...}
     mutable: tuple[str, ...]  # linen collections returned updated (nnx: always all)
+    rng_state: bool = False  # nnx RNG streams live in the state (one key per call)
 
     @classmethod
     def of(cls, traced: TracedModel) -> ModelCall:
@@ -42,7 +43,17 @@ class ModelCall:
         mutable = ()
         if stateful and traced.kind == "linen":
             mutable = tuple(sorted({p.split("/")[0] for p in traced.param_paths} - {"params"}))
-        return cls(static, stateful, mutable)
+        return cls(static, stateful, mutable, rng_state=bool(traced.rng_state))
+
+    def check_microbatches(self, microbatches: int) -> None:
+        """nnx RNG streams draw one key per call: microbatches would share their dropout masks."""
+        if self.rng_state and microbatches > 1:
+            raise ValueError(
+                f"the nnx model draws random numbers from RNG streams in its state (nnx.Rngs, "
+                f"e.g. nnx.Dropout), which advance once per call, so its {microbatches} "
+                "microbatches would all use the same dropout masks. Remedy: microbatches=1, or "
+                "a linen model with rngs={'dropout': key} (a key per microbatch is derived)."
+            )
 
     def kwargs(self, rngs: Mapping[str, jax.Array] | None, microbatch, microbatches: int) -> dict:
         """Keyword arguments of the model call for one microbatch."""

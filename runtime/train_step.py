@@ -101,8 +101,8 @@ class TrainStep:
         if stage is None:
             shardings, _ = self.call.split(placed.param_shardings)
         else:
-            shardings = placed.subtree(jax.tree.leaves(placed.param_shardings, is_leaf=_none),
-                                       placed.homes.groups()[stage])  # fmt: skip
+            shardings = self._stage_tree(jax.tree.leaves(placed.param_shardings, is_leaf=_none),
+                                         stage)  # fmt: skip
         return MasterOptimizer(self.optimizer, shardings, **self.master)
 
     def _compiled(self, stage):
@@ -110,10 +110,10 @@ class TrainStep:
             return self._programs[stage]
         master = self._optimizer(stage)
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        if stage is not None:
-            picked = self.placed.subtree(abstract, self.placed.homes.groups()[stage])
-            abstract = jax.tree.leaves(picked, is_leaf=_none)
-        abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
+        if stage is None:
+            abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
+        else:
+            abstract = self._stage_tree(abstract, stage)
         # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
         out = (master.param_shardings, master.state_shardings(abstract))
         if stage is None:
@@ -158,13 +158,34 @@ class TrainStep:
 
         return step
 
+    def _stage_tree(self, leaves: list, stage: int):
+        """Stage ``stage``'s trainable leaves as the params tree (``None`` elsewhere)."""
+        return self.call.split(self.placed.subtree(leaves, self._groups()[stage]))[0]
+
+    def _plan_leaves(self, params_tree) -> list:
+        """A params tree (``None`` holes kept) as leaves in the plan's order (state: ``None``)."""
+        _, no_state = self.call.split(self.placed.subtree([None] * len(self.plan.params), []))
+        return jax.tree.leaves(self.call.merge(params_tree, no_state), is_leaf=_none)
+
+    def _groups(self) -> dict[int, list[int]]:
+        """Local stage → the trainable leaves it updates (model state is carried, not optimized)."""
+        trainable = [p.trainable for p in self.plan.params]
+        return {s: [i for i in idx if trainable[i]] for s, idx in self.placed.homes.groups().items()}
+
     def _stage_update(self) -> StageUpdate | None:
         """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
         if self._across_stages is False:
-            masters = {s: self._compiled(s)[0] for s in self.placed.homes.groups()}
+            masters = {s: self._compiled(s)[0] for s in self._groups()}
             abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
             update = StageUpdate.of(self.placed, masters,
                                     jax.tree.unflatten(self.plan.param_tree, abstract))  # fmt: skip
+            if update is not None and self.call.stateful:
+                raise ValueError(
+                    f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
+                    f"stages, which is not yet supported for models with state (BatchNorm "
+                    f"statistics) on {self.placed.grid}. Remedy: a leaf-wise optimizer (clip per "
+                    "leaf, e.g. optax.clip), or pipeline=1."
+                )
             if update is not None and self.master["offload"]:
                 raise ValueError(
                     f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
@@ -193,9 +214,9 @@ class TrainStep:
         self._stage_update()  # refuse what cannot be exact before any work
         leaves = placed.param_leaves(params)
         out, states = list(leaves), {}
-        for s, idx in placed.homes.groups().items():
-            device, states[s] = self._compiled(s)[0].init(placed.subtree(leaves, idx))
-            new = jax.tree.leaves(device, is_leaf=_none)
+        for s, idx in self._groups().items():
+            device, states[s] = self._compiled(s)[0].init(self._stage_tree(leaves, s))
+            new = self._plan_leaves(device)
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
@@ -215,28 +236,32 @@ class TrainStep:
         if placed.grid.pipeline == 1:
             return self._compiled(None)[1](params, opt_state, batch, rngs)
         loss, grads = self.value_and_grad(params, batch, rngs)
+        if self.call.stateful:  # the new state takes the place of the old; it is not optimized
+            loss, new_state = loss
+            grads = self.call.merge(grads, new_state)
+            params = self.call.merge(self.call.split(params)[0], new_state)
         p_leaves = placed.param_leaves(params)
         g_leaves = placed.param_leaves(grads)
         finite = None
         if self.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
             local = all(bool(np.asarray(all_finite(g))) for g in g_leaves if g is not None)
             finite = placed.transport.all_true(local)
-        groups = placed.homes.groups()
+        groups = self._groups()
         across = self._stage_update()
         if across is not None:  # the whole-model update, in rounds over the stages
-            stage_params, states = across({s: placed.subtree(p_leaves, idx) for s, idx in groups.items()},
-                                          {s: placed.subtree(g_leaves, idx) for s, idx in groups.items()},
+            stage_params, states = across({s: self._stage_tree(p_leaves, s) for s in groups},
+                                          {s: self._stage_tree(g_leaves, s) for s in groups},
                                           opt_state.optimizer, finite)  # fmt: skip
         else:  # leaf-wise: each stage on its own is exact
             stage_params, states = {}, {}
             for s, idx in groups.items():
                 stage_params[s], states[s] = self._compiled(s)[1](
-                    placed.subtree(p_leaves, idx), placed.subtree(g_leaves, idx),
+                    self._stage_tree(p_leaves, s), self._stage_tree(g_leaves, s),
                     opt_state.optimizer[s], finite,
                 )  # fmt: skip
         out = list(p_leaves)
         for s, idx in groups.items():
-            new = jax.tree.leaves(stage_params[s], is_leaf=_none)
+            new = self._plan_leaves(stage_params[s])
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, None), loss

@@ -32,8 +32,11 @@ def test_example_single_process_and_mpiexec_agree(tmp_path):
     assert "Plan for Grid(x=2, y=1, z=2, data=1, pipeline=2)" in stdout and "sample:" in stdout
     assert (tmp_path / "one" / "timeline.png").stat().st_size > 0  # the default grid pipelines
     assert len(single) == 6 and single[-1] < single[0]
-    _, two = _run([mpiexec(), "-n", "2"], tmp_path / "two")
+    stdout_two, two = _run([mpiexec(), "-n", "2"], tmp_path / "two")
     np.testing.assert_allclose(two, single, rtol=1e-5)
+    # validation and sampling run forward-only through the stages, across the two processes too
+    sample = [line for line in stdout.splitlines() if line.startswith("sample:")]
+    assert sample and sample == [line for line in stdout_two.splitlines() if line.startswith("sample:")]
 
 
 def test_bad_cli_arguments():

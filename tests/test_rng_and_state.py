@@ -300,7 +300,7 @@ def test_nnx_dropout_and_batchnorm_match_plain(grid, devices):
         variables = {**variables, **updates}
 
 
-def test_init_takes_linen_key_dicts_and_pipelines_refuse_state(devices):
+def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devices):
     x = np.zeros((BATCH, 16), np.float32)
     model = BNNet()
     pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, data=4), x, rngs={"dropout": KEY},
@@ -310,7 +310,94 @@ def test_init_takes_linen_key_dicts_and_pipelines_refuse_state(devices):
     want = model.init(keys, x)
     for path, ref in _leaves(want).items():
         np.testing.assert_array_equal(_leaves(got)[path], np.asarray(ref), err_msg=path)
-    piped = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2, x=4), x, rngs={"dropout": KEY},
-                                mutable=["batch_stats"])  # fmt: skip
-    with pytest.raises(ValueError, match=r"state besides its parameters \(batch_stats\).*pipeline=1"):
-        piped.value_and_grad(lambda out, b: jnp.mean(out))
+    nnx_model = NNXNet(nnx.Rngs(0, dropout=1))
+    piped = axonn_jax.partition(nnx_model, axonn_jax.Grid(pipeline=2, x=4), x)
+    with pytest.raises(ValueError, match=r"its 2 microbatches would all use the same dropout masks"):
+        piped.value_and_grad(lambda out, b: jnp.mean(out[0]), microbatches=2)
+
+
+class DeepBN(nn.Module):
+    """Four Dense–BatchNorm blocks: the statistics of both pipeline stages are updated."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for _ in range(4):
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Dense(32, use_bias=False)(x)))
+        return nn.Dense(16)(x)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_batchnorm_on_a_pipeline_matches_plain_accumulation(microbatches, devices):
+    """pipeline=2,x=2,z=2: each stage updates its own statistics (mean over microbatches)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    y = rng.standard_normal((16, 16)).astype(np.float32)
+    model, optimizer = DeepBN(), optax.adamw(LR)
+    variables = model.init(jax.random.key(0), x, train=False)
+
+    def loss_fn(out, batch):
+        return jnp.mean((out - batch[1]) ** 2)
+
+    size = 16 // microbatches
+
+    def plain_step(v, s):  # gradient accumulation; the new statistics: mean of the microbatches'
+        grads, updates, losses = [], [], []
+        for m in range(microbatches):
+            part = (x[m * size : (m + 1) * size], y[m * size : (m + 1) * size])
+
+            def loss_of(p, part=part):
+                out, upd = model.apply({**v, "params": p}, part[0], mutable=["batch_stats"])
+                return loss_fn(out, part), upd
+
+            (loss, upd), g = jax.value_and_grad(loss_of, has_aux=True)(v["params"])
+            grads.append(g), updates.append(upd), losses.append(float(loss))
+        g = jax.tree.map(lambda *a: sum(a) / microbatches, *grads)
+        delta, s = optimizer.update(g, s, v["params"])
+        new = {"params": optax.apply_updates(v["params"], delta),
+               **jax.tree.map(lambda *a: sum(a) / microbatches, *updates)}  # fmt: skip
+        return new, s, float(np.mean(losses))
+
+    v, s, ref_losses = variables, optimizer.init(variables["params"]), []
+    for _ in range(STEPS):
+        v, s, loss = plain_step(v, s)
+        ref_losses.append(loss)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2, x=2, z=2), x[:size],
+                             mutable=["batch_stats"])  # fmt: skip
+    assert all(any(p.startswith("batch_stats/") for p in st.params) for st in pm.plan.stages)
+    step = pm.train_step(loss_fn, optimizer, inputs=lambda batch: (batch[0],), microbatches=microbatches)
+    pv, ps = step.init(pm.shard(variables))
+    losses = []
+    for _ in range(STEPS):
+        pv, ps, loss = step(pv, ps, (x, y))
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got, want, init = _leaves(pm.gather(pv)), _leaves(v), _leaves(variables)
+    for path, ref in want.items():
+        err = np.linalg.norm(got[path] - ref)
+        assert err <= 1e-3 * np.linalg.norm(ref - init[path]) + 1e-6, (path, err)
+
+
+def test_nnx_state_on_a_pipeline(devices):
+    """nnx BatchStat and the Dropout stream's counter come back from the stage that updates them."""
+    x = np.random.default_rng(2).standard_normal((BATCH, 16)).astype(np.float32)
+    model = NNXNet(nnx.Rngs(0, dropout=7))
+    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2, x=2, z=2), x)
+    variables = pm.init(jax.random.key(0))
+    (loss, updates), grads = pm.value_and_grad(lambda out, _: jnp.mean(out**2))(variables, x)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def plain(p):
+        fresh = nnx.clone(params)
+        nnx.replace_by_pure_dict(fresh, p)
+        module = nnx.merge(graphdef, fresh, nnx.clone(rest))
+        return jnp.mean(module(x) ** 2), nnx.to_pure_dict(nnx.state(module, nnx.BatchStat))
+
+    (ref_loss, ref_stats), ref_grads = jax.value_and_grad(plain, has_aux=True)(nnx.to_pure_dict(params))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    got = _leaves(pm.gather({**variables, "params": grads})["params"])
+    for path, r in _leaves(ref_grads).items():
+        np.testing.assert_allclose(got[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+    state = _leaves(pm.gather({**variables, **updates})["state"])
+    for path, r in _leaves(ref_stats).items():
+        np.testing.assert_allclose(state[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
+    assert int(state["drop/rngs/count"]) == 1

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from axonn_jax.runtime.pipeline.schedules import Schedule, make_schedule
+from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.transport import Transport
 
@@ -48,7 +48,7 @@ class TaskRecord:
 
 @dataclasses.dataclass
 class StepResult:
-    losses: list  # per microbatch (last stage only), device scalars
+    losses: list  # per microbatch (last stage only): loss scalars, or outputs (forward only)
     grads: dict[int, list]  # stage → summed parameter gradients (leaves of flow.params)
     records: list[TaskRecord]
     peak_in_flight: dict[int, int]  # stage → most microbatches holding residuals at once
@@ -110,21 +110,28 @@ class DispatchQueue:
             schedule = make_schedule(schedule, limit=limit, stages=self.num_stages)
         self.schedule = schedule
         self.timeout, self.delay = timeout, delay
+        self._no_backward = False  # set by run(forward_only=True)
 
     # --- the step -----------------------------------------------------------
     def run(self, params: dict[int, list], args: Callable[[int, int], list],
-            batch: Callable[[int], object], microbatches: int) -> StepResult:  # fmt: skip
+            batch: Callable[[int], object] | None, microbatches: int, *,
+            forward_only: bool = False) -> StepResult:  # fmt: skip
         """Forward and backward of ``microbatches`` microbatches.
 
         Args:
             params: stage → its parameter leaves (``flow.params`` order).
             args: ``args(stage, mb)`` → the model arguments that stage reads.
             batch: ``batch(mb)`` → the loss's batch on the last stage.
+            forward_only: run forwards only, keep no residuals, and return the
+                last stage's outputs per microbatch in ``StepResult.losses``
+                (message-driven: each stage runs whichever forward has arrived).
         """
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
         states = {}
-        self.schedule.start(self.local, self.num_stages, microbatches)
+        self._no_backward = forward_only
+        schedule = MessageDriven(microbatches) if forward_only else self.schedule
+        schedule.start(self.local, self.num_stages, microbatches)
         for s in self.local:
             states[s] = _StageState(self.programs[s], idle_since=t0)
             self._expect(states[s], s, microbatches)
@@ -138,7 +145,7 @@ class DispatchQueue:
         while not all(self._finished(st, s, microbatches) for s, st in states.items()):
             for s, st in states.items():
                 self._poll(st, s, microbatches)
-            task = self.schedule.pick(states, has_input, microbatches)
+            task = schedule.pick(states, has_input, microbatches)
             if task is None:
                 if time.perf_counter() > idle_deadline:
                     raise PipelineTimeout(self._stuck_message(states, microbatches))
@@ -149,18 +156,22 @@ class DispatchQueue:
             start = time.perf_counter()
             if self.delay is not None:  # an emulated slow task: counted as busy time
                 time.sleep(self.delay(s, kind, mb) or 0.0)
-            if kind == "F" and s == last:
+            if forward_only:
+                outputs = self._forward_only(st, s, mb, params[s], args)
+                if s == last:
+                    losses.append(outputs)
+            elif kind == "F" and s == last:
                 losses.append(self._forward_backward(st, s, mb, params[s], args, batch))
             elif kind == "F":
                 self._forward(st, s, mb, params[s], args)
             else:
                 self._backward(st, s, mb)
             end = time.perf_counter()
-            label = "FB" if kind == "F" and s == last else kind
+            label = "FB" if kind == "F" and s == last and not forward_only else kind
             records.append(TaskRecord(s, label, mb, start - t0, end - t0, start - st.idle_since))
             st.idle_since = end
             st.last_kind = kind
-            self.schedule.ran(s)
+            schedule.ran(s)
             idle_deadline = time.perf_counter() + self.timeout
         self.transport.close()
         grads = {s: st.grads for s, st in states.items()}
@@ -172,7 +183,7 @@ class DispatchQueue:
         """Post the receives of the next forward and backward message of stage ``s``."""
         if s > 0 and st.expect_f < m:
             self._post(st, ("F", s, st.expect_f), st.program.inbound_avals(), s - 1)
-        if s < self.num_stages - 1 and st.expect_b < m:
+        if s < self.num_stages - 1 and st.expect_b < m and not self._no_backward:
             self._post(st, ("B", s, st.expect_b), st.program.outbound_cotangent_avals(), s + 1)
 
     def _post(self, st, key, avals, source: int) -> None:
@@ -187,7 +198,7 @@ class DispatchQueue:
             if arrays is not None:
                 st.inbound[st.expect_f] = arrays
                 st.expect_f += 1
-        if s < self.num_stages - 1 and st.expect_b < m:
+        if s < self.num_stages - 1 and st.expect_b < m and not self._no_backward:
             arrays = self.transport.arrived(("B", s, st.expect_b))
             if arrays is not None:
                 st.cotangents[st.expect_b] = arrays
@@ -201,7 +212,7 @@ class DispatchQueue:
         return mb == st.forwards and (s == 0 or mb in st.inbound)
 
     def _finished(self, st: _StageState, s: int, m: int) -> bool:
-        if s == self.num_stages - 1:
+        if s == self.num_stages - 1 or self._no_backward:
             return st.forwards == m
         return st.backwards == m
 
@@ -215,6 +226,18 @@ class DispatchQueue:
         st.forwards += 1
         nxt = self.programs[s + 1]
         self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
+
+    def _forward_only(self, st, s, mb, params, args) -> list | None:
+        """A forward without residuals: sends the activations on, or returns the model outputs."""
+        inbound = st.inbound.pop(mb, [])
+        outs = st.program.forward_only(params, args(s, mb), inbound)
+        jax.block_until_ready(outs)
+        st.forwards += 1
+        if s == self.num_stages - 1:
+            return outs
+        nxt = self.programs[s + 1]
+        self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
+        return None
 
     def _forward_backward(self, st, s, mb, params, args, batch):
         inbound = st.inbound.pop(mb, [])

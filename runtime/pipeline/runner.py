@@ -104,13 +104,7 @@ class PipelinedValueAndGrad:
                  inputs: Callable | None, options: PipelineOptions,
                  overlap: Overlap = Overlap(), call: ModelCall | None = None):  # fmt: skip
         self.call = call or ModelCall({}, stateful=False, mutable=())
-        if self.call.stateful:
-            what = ", ".join(self.call.mutable) or "nnx state"
-            raise ValueError(
-                f"the model has state besides its parameters ({what}), which pipelined steps "
-                f"(grid {placed.grid}) do not carry yet. Remedy: "
-                "a grid with pipeline=1 (any x, y, z, data), or a model without mutable state."
-            )
+        self.call.check_microbatches(options.microbatches)
         self.placed, self.programs, self.loss_fn = placed, programs, loss_fn
         self.inputs = inputs or default_inputs
         self.options, self.overlap = options, overlap
@@ -126,10 +120,15 @@ class PipelinedValueAndGrad:
             executor = Executor(program, overlap=self.overlap)
             meshes = self.placed.meshes
             last = len(program.stage_flows) - 1
+            call, loss_fn = self.call, self.loss_fn
+
+            def model_loss(result, batch):  # (outputs, updates) of a model with state → outputs
+                return loss_fn(call.outputs(result)[0], batch)
+
             stages = [
                 StageProgram(f, executor, meshes[f.index], last=f.index == last,
-                             out_tree=program.out_tree, loss_fn=self.loss_fn,
-                             remat=self.options.remat)  # fmt: skip
+                             out_tree=program.out_tree, loss_fn=model_loss,
+                             remat=self.options.remat, trainable=program.traced.trainable)  # fmt: skip
                 for f in program.stage_flows
             ]
             cache[key] = (program, stages)
@@ -185,9 +184,14 @@ class PipelinedValueAndGrad:
                               limit=opts.limit, timeout=opts.timeout, delay=opts.delay)  # fmt: skip
         result = queue.run(stage_params, stage_args, loss_batch, m)
         self.last_result = result
-        grads = self._combine(result, programs, leaves, m)
+        grads, updated = self._combine(result, programs, leaves, m)
         loss = self._loss(result)
-        return loss, jax.tree.unflatten(plan.param_tree, grads)
+        grads = jax.tree.unflatten(plan.param_tree, grads)
+        if not self.call.stateful:
+            return loss, grads
+        new_state = [u if u is not None else x for u, x in zip(updated, leaves)]
+        _, state = self.call.split(jax.tree.unflatten(plan.param_tree, new_state))
+        return (loss, state), self.call.split(grads)[0]
 
     def _compile(self, programs, stage_params, stage_args, loss_batch) -> None:
         """Compile every local stage, then wait for all processes to have done so."""
@@ -211,19 +215,25 @@ class PipelinedValueAndGrad:
                 timeline.plot_timeline(png_path, rows, title)
         return rows
 
-    def _combine(self, result: StepResult, programs, leaves, m: int) -> list:
-        """Per-leaf gradient on its home mesh: the sum over local stages, divided by m."""
+    def _combine(self, result: StepResult, programs, leaves, m: int) -> tuple[list, list]:
+        """Per-leaf gradient on its home mesh (the sum over local stages, divided by m), and
+        the state updates (mean over microbatches; ``None`` where a leaf was not updated)."""
         homes = self.placed.homes
         grads: list = [None] * len(leaves)
+        updated: list = [None] * len(leaves)
         for s, stage_grads in result.grads.items():
-            for i, g in zip(programs[s].flow.params, stage_grads):
+            prog = programs[s]
+            trained = [prog.flow.params[k] for k in prog.trained]
+            for i, g in zip(trained, stage_grads):
                 g = _on(g, leaves[i].sharding)
                 grads[i] = g if grads[i] is None else grads[i] + g
+            for (_, i), u in zip(prog.flow.updates, stage_grads[len(trained):]):
+                updated[i] = _microbatch_mean(_on(u, leaves[i].sharding), m)
         for i in range(len(leaves)):
-            if homes.is_local(i) and grads[i] is None:  # used by no stage
+            if homes.is_local(i) and grads[i] is None:  # used by no stage, or model state
                 grads[i] = jax.numpy.zeros_like(leaves[i])
         grads = [None if g is None else g / m for g in grads]
-        return self.placed.transport.sum_shared(grads, homes.users, homes.home, homes.shared())
+        return self.placed.transport.sum_shared(grads, homes.users, homes.home, homes.shared()), updated
 
     def _loss(self, result: StepResult):
         """Mean microbatch loss, computed on the last stage and sent to every process."""
@@ -252,6 +262,13 @@ def _check_batch(leaves, microbatches: int, grid) -> int:
     return size
 
 
+def _microbatch_mean(total: jax.Array, m: int) -> jax.Array:
+    """A state update summed over ``m`` microbatches → their mean (integers: exact when equal)."""
+    if jax.numpy.issubdtype(total.dtype, jax.numpy.floating):
+        return total / m
+    return total // m
+
+
 def _planned(x: jax.Array, param) -> jax.Array:
     """A (possibly half-precision) parameter in the dtype the stage programs were built for."""
     return x if x.dtype == np.dtype(param.dtype) else x.astype(param.dtype)
@@ -274,6 +291,7 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
     """
     call = call or ModelCall({}, stateful=False, mutable=())
     microbatches = check_microbatches(microbatches)
+    call.check_microbatches(microbatches)
 
     def loss_of(params, state, batch, rngs, mb):
         result = apply(call.merge(params, state), *inputs(batch), **call.kwargs(rngs, mb, microbatches))

@@ -6,7 +6,7 @@ What each stage reads and sends is planned by the partitioner
 compiles, once, the three programs the dispatch queue runs on one microbatch: ``forward`` (outbound values + the residuals for the
 backward), ``backward`` (parameter and inbound gradients from the outbound
 cotangents), and on the last stage ``forward_backward`` (loss and gradients
-in one program). Each runs the 4D executor inside ``shard_map`` on the stage's
+in one program); ``forward_only`` serves evaluation and sampling. Each runs the 4D executor inside ``shard_map`` on the stage's
 own mesh.
 
 Example:
@@ -31,7 +31,10 @@ class StageProgram:
     """The compiled programs of one stage, on its mesh.
 
     ``loss_fn(outputs, batch) -> scalar`` is applied on the last stage to the
-    model outputs (rebuilt with ``out_tree``) and the microbatch ``batch``.
+    model outputs (rebuilt with ``out_tree``; state updates there are ``None``)
+    and the microbatch ``batch``. Model state a stage updates (``flow.updates``)
+    is returned after its parameter gradients, so the dispatch queue sums it
+    over microbatches like them. Only ``trainable`` parameters are differentiated.
     """
 
     def __init__(
@@ -44,8 +47,11 @@ class StageProgram:
         out_tree=None,
         loss_fn: Callable | None = None,
         remat: Callable[[Callable], Callable] | None = None,
+        trainable: tuple[bool, ...] = (),
     ):
         self.flow, self.executor, self.grid, self.mesh = flow, executor, executor.grid, mesh
+        #: positions in ``flow.params`` of the differentiated parameters (model state is not)
+        self.trained = [k for k, i in enumerate(flow.params) if not trainable or trainable[i]]
         self.last = last
         self.out_tree, self.loss_fn = out_tree, loss_fn
         self._remat = remat or (lambda f: f)
@@ -54,7 +60,9 @@ class StageProgram:
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward)
         self.forward_backward = jax.jit(self._forward_backward)
+        self.forward_only = jax.jit(lambda params, args, inbound: self._body(params, args, inbound)[0])
         self.compiled = False  # True once compile() replaced the jits by executables
+        self.forward_compiled = False  # True once compile_forward_only() ran
 
     # --- shardings -------------------------------------------------------
     def spec(self, layout: Layout):
@@ -85,16 +93,19 @@ class StageProgram:
         storage = [ex.param_storage[i] for i in flow.params]
         arg_layouts = [ex.arg_layouts[j] for j in flow.args]
 
+        updates = [v for v, _ in flow.updates]
+
         def body(params, args, inbound):
             env, lay = ex.bind(params, args, param_vars=flow.params, arg_vars=flow.args)
             for var, x, layout in zip(flow.inbound, inbound, flow.inbound_layouts):
                 env[var], lay[var] = x, layout
             ex.run(flow.eqns, env, lay)
-            return ex.outputs(env, lay, flow.outbound, flow.outbound_layouts)
+            return (ex.outputs(env, lay, flow.outbound, flow.outbound_layouts),
+                    ex.outputs(env, lay, updates, flow.update_layouts))  # fmt: skip
 
         return on_mesh(body, self.mesh, self.grid,
                        in_layouts=[storage, arg_layouts, list(flow.inbound_layouts)],
-                       out_layouts=list(flow.outbound_layouts))  # fmt: skip
+                       out_layouts=(list(flow.outbound_layouts), list(flow.update_layouts)))  # fmt: skip
 
     def _split(self, inbound):
         return [inbound[i] for i in self.diff_in]
@@ -105,39 +116,51 @@ class StageProgram:
             merged[i] = x
         return merged
 
-    def _stage_fn(self, args, inbound):
-        """f(params, differentiable inbound) → (differentiable outbound, the rest)."""
+    def _stage_fn(self, params, args, inbound):
+        """f(trained params, differentiable inbound) → (differentiable outbound, (outbound, updates))."""
 
-        def f(params, diff):
-            outs = self._body(params, args, self._merge(inbound, diff))
-            return [outs[i] for i in self.diff_out], outs
+        def f(trained, diff):
+            merged = list(params)
+            for k, x in zip(self.trained, trained):
+                merged[k] = x
+            outs, updates = self._body(merged, args, self._merge(inbound, diff))
+            return [outs[i] for i in self.diff_out], (outs, updates)
 
         return self._remat(f)
+
+    def _trained(self, params) -> list:
+        return [params[k] for k in self.trained]
 
     # --- the compiled programs --------------------------------------------
     def _forward(self, params, args, inbound):
         """One microbatch forward: (outbound values, residuals for :meth:`backward`)."""
-        f = self._stage_fn(args, inbound)
-        _, vjp, outs = jax.vjp(f, params, self._split(inbound), has_aux=True)
-        return outs, vjp
+        f = self._stage_fn(params, args, inbound)
+        _, vjp, (outs, updates) = jax.vjp(f, self._trained(params), self._split(inbound), has_aux=True)
+        return outs, (vjp, updates)
 
     @staticmethod
-    def _backward(vjp, cotangents):
-        """Gradients ``(params, differentiable inbound)`` from outbound cotangents."""
-        return vjp(cotangents)
+    def _backward(residuals, cotangents):
+        """``(gradients of the trained params + state updates, inbound gradients)``."""
+        vjp, updates = residuals
+        g_params, g_in = vjp(cotangents)
+        return list(g_params) + list(updates), g_in
 
     def _forward_backward(self, params, args, inbound, batch):
-        """Last stage: loss of one microbatch and gradients for params and inbound."""
-        f = self._stage_fn(args, inbound)
+        """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
+        f = self._stage_fn(params, args, inbound)
+        positions = self.flow.output_positions
 
-        def loss(params, diff):
-            _, outs = f(params, diff)
-            return self.loss_fn(jax.tree.unflatten(self.out_tree, outs), batch)
+        def loss(trained, diff):
+            _, (outs, updates) = f(trained, diff)
+            full = [None] * self.out_tree.num_leaves
+            for k, x in zip(positions, outs):
+                full[k] = x
+            return self.loss_fn(jax.tree.unflatten(self.out_tree, full), batch), updates
 
-        value, (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1))(
-            params, self._split(inbound)
-        )
-        return value, g_params, g_in
+        (value, updates), (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+            self._trained(params), self._split(inbound)
+        )  # fmt: skip
+        return value, list(g_params) + list(updates), g_in
 
     def compile(self, params, args, batch=None) -> None:
         """Compile this stage's programs ahead of time (before any message is exchanged).
@@ -156,6 +179,11 @@ class StageProgram:
             self.backward = self.backward.lower(residuals, self.outbound_cotangent_avals()).compile()
             self.forward = forward
         self.compiled = True
+
+    def compile_forward_only(self, params, args) -> None:
+        """Compile :attr:`forward_only` (outbound values, or the model outputs; no residuals)."""
+        self.forward_only = self.forward_only.lower(params, args, self.inbound_avals()).compile()
+        self.forward_compiled = True
 
     def outbound_cotangent_avals(self) -> list[jax.ShapeDtypeStruct]:
         shardings = self.outbound_shardings
