@@ -272,9 +272,8 @@ def _partitioned_forward(pm, *, microbatches: int):
     from axonn_jax.runtime.precision import as_planned
     from axonn_jax.runtime.sharded import batch_sharding, place
 
-    if pm.grid.pipeline > 1:
-        return lambda params, tokens: pm.forward(as_planned(params, pm.plan), tokens,
-                                                 microbatches=microbatches)  # fmt: skip
+    if pm.grid.pipeline > 1:  # (half-precision parameters are cast per stage)
+        return lambda params, tokens: pm.forward(params, tokens, microbatches=microbatches)
     apply = jax.jit(lambda p, t: pm.apply(as_planned(p, pm.plan), t))
 
     def logits_of(params, tokens):

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -224,7 +225,7 @@ class TrainStep:
     def _check_ranks_agree(self) -> None:
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
         abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
-        options = {**{k: repr(v) for k, v in self.options.items()}, **{k: repr(v) for k, v in self.master.items()}}
+        options = {k: _stable_repr(v) for k, v in {**self.options, **self.master}.items()}
         check_consistent(step_fingerprint(self.optimizer, abstract, options), remedy=(
             " Remedy: build the optimizer and train-step options from the same arguments on "
             "every rank (learning rate, schedule, clipping, precision, microbatches)."))
@@ -284,3 +285,8 @@ def _check_step_inputs(params, opt_state) -> None:
                 "the params returned by the previous step; to keep older values, copy them "
                 "first (jax.tree.map(jnp.copy, params)) or save them with pm.gather."
             )
+
+
+def _stable_repr(value) -> str:
+    """``repr`` without memory addresses (functions and objects differ in those across ranks)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))

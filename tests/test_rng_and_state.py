@@ -203,7 +203,7 @@ def _hf_vision(name):
     return regnet.FlaxRegNetModule(config)
 
 
-@pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(x=2, y=2, z=2)], ids=grid_id)
+@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
 @pytest.mark.parametrize("name", ["resnet", "regnet"])
 def test_hf_batchnorm_models_train_and_eval(name, grid, devices):
     """HF FlaxResNetModel / FlaxRegNetModel: outputs, grads and batch_stats of train mode; eval mode."""
