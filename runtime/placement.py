@@ -88,8 +88,9 @@ class PlacedModel:
         if self.grid.pipeline != 1:
             raise ValueError(
                 f"{self.grid} has pipeline={self.grid.pipeline}: each stage has its own "
-                "mesh (pm.stage_meshes) and the model runs through pm.value_and_grad / "
-                "pm.train_step; pm.mesh and pm.apply need pipeline=1."
+                "mesh (pm.stage_meshes); the model trains through pm.value_and_grad / "
+                "pm.train_step and runs forward through pm.apply / pm.forward. pm.mesh needs "
+                "pipeline=1."
             )
         return self.meshes[0]
 

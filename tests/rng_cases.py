@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import linen as nn
 from partition_cases import BATCH, LR, SEQ, VOCAB, _padding_mask, _positions, _tokens
 
 from axonn_jax.models import next_token_loss
@@ -77,3 +78,104 @@ def plain_dropout_run(steps: int):
 
     keys = [jax.random.fold_in(KEY, t) for t in range(steps)]
     return model, args, jax.tree.map(np.asarray, params), keys, dropout_trajectory(plain, params, args, keys)
+
+
+def adamw_bound_failures(got: dict, ref_final, ref_first_grads, init) -> list[str]:
+    """The parameter bounds of ``test_partition.py`` after AdamW steps, for the leaves in ``got``.
+
+    ``‖Δ‖₂ ≤ 1e-3·‖p_ref − p₀‖₂``; where the true gradient is 0 (rounding noise
+    on both sides) Adam's step bound ``max|Δ| ≤ 2·steps·lr``.
+    """
+    from partition_cases import STEPS, _leaves
+
+    first, start, final = _leaves(ref_first_grads), _leaves(init), _leaves(ref_final)
+    top = max(np.max(np.abs(g)) for g in first.values())
+    failures = []
+    for path, value in got.items():
+        value = np.asarray(value)
+        if np.max(np.abs(first[path])) <= 1e-6 * top:
+            err, bound = np.max(np.abs(value - final[path])), 2 * STEPS * LR
+        else:
+            err, bound = np.linalg.norm(value - final[path]), 1e-3 * np.linalg.norm(final[path] - start[path])
+        if err > bound:
+            failures.append(f"param {path} after the steps: {err:.3e} > {bound:.3e}")
+    return failures
+
+
+# --- BatchNorm on a pipeline --------------------------------------------------------
+
+
+class DeepBN(nn.Module):
+    """Four Dense–BatchNorm blocks: the statistics of both pipeline stages are updated."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for _ in range(4):
+            x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Dense(32, use_bias=False)(x)))
+        return nn.Dense(16)(x)
+
+
+def _bn_loss(out, batch):
+    return jnp.mean((out - batch[1]) ** 2)
+
+
+def batchnorm_reference(steps: int, microbatches: int):
+    """Plain AdamW with gradient accumulation; new statistics: the mean of the microbatches'."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    y = rng.standard_normal((16, 16)).astype(np.float32)
+    model, optimizer = DeepBN(), optax.adamw(LR)
+    variables = model.init(jax.random.key(0), x, train=False)
+    size = 16 // microbatches
+
+    def step(v, s):
+        grads, updates, losses = [], [], []
+        for m in range(microbatches):
+            part = (x[m * size : (m + 1) * size], y[m * size : (m + 1) * size])
+
+            def loss_of(p, part=part):
+                out, upd = model.apply({**v, "params": p}, part[0], mutable=["batch_stats"])
+                return _bn_loss(out, part), upd
+
+            (loss, upd), g = jax.value_and_grad(loss_of, has_aux=True)(v["params"])
+            grads.append(g), updates.append(upd), losses.append(float(loss))
+        g = jax.tree.map(lambda *a: sum(a) / microbatches, *grads)
+        delta, s = optimizer.update(g, s, v["params"])
+        new = {"params": optax.apply_updates(v["params"], delta),
+               **jax.tree.map(lambda *a: sum(a) / microbatches, *updates)}  # fmt: skip
+        return new, s, float(np.mean(losses))
+
+    v, s, losses = variables, optimizer.init(variables["params"]), []
+    for _ in range(steps):
+        v, s, loss = step(v, s)
+        losses.append(loss)
+    return x, y, variables, losses, v
+
+
+def batchnorm_pipeline_failures(grid, microbatches, x, y, variables, ref_losses, ref_final) -> list:
+    """Train DeepBN with pm.train_step on ``grid``; what differs from the reference (this rank's leaves)."""
+    import axonn_jax
+    from axonn_jax.partitioner.trace import path_string
+
+    size = 16 // microbatches
+    pm = axonn_jax.partition(DeepBN(), grid, x[:size], mutable=["batch_stats"])
+    failures = []
+    if not all(any(p.startswith("batch_stats/") for p in st.params) for st in pm.plan.stages):
+        failures.append("a stage without BatchNorm statistics: the test would not cover both")
+    step = pm.train_step(_bn_loss, optax.adamw(LR), inputs=lambda batch: (batch[0],),
+                         microbatches=microbatches)  # fmt: skip
+    p, s = step.init(pm.shard(variables))
+    losses = []
+    for _ in ref_losses:
+        p, s, loss = step(p, s, (x, y))
+        losses.append(float(loss))
+    if not np.allclose(losses, ref_losses, rtol=1e-5, atol=0):
+        failures.append(f"losses {losses} != {ref_losses}")
+    got = {path_string(k): v for k, v in jax.tree_util.tree_leaves_with_path(pm.gather(p))}
+    init = {path_string(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(variables)}
+    for k, ref in jax.tree_util.tree_leaves_with_path(ref_final):
+        path, ref = path_string(k), np.asarray(ref)
+        err = np.linalg.norm(got[path] - ref)
+        if err > 1e-3 * np.linalg.norm(ref - init[path]) + 1e-6:
+            failures.append(f"{path}: {err:.3e}")
+    return failures

@@ -16,7 +16,9 @@ from conftest import grid_id
 from flax import linen as nn
 from flax import nnx
 from partition_cases import BATCH, GRIDS, LR, STEPS, _leaves, assert_matches_reference
-from rng_cases import KEY, accumulated_reference, dropout_loss, dropout_trajectory, plain_dropout_run
+from rng_cases import (KEY, accumulated_reference, adamw_bound_failures, batchnorm_pipeline_failures,
+                       batchnorm_reference,
+                       dropout_loss, dropout_trajectory, plain_dropout_run)  # fmt: skip
 
 import axonn_jax
 
@@ -68,10 +70,11 @@ def test_value_and_grad_with_dropout_key(grid, microbatches, gpt2_reference, dev
                                    rtol=0, err_msg=path)  # fmt: skip
 
 
-def test_train_step_with_per_step_keys(gpt2_reference, devices):
-    """pm.train_step(..., rngs=) follows the plain AdamW trajectory with the same keys."""
+@pytest.mark.parametrize("grid", [dict(x=2, y=2, z=2), dict(pipeline=2, x=2, z=2)], ids=grid_id)
+def test_train_step_with_per_step_keys(grid, gpt2_reference, devices):
+    """pm.train_step(..., rngs=) follows the plain AdamW trajectory with the same keys (5 steps)."""
     model, args, params, keys, ref = gpt2_reference
-    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, y=2, z=2), *args, deterministic=False,
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), *args, deterministic=False,
                              rngs={"dropout": KEY})  # fmt: skip
     step = pm.train_step(lambda out, batch: dropout_loss(out, batch[0]), optax.adamw(LR))
     p, s = step.init(pm.shard(params))
@@ -80,6 +83,8 @@ def test_train_step_with_per_step_keys(gpt2_reference, devices):
         p, s, loss = step(p, s, args, rngs={"dropout": key})
         losses.append(float(loss))
     np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
+    failures = adamw_bound_failures(_leaves(pm.gather(p)), ref[2], ref[1], params)
+    assert not failures, failures
 
 
 def test_raw_keys_and_unsplit_key_inputs(devices):
@@ -316,65 +321,13 @@ def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devic
         piped.value_and_grad(lambda out, b: jnp.mean(out[0]), microbatches=2)
 
 
-class DeepBN(nn.Module):
-    """Four Dense–BatchNorm blocks: the statistics of both pipeline stages are updated."""
-
-    @nn.compact
-    def __call__(self, x, train: bool = True):
-        for _ in range(4):
-            x = nn.relu(nn.BatchNorm(use_running_average=not train)(nn.Dense(32, use_bias=False)(x)))
-        return nn.Dense(16)(x)
-
-
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_batchnorm_on_a_pipeline_matches_plain_accumulation(microbatches, devices):
     """pipeline=2,x=2,z=2: each stage updates its own statistics (mean over microbatches)."""
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((16, 16)).astype(np.float32)
-    y = rng.standard_normal((16, 16)).astype(np.float32)
-    model, optimizer = DeepBN(), optax.adamw(LR)
-    variables = model.init(jax.random.key(0), x, train=False)
-
-    def loss_fn(out, batch):
-        return jnp.mean((out - batch[1]) ** 2)
-
-    size = 16 // microbatches
-
-    def plain_step(v, s):  # gradient accumulation; the new statistics: mean of the microbatches'
-        grads, updates, losses = [], [], []
-        for m in range(microbatches):
-            part = (x[m * size : (m + 1) * size], y[m * size : (m + 1) * size])
-
-            def loss_of(p, part=part):
-                out, upd = model.apply({**v, "params": p}, part[0], mutable=["batch_stats"])
-                return loss_fn(out, part), upd
-
-            (loss, upd), g = jax.value_and_grad(loss_of, has_aux=True)(v["params"])
-            grads.append(g), updates.append(upd), losses.append(float(loss))
-        g = jax.tree.map(lambda *a: sum(a) / microbatches, *grads)
-        delta, s = optimizer.update(g, s, v["params"])
-        new = {"params": optax.apply_updates(v["params"], delta),
-               **jax.tree.map(lambda *a: sum(a) / microbatches, *updates)}  # fmt: skip
-        return new, s, float(np.mean(losses))
-
-    v, s, ref_losses = variables, optimizer.init(variables["params"]), []
-    for _ in range(STEPS):
-        v, s, loss = plain_step(v, s)
-        ref_losses.append(loss)
-    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2, x=2, z=2), x[:size],
-                             mutable=["batch_stats"])  # fmt: skip
-    assert all(any(p.startswith("batch_stats/") for p in st.params) for st in pm.plan.stages)
-    step = pm.train_step(loss_fn, optimizer, inputs=lambda batch: (batch[0],), microbatches=microbatches)
-    pv, ps = step.init(pm.shard(variables))
-    losses = []
-    for _ in range(STEPS):
-        pv, ps, loss = step(pv, ps, (x, y))
-        losses.append(float(loss))
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    got, want, init = _leaves(pm.gather(pv)), _leaves(v), _leaves(variables)
-    for path, ref in want.items():
-        err = np.linalg.norm(got[path] - ref)
-        assert err <= 1e-3 * np.linalg.norm(ref - init[path]) + 1e-6, (path, err)
+    x, y, variables, ref_losses, ref_final = batchnorm_reference(STEPS, microbatches)
+    failures = batchnorm_pipeline_failures(axonn_jax.Grid(pipeline=2, x=2, z=2), microbatches, x, y,
+                                           variables, ref_losses, ref_final)  # fmt: skip
+    assert not failures, failures
 
 
 def test_nnx_state_on_a_pipeline(devices):

@@ -1,4 +1,4 @@
-"""Under mpiexec -n 2: GPT-2 with dropout on Grid(pipeline=2) equals the plain model.
+"""Under mpiexec -n 2: GPT-2 with dropout, and a BatchNorm net, on Grid(pipeline=2) equal the plain model.
 
 Every rank computes the plain references itself (small model), then checks:
 ``pm.value_and_grad(..., rngs=)`` with 2 microbatches (gradient accumulation,
@@ -14,7 +14,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from partition_cases import LR, STEPS, _leaves  # noqa: E402
-from rng_cases import KEY, accumulated_reference, dropout_loss, plain_dropout_run  # noqa: E402
+from rng_cases import (KEY, accumulated_reference, adamw_bound_failures,  # noqa: E402
+                       batchnorm_pipeline_failures, batchnorm_reference, dropout_loss,
+                       plain_dropout_run)
 
 assert info.distributed and jax.process_count() == 2, "expected mpiexec -n 2"
 model, args, params, keys, (ref_losses, ref_first_grads, ref_final) = plain_dropout_run(STEPS)
@@ -57,19 +59,13 @@ for key in keys:
     losses.append(float(loss))
 if not np.allclose(losses, ref_losses, rtol=1e-5, atol=0):
     failures.append(f"train_step losses {losses} != {ref_losses}")
-# the bounds of test_partition.py: ‖Δ‖ ≤ 1e-3·‖p_ref − p₀‖, Adam's step bound where the grad is 0
-first, init, final = _leaves(ref_first_grads), _leaves(params), _leaves(ref_final)
-top = max(np.max(np.abs(g)) for g in first.values())
-for path, value in _leaves_or_none(p).items():
-    if value is None:
-        continue
-    if np.max(np.abs(first[path])) <= 1e-6 * top:
-        err, bound = np.max(np.abs(np.asarray(value) - final[path])), 2 * STEPS * LR
-    else:
-        err = np.linalg.norm(np.asarray(value) - final[path])
-        bound = 1e-3 * np.linalg.norm(final[path] - init[path])
-    if err > bound:
-        failures.append(f"param {path} after {STEPS} steps: {err:.3e} > {bound:.3e}")
+held = {path: v for path, v in _leaves_or_none(p).items() if v is not None}
+failures += adamw_bound_failures(held, ref_final, ref_first_grads, params)
+
+# model state on the same pipeline: BatchNorm statistics stay with (and are updated on) their stage
+x, y, variables, bn_losses, bn_final = batchnorm_reference(3, 2)
+failures += [f"batchnorm: {f}" for f in batchnorm_pipeline_failures(grid, 2, x, y, variables,
+                                                                    bn_losses, bn_final)]  # fmt: skip
 if failures:
     print(f"FAIL rank {info.process_index}:\n  " + "\n  ".join(failures), flush=True)
     raise SystemExit(1)
