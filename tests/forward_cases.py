@@ -9,7 +9,8 @@ state leaves it holds.
 import jax
 import numpy as np
 from partition_cases import build, reference_apply, _leaves
-from rng_cases import KEY, DeepBN, gpt2_with_dropout
+from flax import nnx
+from rng_cases import KEY, DeepBN, NNXNet, gpt2_with_dropout
 
 import axonn_jax
 
@@ -82,6 +83,32 @@ def batchnorm_forward_failures(grid: axonn_jax.Grid, microbatches: int) -> list[
         elif not np.allclose(np.asarray(value), ref[path], rtol=RTOL, atol=ATOL):
             failures.append(f"{label} {path}: max |Δ| {np.max(np.abs(value - ref[path])):.3e}")
     return failures
+
+
+def nnx_state_forward_failures(grid: axonn_jax.Grid) -> list[str]:
+    """An nnx model with state (BatchStat, a Dropout stream) returns ``(outputs, {'state': new})``:
+    the module's outputs, statistics and advanced RNG counter, as calling it does."""
+    x = np.random.default_rng(2).standard_normal((8, 16)).astype(np.float32)
+    model = NNXNet(nnx.Rngs(0, dropout=7))
+    pm = axonn_jax.partition(model, grid, x)
+    variables = pm.init(jax.random.key(0))
+    out, updates = pm.apply(variables, x)
+    ref_out = model(x)  # advances the module's statistics and RNG counter
+    label = f"nnx state {grid}"
+    failures = _compare(label, out, ref_out)
+    got = {p: v for p, v in _leaves_or_none(updates["state"]).items() if v is not None}
+    ref = _leaves(jax.tree.map(_key_data, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))))
+    if not got and jax.process_count() == 1:  # under mpiexec stage 0's process holds it all
+        failures.append(f"{label}: no state returned")
+    for path, value in got.items():
+        if not np.allclose(np.asarray(value), ref[path], rtol=RTOL, atol=ATOL):
+            failures.append(f"{label} {path}: {np.asarray(value).ravel()[:3]} != {ref[path].ravel()[:3]}")
+    return failures
+
+
+def _key_data(x):
+    """A typed PRNG key as its raw bits (as the partitioned model's state holds it)."""
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 def _leaves_or_none(tree) -> dict:

@@ -4,9 +4,13 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
-from forward_cases import batchnorm_forward_failures, dropout_forward_failures, forward_failures
+from flax import nnx
+from forward_cases import (batchnorm_forward_failures, dropout_forward_failures, forward_failures,
+                           nnx_state_forward_failures)
 from partition_cases import build, reference_apply
+from rng_cases import NNXNet
 
 import axonn_jax
 
@@ -35,6 +39,16 @@ def test_pipelined_apply_returns_updated_state(microbatches, devices):
     """``mutable=['batch_stats']``: each stage's new statistics, as model.apply returns them."""
     failures = batchnorm_forward_failures(axonn_jax.Grid(pipeline=2, x=2, z=2), microbatches)
     assert not failures, failures
+
+
+def test_pipelined_apply_of_nnx_state(devices):
+    """nnx state on a pipeline: new statistics and RNG counter; microbatches sharing masks refused."""
+    grid = axonn_jax.Grid(pipeline=2, x=4)
+    failures = nnx_state_forward_failures(grid)
+    assert not failures, failures
+    pm = axonn_jax.partition(NNXNet(nnx.Rngs(0, dropout=7)), grid, np.zeros((4, 16), np.float32))
+    with pytest.raises(ValueError, match=r"2 microbatches would all use the same dropout masks"):
+        pm.forward(pm.init(jax.random.key(0)), np.zeros((8, 16), np.float32), microbatches=2)
 
 
 def test_pipelined_apply_inside_jit_names_the_remedy(devices):

@@ -30,10 +30,11 @@ from jax.sharding import PartitionSpec as P
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.model_call import ModelCall, microbatch_rngs
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
-from axonn_jax.runtime.pipeline.runner import (_check_batch, _microbatch_mean, _on, _planned,
-                                               check_microbatches)
+from axonn_jax.runtime.pipeline.runner import _check_batch, _on, _planned, check_microbatches
+from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.sharded import place
@@ -59,11 +60,11 @@ def pipelined_forward(placed: PlacedModel, programs: ProgramSource, params, args
             part[i] = leaves[i][mb * size : (mb + 1) * size]
         mb_args, mb_kwargs = jax.tree.unflatten(tree, part)
         if rngs:  # one stream per microbatch, as in training
-            mb_kwargs["rngs"] = rngs if m == 1 else \
-                {name: jax.random.fold_in(key, mb) for name, key in rngs.items()}  # fmt: skip
+            mb_kwargs["rngs"] = microbatch_rngs(rngs, mb, m)
         return mb_args, mb_kwargs
 
     program, stages = _forward_programs(placed, programs, *microbatch(0), overlap)
+    ModelCall.of(program.traced).check_microbatches(m)  # nnx RNG state: one key per call
     plan, local = placed.plan, placed.homes.local
     param_leaves = placed.param_leaves(params)
     stage_params = {s: [_on(_planned(param_leaves[i], plan.params[i]), stages[s].param_sharding(i))
@@ -81,7 +82,7 @@ def pipelined_forward(placed: PlacedModel, programs: ProgramSource, params, args
     queue = DispatchQueue(stages, local, placed.transport, timeout=timeout)
     result = queue.run(stage_params, stage_args, None, m, forward_only=True)
     full = _outputs(placed, stages[-1], result.losses, program)
-    for k, x in _state_updates(program, stages, result.grads, param_leaves, m).items():
+    for k, x in _state_updates(placed, program, stages, result.grads, param_leaves, m).items():
         full[k] = x
     return jax.tree.unflatten(program.out_tree, full)
 
@@ -117,18 +118,17 @@ def _outputs(placed: PlacedModel, last: StageProgram, per_microbatch: list, prog
     return full
 
 
-def _state_updates(program: Program, stages: list[StageProgram], summed: dict[int, list],
-                   param_leaves: list, m: int) -> dict[int, jax.Array | None]:  # fmt: skip
-    """Output position → updated state leaf (mean over microbatches) on its stage's mesh.
+def _state_updates(placed: PlacedModel, program: Program, stages: list[StageProgram],
+                   summed: dict[int, list], param_leaves: list, m: int) -> dict:  # fmt: skip
+    """Output position → updated state leaf (mean over microbatches), held as its variable is.
 
     A state output the model returns unchanged is its variable as held;
     ``None`` where another process holds it.
     """
-    updated = {}
-    for s, updates in summed.items():
-        for (_, i), u in zip(stages[s].flow.updates, updates or []):
-            updated[i] = _microbatch_mean(_on(u, param_leaves[i].sharding), m)
-    return {k: updated.get(i, param_leaves[i]) for k, i in program.traced.state_outputs}
+    updated = deliver_updates(placed, stages, {s: u or [] for s, u in summed.items()},
+                              param_leaves, m)  # fmt: skip
+    return {k: param_leaves[i] if updated[i] is None else updated[i]
+            for k, i in program.traced.state_outputs}  # fmt: skip
 
 
 def is_traced(tree) -> bool:
