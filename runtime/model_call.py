@@ -59,8 +59,7 @@ class ModelCall:
         """Keyword arguments of the model call for one microbatch."""
         kw = dict(self.static_kwargs)
         if rngs:
-            kw["rngs"] = rngs if microbatches == 1 else \
-                {name: jax.random.fold_in(key, microbatch) for name, key in rngs.items()}  # fmt: skip
+            kw["rngs"] = microbatch_rngs(rngs, microbatch, microbatches)
         if self.mutable:
             kw["mutable"] = list(self.mutable)
         return kw
@@ -77,6 +76,17 @@ class ModelCall:
     def outputs(self, result) -> tuple[Any, dict | None]:
         """``(model outputs, state updates)`` of one call."""
         return result if self.stateful else (result, None)
+
+
+def microbatch_rngs(rngs: Mapping[str, jax.Array], microbatch, microbatches: int) -> Mapping:
+    """The RNG keys of one microbatch: ``rngs`` itself for one, ``fold_in(key, mb)`` for several.
+
+    Example:
+        >>> keys = microbatch_rngs({"dropout": jax.random.key(0)}, 1, 2)  # fold_in(key, 1)
+    """
+    if microbatches == 1:
+        return rngs
+    return {name: jax.random.fold_in(key, microbatch) for name, key in rngs.items()}
 
 
 def mean_updates(updates: list[dict]) -> dict:

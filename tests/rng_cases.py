@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from flax import nnx
 from partition_cases import BATCH, LR, SEQ, VOCAB, _padding_mask, _positions, _tokens
 
 from axonn_jax.models import next_token_loss
@@ -179,3 +180,19 @@ def batchnorm_pipeline_failures(grid, microbatches, x, y, variables, ref_losses,
         if err > 1e-3 * np.linalg.norm(ref - init[path]) + 1e-6:
             failures.append(f"{path}: {err:.3e}")
     return failures
+
+
+# --- nnx state: BatchStat and a Dropout stream ----------------------------------------
+
+
+class NNXNet(nnx.Module):
+    """Linear, BatchNorm, Dropout (its own RNG stream), Linear: nnx state in and out."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.dense = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.2, rngs=rngs)
+        self.out = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.dense(x)))))

@@ -1,5 +1,8 @@
 """Eager ``pm.apply`` (and eager ``jax.grad`` of it) equals the jitted call on every grid."""
 
+import re
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -10,11 +13,11 @@ import axonn_jax
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
-@pytest.mark.parametrize("name", ["gpt_linen", "mlp_nnx"])
-def test_eager_apply_and_grad_equal_jitted(name, grid, devices):
+@pytest.mark.parametrize("name,overlap", [("gpt_linen", "all"), ("mlp_nnx", "all"), ("gpt_linen", "none")])
+def test_eager_apply_and_grad_equal_jitted(name, overlap, grid, devices):
     case = build(name)
     params, _ = reference_apply(case)
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args)
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args, overlap=overlap)
     placed = pm.shard(params)
 
     def loss(p):
@@ -28,3 +31,14 @@ def test_eager_apply_and_grad_equal_jitted(name, grid, devices):
     pm.apply(placed, *case.args)  # a second eager call reuses the compiled program
     (function,) = pm._functions.values()
     assert function._cache_size() == 1
+
+
+def test_third_party_docs_example_runs_eagerly(devices):
+    """The code of docs/third_party_models.md, as written (eager pm.apply), gives the plain logits."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "third_party_models.md").read_text()
+    scope: dict = {}
+    exec(re.search(r"```python\n(.*?)```", text, re.S).group(1), scope)
+    pm, model = scope["pm"], scope["model"]
+    params = pm.gather(pm.init(jax.random.key(0)))  # the example's parameters
+    ref = model.apply({"params": params}, scope["tokens"], scope["mask"], scope["positions"]).logits
+    np.testing.assert_allclose(np.asarray(scope["logits"]), np.asarray(ref), rtol=1e-5, atol=1e-5)

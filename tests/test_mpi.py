@@ -62,3 +62,10 @@ def test_dropout_on_a_pipeline_across_two_processes():
     result = run_mpi(2, "dropout_equivalence.py", timeout=500)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("OK rank") == 2, result.stdout
+
+
+def test_forward_only_pipeline_across_two_processes():
+    """pm.apply / pm.forward on pipeline=2 under mpiexec -n 2: the plain model's outputs on both ranks."""
+    result = run_mpi(2, "pipeline_forward.py", timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("OK rank") == 2, result.stdout

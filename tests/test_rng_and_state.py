@@ -16,8 +16,8 @@ from conftest import grid_id
 from flax import linen as nn
 from flax import nnx
 from partition_cases import BATCH, GRIDS, LR, STEPS, _leaves, assert_matches_reference
-from rng_cases import (KEY, accumulated_reference, adamw_bound_failures, batchnorm_pipeline_failures,
-                       batchnorm_reference,
+from rng_cases import (KEY, NNXNet, accumulated_reference, adamw_bound_failures,
+                       batchnorm_pipeline_failures, batchnorm_reference,
                        dropout_loss, dropout_trajectory, plain_dropout_run)  # fmt: skip
 
 import axonn_jax
@@ -245,17 +245,6 @@ def test_hf_batchnorm_models_train_and_eval(name, grid, devices):
     expected = module.apply(variables, images, True)
     np.testing.assert_allclose(np.asarray(evaluated.pooler_output), np.asarray(expected.pooler_output),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
-
-
-class NNXNet(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.dense = nnx.Linear(16, 32, use_bias=False, rngs=rngs)
-        self.norm = nnx.BatchNorm(32, rngs=rngs)
-        self.drop = nnx.Dropout(0.2, rngs=rngs)
-        self.out = nnx.Linear(32, 8, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(self.drop(nnx.relu(self.norm(self.dense(x)))))
 
 
 @pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(y=2, z=2, data=2)], ids=grid_id)

@@ -49,7 +49,7 @@ class TaskRecord:
 @dataclasses.dataclass
 class StepResult:
     losses: list  # per microbatch (last stage only): loss scalars, or outputs (forward only)
-    grads: dict[int, list]  # stage → summed parameter gradients (leaves of flow.params)
+    grads: dict[int, list]  # stage → summed parameter gradients (forward only: state updates)
     records: list[TaskRecord]
     peak_in_flight: dict[int, int]  # stage → most microbatches holding residuals at once
     origin: float = 0.0  # wall-clock time (time.time()) of the step's start
@@ -123,8 +123,10 @@ class DispatchQueue:
             args: ``args(stage, mb)`` → the model arguments that stage reads.
             batch: ``batch(mb)`` → the loss's batch on the last stage.
             forward_only: run forwards only, keep no residuals, and return the
-                last stage's outputs per microbatch in ``StepResult.losses``
-                (message-driven: each stage runs whichever forward has arrived).
+                last stage's outputs per microbatch in ``StepResult.losses`` and
+                each stage's state updates, summed over microbatches, in
+                ``StepResult.grads`` (message-driven: each stage runs whichever
+                forward has arrived).
         """
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
@@ -228,11 +230,15 @@ class DispatchQueue:
         self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
 
     def _forward_only(self, st, s, mb, params, args) -> list | None:
-        """A forward without residuals: sends the activations on, or returns the model outputs."""
+        """A forward without residuals: sends the activations on, or returns the model outputs.
+
+        The stage's state updates (BatchNorm statistics) are summed over microbatches.
+        """
         inbound = st.inbound.pop(mb, [])
-        outs = st.program.forward_only(params, args(s, mb), inbound)
+        outs, updates = st.program.forward_only(params, args(s, mb), inbound)
         jax.block_until_ready(outs)
         st.forwards += 1
+        self._accumulate(st, updates)
         if s == self.num_stages - 1:
             return outs
         nxt = self.programs[s + 1]

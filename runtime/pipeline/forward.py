@@ -5,7 +5,10 @@ stages run through the same dispatch queue as training
 (:mod:`axonn_jax.runtime.pipeline.dispatch`, forward tasks only, message-driven:
 each stage runs whichever microbatch has arrived) with programs that keep no
 residuals. The outputs of the last stage are gathered and sent to every
-process, as host NumPy arrays in the model's output structure.
+process, as host NumPy arrays in the model's output structure. Updated model
+state (``mutable=["batch_stats"]``, nnx state) stays on the stage that
+computes it, like the parameters: device arrays in their storage layout
+(``None`` for leaves another process holds), the mean over microbatches.
 
 It is eager (the queue is Python), so it cannot run inside ``jax.jit``.
 
@@ -27,9 +30,11 @@ from jax.sharding import PartitionSpec as P
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.model_call import ModelCall, microbatch_rngs
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.runner import _check_batch, _on, _planned, check_microbatches
+from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.sharded import place
@@ -55,11 +60,11 @@ def pipelined_forward(placed: PlacedModel, programs: ProgramSource, params, args
             part[i] = leaves[i][mb * size : (mb + 1) * size]
         mb_args, mb_kwargs = jax.tree.unflatten(tree, part)
         if rngs:  # one stream per microbatch, as in training
-            mb_kwargs["rngs"] = rngs if m == 1 else \
-                {name: jax.random.fold_in(key, mb) for name, key in rngs.items()}  # fmt: skip
+            mb_kwargs["rngs"] = microbatch_rngs(rngs, mb, m)
         return mb_args, mb_kwargs
 
     program, stages = _forward_programs(placed, programs, *microbatch(0), overlap)
+    ModelCall.of(program.traced).check_microbatches(m)  # nnx RNG state: one key per call
     plan, local = placed.plan, placed.homes.local
     param_leaves = placed.param_leaves(params)
     stage_params = {s: [_on(_planned(param_leaves[i], plan.params[i]), stages[s].param_sharding(i))
@@ -76,7 +81,10 @@ def pipelined_forward(placed: PlacedModel, programs: ProgramSource, params, args
         placed.transport.barrier()  # a peer still compiling must not look like a dead peer
     queue = DispatchQueue(stages, local, placed.transport, timeout=timeout)
     result = queue.run(stage_params, stage_args, None, m, forward_only=True)
-    return jax.tree.unflatten(program.out_tree, _outputs(placed, stages[-1], result.losses, program))
+    full = _outputs(placed, stages[-1], result.losses, program)
+    for k, x in _state_updates(placed, program, stages, result.grads, param_leaves, m).items():
+        full[k] = x
+    return jax.tree.unflatten(program.out_tree, full)
 
 
 def _forward_programs(placed: PlacedModel, programs: ProgramSource, args, kwargs, overlap):
@@ -92,7 +100,7 @@ def _forward_programs(placed: PlacedModel, programs: ProgramSource, args, kwargs
 
 
 def _outputs(placed: PlacedModel, last: StageProgram, per_microbatch: list, program: Program) -> list:
-    """Every model output leaf as a host array, on every process (state updates: ``None``)."""
+    """Every model output leaf as a host array, on every process (state outputs: ``None``)."""
     host = None
     if per_microbatch:  # this process runs the last stage: gather each output to one copy
         replicated = NamedSharding(last.mesh, P())
@@ -108,6 +116,19 @@ def _outputs(placed: PlacedModel, last: StageProgram, per_microbatch: list, prog
     for k, x in zip(last.flow.output_positions, host):
         full[k] = x
     return full
+
+
+def _state_updates(placed: PlacedModel, program: Program, stages: list[StageProgram],
+                   summed: dict[int, list], param_leaves: list, m: int) -> dict:  # fmt: skip
+    """Output position → updated state leaf (mean over microbatches), held as its variable is.
+
+    A state output the model returns unchanged is its variable as held;
+    ``None`` where another process holds it.
+    """
+    updated = deliver_updates(placed, stages, {s: u or [] for s, u in summed.items()},
+                              param_leaves, m)  # fmt: skip
+    return {k: param_leaves[i] if updated[i] is None else updated[i]
+            for k, i in program.traced.state_outputs}  # fmt: skip
 
 
 def is_traced(tree) -> bool:

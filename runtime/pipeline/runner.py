@@ -37,6 +37,7 @@ from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue, StepResult
 from axonn_jax.runtime.pipeline.schedules import check_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
+from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.sharded import batch_sharding, place
 
@@ -220,15 +221,15 @@ class PipelinedValueAndGrad:
         the state updates (mean over microbatches; ``None`` where a leaf was not updated)."""
         homes = self.placed.homes
         grads: list = [None] * len(leaves)
-        updated: list = [None] * len(leaves)
+        summed_updates = {}
         for s, stage_grads in result.grads.items():
             prog = programs[s]
             trained = [prog.flow.params[k] for k in prog.trained]
             for i, g in zip(trained, stage_grads):
                 g = _on(g, leaves[i].sharding)
                 grads[i] = g if grads[i] is None else grads[i] + g
-            for (_, i), u in zip(prog.flow.updates, stage_grads[len(trained):]):
-                updated[i] = _microbatch_mean(_on(u, leaves[i].sharding), m)
+            summed_updates[s] = stage_grads[len(trained):]
+        updated = deliver_updates(self.placed, programs, summed_updates, leaves, m)
         for i in range(len(leaves)):
             if homes.is_local(i) and grads[i] is None:  # used by no stage, or model state
                 grads[i] = jax.numpy.zeros_like(leaves[i])
@@ -260,13 +261,6 @@ def _check_batch(leaves, microbatches: int, grid) -> int:
             "multiple of it, or fewer microbatches."
         )
     return size
-
-
-def _microbatch_mean(total: jax.Array, m: int) -> jax.Array:
-    """A state update summed over ``m`` microbatches → their mean (integers: exact when equal)."""
-    if jax.numpy.issubdtype(total.dtype, jax.numpy.floating):
-        return total / m
-    return total // m
 
 
 def _planned(x: jax.Array, param) -> jax.Array:

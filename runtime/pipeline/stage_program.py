@@ -60,7 +60,8 @@ class StageProgram:
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward)
         self.forward_backward = jax.jit(self._forward_backward)
-        self.forward_only = jax.jit(lambda params, args, inbound: self._body(params, args, inbound)[0])
+        #: ``(outbound values or model outputs, state updates)``: no residuals
+        self.forward_only = jax.jit(self._body)
         self.compiled = False  # True once compile() replaced the jits by executables
         self.forward_compiled = False  # True once compile_forward_only() ran
 
@@ -181,7 +182,7 @@ class StageProgram:
         self.compiled = True
 
     def compile_forward_only(self, params, args) -> None:
-        """Compile :attr:`forward_only` (outbound values, or the model outputs; no residuals)."""
+        """Compile :attr:`forward_only` (outbound values or the model outputs, and state updates)."""
         self.forward_only = self.forward_only.lower(params, args, self.inbound_avals()).compile()
         self.forward_compiled = True
 

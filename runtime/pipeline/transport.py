@@ -138,6 +138,25 @@ def _wire(dtype) -> tuple[np.dtype, object]:
     raise TypeError(f"cannot send arrays of dtype {dtype} between stages")
 
 
+def _is_key(dtype) -> bool:
+    """Typed PRNG keys (nnx RNG streams in flight between stages) travel as their raw bits."""
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _bits_aval(shape: tuple, dtype) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of a shard on the wire: a key array's bits have a trailing dim."""
+    if _is_key(dtype):
+        return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _from_bits(data: jax.Array, dtype) -> jax.Array:
+    """A received shard back in ``dtype`` (keys rewrapped with their implementation)."""
+    if not _is_key(dtype):
+        return data
+    return jax.random.wrap_key_data(data, impl=jax.random.key_impl(jnp.zeros((), dtype)))
+
+
 def _position(mesh, device) -> int:
     """Flat index of ``device`` in ``mesh`` (the same position exists in every stage)."""
     flat = list(mesh.devices.flat)
@@ -189,9 +208,10 @@ class MpiTransport:
                 source = list(source_mesh.devices.flat)[pos]
                 if source.process_index == self.me:
                     continue  # arrives through _local
-                shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, aval.shape))
-                wire, mpi_type = _wire(aval.dtype)
-                buffer = np.empty(shape, wire)
+                bits = _bits_aval(tuple(len(range(*s.indices(n))) for s, n in zip(index, aval.shape)),
+                                  aval.dtype)  # fmt: skip
+                wire, mpi_type = _wire(bits.dtype)
+                buffer = np.empty(bits.shape, wire)
                 request = self.comm.Irecv([buffer, mpi_type], source=source.process_index,
                                           tag=self._tag(key, i, pos))  # fmt: skip
                 posted.append((i, device, buffer, request))
@@ -213,8 +233,8 @@ class MpiTransport:
         for i, aval in enumerate(avals):
             for device in aval.sharding.addressable_devices_indices_map(aval.shape):
                 if (i, device) in remote:
-                    data = remote[(i, device)].view(aval.dtype)
-                    shards[i].append(jax.device_put(data, device))
+                    data = remote[(i, device)].view(_bits_aval((), aval.dtype).dtype)
+                    shards[i].append(_from_bits(jax.device_put(data, device), aval.dtype))
                 else:
                     local = self._local.pop((key, i, _position(dst_mesh, device)), None)
                     if local is None:
@@ -250,6 +270,8 @@ class MpiTransport:
                 return
             data, dest, tag = item
             try:
+                if _is_key(data.dtype):
+                    data = jax.random.key_data(data)
                 wire, _ = _wire(data.dtype)
                 if wire != data.dtype:
                     data = jax.lax.bitcast_convert_type(data, jnp.dtype(wire))
