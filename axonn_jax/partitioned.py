@@ -44,6 +44,7 @@ def partition(
     replicate: Sequence[str] = (),
     stages: Sequence[str] | None = None,
     overlap: Overlap | str = Overlap(),
+    scatter_batch: bool = True,
     **example_kwargs,
 ) -> Partitioned:
     """Plan ``model`` for ``grid`` from example inputs (arrays or ShapeDtypeStructs).
@@ -68,11 +69,17 @@ def partition(
             by default): an :class:`~axonn_jax.runtime.overlap.Overlap` or a
             string such as ``"none"`` or ``"oag,ors"``. Values are identical
             under every setting; only the collectives' scheduling windows differ.
+        scatter_batch: reduce-scatter each layer's partial sums onto the batch
+            dim (what follows runs on a share of the batch; the next layer
+            gathers it back) instead of all-reducing them; the same bytes,
+            no repeated work between layers (docs/partitioning.md). False keeps
+            the all-reduce form that ``axonn_jax.perf`` models and OAR overlaps.
     """
     if launch.mpi_world_size() > 1:  # join the job before tracing can start JAX's backends
         launch.init()
     options = PlanOptions(strict=strict, rules=dict(rules or {}), replicate=tuple(replicate),
-                          stages=None if stages is None else tuple(stages))  # fmt: skip
+                          stages=None if stages is None else tuple(stages),
+                          scatter_batch=scatter_batch)  # fmt: skip
     plan, program = plan_model(model, grid, *example_args, options=options, **example_kwargs)
     if isinstance(overlap, str):
         overlap = Overlap.parse(overlap)

@@ -97,6 +97,6 @@ def use_layout(storage: Layout) -> Layout:
 
 def output_layout(layout: Layout) -> Layout:
     """Model outputs keep a (data, z) batch split on dim 0; everything else is gathered."""
-    if layout and layout[0] == BATCH_AXES:
+    if layout and layout[0][: len(BATCH_AXES)] == BATCH_AXES:
         return (BATCH_AXES,) + replicated(len(layout) - 1)
     return replicated(len(layout))

@@ -41,9 +41,11 @@ class PlanOptions:
     rules: Mapping[str, Sequence] = dataclasses.field(default_factory=dict)
     replicate: tuple[str, ...] = ()
     stages: tuple[str, ...] | None = None
+    scatter_batch: bool = True
 
     def layout_options(self) -> dict[str, Any]:
-        return dict(strict=self.strict, rules=dict(self.rules), replicate=tuple(self.replicate))
+        return dict(strict=self.strict, rules=dict(self.rules), replicate=tuple(self.replicate),
+                    scatter_batch=self.scatter_batch)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Program:
     arg_layouts: tuple[Layout, ...]
     output_layouts: tuple[Layout, ...]
     stage_flows: tuple[StageFlow, ...]
+    scatter_batch: bool = True  # the rules' option (rules.Context): the executor uses the same
 
     @property
     def num_params(self) -> int:
@@ -131,9 +134,10 @@ def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: Plann
     for out, var in traced.state_outputs:  # updated state returns in its variable's layout
         targets[out] = storage[var]
     targets = tuple(targets)
-    per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args)
+    per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args,
+                                    scatter_batch=layouts.scatter_batch)  # fmt: skip
     stages = plan.stages or plan_stages(traced, closed.jaxpr, 1)
     flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets,
                         traced.state_outputs)  # fmt: skip
     return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,
-                   targets, tuple(flows))  # fmt: skip
+                   targets, tuple(flows), layouts.scatter_batch)  # fmt: skip

@@ -60,6 +60,7 @@ class PlannedLayouts:
     layers: dict[str, tuple[str, str]]  # weight path -> (in_axis, out_axis)
     roles: dict[str, ParamRole]
     notes: tuple[str, ...]  # parameters left replicated or not depth-split, and why
+    scatter_batch: bool = True  # the rules' option these layouts were planned with
 
 
 def batch_layout(shape, grid: Grid) -> Layout:
@@ -92,6 +93,7 @@ def plan_layouts(
     rules: Mapping[str, Sequence] | None = None,
     replicate: Sequence[str] = (),
     jaxpr=None,
+    scatter_batch: bool = True,
 ) -> PlannedLayouts:
     """Decide the layout of every parameter, argument and output of ``traced``.
 
@@ -101,12 +103,14 @@ def plan_layouts(
         replicate: regexes of parameter paths to keep fully replicated.
         strict: raise ``ValueError`` instead of falling back to replication.
         jaxpr: the already inlined ClosedJaxpr of ``traced`` (computed if omitted).
+        scatter_batch: reduce-scatter layer outputs onto the batch dim between layers
+            (the rules' ``Context``); False keeps all-reduces.
     """
     jaxpr = (jaxpr if jaxpr is not None else inline_calls(traced.jaxpr)).jaxpr
     forced = _forced_layouts(traced, grid, rules or {}, replicate)
     hints: dict[int, Layout] = {}
     for _ in range(4):
-        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced})
+        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch)
         walk.run()
         new_hints = {p: h for p, h in walk.hints.items() if p not in forced and p not in hints}
         if not new_hints:
@@ -116,7 +120,8 @@ def plan_layouts(
     unmatched = unmatched_patterns(traced.param_paths, rules or {}, replicate)
     if unmatched and strict:
         raise ValueError(f"{unmatched[0]} (grid {grid}; strict=True)")
-    return dataclasses.replace(planned, notes=planned.notes + replaced_rules(traced.jaxpr) + unmatched)
+    return dataclasses.replace(planned, notes=planned.notes + replaced_rules(traced.jaxpr) + unmatched,
+                               scatter_batch=scatter_batch)  # fmt: skip
 
 
 def unmatched_patterns(paths: Sequence[str], rules: Mapping[str, Sequence],
@@ -154,9 +159,9 @@ def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:
 class _Walk:
     """One pass over the jaxpr with layouts only."""
 
-    def __init__(self, traced, jaxpr, grid, strict, predecided):
+    def __init__(self, traced, jaxpr, grid, strict, predecided, scatter_batch=True):
         self.traced, self.jaxpr, self.grid, self.strict = traced, jaxpr, grid, strict
-        self.ctx = R.Context(grid)
+        self.ctx = R.Context(grid, scatter_batch=scatter_batch)
         self.decided: dict[int, Layout] = dict(predecided)
         self.layout: dict = {}
         self.pending: dict = {}  # var -> (param index, dim map)
@@ -165,6 +170,7 @@ class _Walk:
         self.layers: dict[int, tuple[str, str]] = {}
         self.hints: dict[int, Layout] = {}
         self.depth_split: set[int] = set()  # weights of a matmul or an embedding lookup
+        self.weights_only: set = set()  # values computed from parameters alone (not activations)
         self.problems: list[str] = []
 
     def _problem(self, message: str) -> None:
@@ -228,6 +234,10 @@ class _Walk:
                 self.lineage[eqn.outvars[0]] = {self.pending[live[0]][0]: new_map}
                 return
         step = R.rule(eqn, layouts, self.ctx)
+        if name in DEPTH_SPLIT_PRIMITIVES:  # weights computed from parameters only (weight norm)
+            for var in eqn.invars:
+                if not R.is_literal(var) and var in self.weights_only:
+                    self.depth_split.update(self.lineage.get(var, {}))
         if step.fallback:
             self._fallback(eqn, step.fallback)
         for var, lay, target in zip(eqn.invars, layouts, step.targets):
@@ -241,6 +251,9 @@ class _Walk:
                 self._note_slices(var, lay, target)
         for k, var in enumerate(eqn.outvars):
             self.layout[var] = step.outs[k]
+        operands = [v for v in eqn.invars if not R.is_literal(v)]
+        if operands and all(v in self.pending or v in self.weights_only for v in operands):
+            self.weights_only.update(eqn.outvars)
         self._propagate_lineage(eqn)
 
     def decide(self, var, target: Layout, *, depth: bool = False) -> None:

@@ -32,4 +32,4 @@ class ParamRole(str, enum.Enum):
 
 
 #: primitives whose parameter operand is a weight split over z as well (depth)
-DEPTH_SPLIT_PRIMITIVES = frozenset({"dot_general", "gather"})
+DEPTH_SPLIT_PRIMITIVES = frozenset({"dot_general", "gather", "conv_general_dilated"})

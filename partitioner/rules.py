@@ -25,6 +25,7 @@ from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
 from axonn_jax.partitioner.layout import (
     Layout,
     divides,
+    factor,
     local_shape,
     merge,
     replicated,
@@ -43,6 +44,11 @@ class Step:
     params: dict[str, Any]
     fallback: str = ""  # non-empty: why this equation was replicated
     layer: tuple[str, str] | None = None  # (in_axis, out_axis) for a matmul with a weight
+    #: per output: the dim its reduction is scattered onto (reduce-scatter), or None (psum)
+    scatter: list[int | None] | None = None
+    #: non-empty: the runtime computes this equation with its local kernel of that name
+    #: (``runtime/local_ops``) instead of binding the primitive on the local shards
+    local: str = ""
 
 
 ELEMENTWISE = frozenset(
@@ -73,7 +79,6 @@ NEEDS_WHOLE_AXIS = {
     "cummin": "axis",
     "cumlogsumexp": "axis",
     "sort": "dimension",
-    "split": "axis",
     "rev": "dimensions",
 }
 
@@ -81,11 +86,17 @@ NEEDS_WHOLE_AXIS = {
 class Context:
     """Grid and options the rules consult."""
 
-    def __init__(self, grid: Grid):
+    def __init__(self, grid: Grid, *, scatter_batch: bool = True):
         self.grid = grid
+        #: reduce-scatter layer outputs onto the batch dim (see _scatter_onto_batch)
+        self.scatter_batch = scatter_batch
 
     def local(self, shape, layout: Layout) -> tuple[int, ...]:
         return local_shape(shape, layout, self.grid)
+
+    def grid_factor(self, axes: tuple[str, ...]) -> int:
+        """How many blocks a dim split over ``axes`` has."""
+        return factor(axes, self.grid)
 
 
 def shape_of(var) -> tuple[int, ...]:
@@ -337,7 +348,7 @@ def random_bits(eqn, layouts, ctx) -> Step:
     live = any(ctx.grid.axis_size(a) > 1 for a in BATCH_AXES)
     if key_ndim == 0 and shape and live and divides(shape[0], BATCH_AXES, ctx.grid):
         out[0] = BATCH_AXES
-    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params))
+    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params), local="random_bits")
 
 
 def bitcast_convert_type(eqn, layouts, ctx) -> Step:
@@ -354,10 +365,13 @@ def iota(eqn, layouts, ctx) -> Step:
 def gather(eqn, layouts, ctx) -> Step:
     """Row lookups (embeddings): ``operand[indices]`` along leading collapsed dims.
 
-    The looked-up dims are un-sharded (their depth/z shards are gathered when
-    the parameter is read); the remaining operand dims keep their layout and
-    the batch dims follow the indices. A table still undecided gets its first
-    kept dim over y, the input axis of the next (normal) layer.
+    Vocabulary-parallel: a dim looked up one row at a time may stay split (an
+    undecided table gets its rows over x); each device looks up the rows it
+    holds, zeroes the others, and the partial results are summed over the rows'
+    axes (local kernel ``"sharded_lookup"``). Other looked-up dims are un-split.
+    The remaining operand dims keep their layout (an undecided table gets its
+    first kept dim over y, the input axis of the next, normal, layer) and the
+    batch dims follow the indices.
     """
     operand, indices = eqn.invars[:2]
     dn = eqn.params["dimension_numbers"]
@@ -369,18 +383,23 @@ def gather(eqn, layouts, ctx) -> Step:
     sizes = eqn.params["slice_sizes"]
     if any(sizes[d] not in (1, op_shape[d]) for d in looked_up):
         return replicate(eqn, "gather of partial windows")
+    rows = {d for d in dn.start_index_map if d in dn.collapsed_slice_dims and sizes[d] == 1}
     kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims]
+    idx_lay = layouts[1] if layouts[1] is not None else replicated(len(idx_shape))
+    idx_target = without(idx_lay, {len(idx_shape) - 1})
     if layouts[0] is None:
         op_lay = [()] * len(op_shape)
         for d in kept:
             if d not in looked_up and divides(op_shape[d], (Y,), ctx.grid):
                 op_lay[d] = (Y,)
                 break
+        if len(rows) == 1 and X not in used_axes(idx_target):
+            (row,) = rows
+            if divides(op_shape[row], (X,), ctx.grid):
+                op_lay[row] = (X,)
         op_target = tuple(op_lay)
     else:
-        op_target = without(layouts[0], looked_up)
-    idx_lay = layouts[1] if layouts[1] is not None else replicated(len(idx_shape))
-    idx_target = without(idx_lay, {len(idx_shape) - 1})
+        op_target = without(layouts[0], looked_up - rows)
     if used_axes(idx_target) & used_axes(op_target):
         idx_target = replicated(len(idx_shape))
     out: list[tuple[str, ...]] = [()] * out_ndim
@@ -389,8 +408,53 @@ def gather(eqn, layouts, ctx) -> Step:
         out[out_dim] = idx_target[idx_dim]
     for out_dim, op_dim in zip(dn.offset_dims, kept):
         out[out_dim] = op_target[op_dim]
-    params = dict(eqn.params, slice_sizes=ctx.local(sizes, op_target))
-    return Step([op_target, idx_target], [tuple(out)], [()], params)
+    reduce = tuple(a for d in sorted(rows) for a in op_target[d])
+    live = any(ctx.grid.axis_size(a) > 1 for a in reduce)
+    local_sizes = ctx.local(sizes, op_target)
+    params = dict(eqn.params, slice_sizes=tuple(1 if d in rows else n for d, n in enumerate(local_sizes)))
+    return Step([op_target, idx_target], [tuple(out)], [reduce], params,
+                local="sharded_lookup" if live else "")  # fmt: skip
+
+
+def split(eqn, layouts, ctx) -> Step:
+    """``jnp.split``: pieces along a split dim keep its split (head-parallel fused qkv).
+
+    The split dim is gathered (as a whole-axis op would) and each device keeps
+    its block of every piece (local kernel ``"split_pieces"``), so what follows
+    a fused projection (attention heads) stays split. Pieces whose size the
+    axes do not divide come out unsplit along that dim.
+    """
+    shape = shape_of(eqn.invars[0])
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape))
+    axis = eqn.params["axis"] % len(shape)
+    target = without(lay, {axis})
+    axes = lay[axis]
+    keep = bool(axes) and all(divides(size, axes, ctx.grid) for size in eqn.params["sizes"])
+    outs = [tuple(axes if keep and d == axis else a for d, a in enumerate(target))
+            for _ in eqn.outvars]  # fmt: skip
+    live = keep and any(ctx.grid.axis_size(a) > 1 for a in axes)
+    return Step([target], outs, [()] * len(outs), dict(eqn.params),
+                local="split_pieces" if live else "")  # fmt: skip
+
+
+def stack(eqn, layouts, ctx) -> Step:
+    """``jnp.stack``: operands share one layout; the new dim is unsplit."""
+    axis = eqn.params["axis"]
+    full = [lay for _, lay in _operands(eqn, layouts) if lay is not None]
+    ndim = len(shape_of(eqn.invars[0]))
+    target = merge(full) if full else replicated(ndim)
+    targets = [None if is_literal(v) else target for v in eqn.invars]
+    return Step(targets, [target[:axis] + ((),) + target[axis:]], [()], dict(eqn.params))
+
+
+def tile(eqn, layouts, ctx) -> Step:
+    """``jnp.tile``: dims repeated more than once are unsplit; the others keep their split."""
+    shape = shape_of(eqn.invars[0])
+    lay = layouts[0] if layouts[0] is not None else replicated(len(shape))
+    reps = tuple(eqn.params["reps"])
+    lead = len(reps) - len(shape)  # tile may add leading dims
+    target = without(lay, {d for d in range(len(shape)) if reps[lead + d] != 1})
+    return Step([target], [((),) * lead + target], [()], dict(eqn.params))
 
 
 def dot_general(eqn, layouts, ctx) -> Step:
@@ -418,23 +482,44 @@ def dot_general(eqn, layouts, ctx) -> Step:
     lfree = [d for d in range(len(lshape)) if d not in lc and d not in lb]
     rfree = [d for d in range(len(rshape)) if d not in rc and d not in rb]
     out = [llay[d] for d in lb] + [llay[d] for d in lfree] + [rlay[d] for d in rfree]
-    return Step(
-        [llay, rlay],
-        [tuple(out)],
-        [reduce_axes],
-        dict(eqn.params),
-        layer=layer,
-    )
+    out_shape = shape_of(eqn.outvars[0])
+    scatter = _scatter_onto_batch(out, out_shape, reduce_axes, ctx)
+    return Step([llay, rlay], [tuple(out)], [reduce_axes], dict(eqn.params), layer=layer,
+                scatter=[scatter])  # fmt: skip
 
 
-def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx):
-    """Choose normal/transposed from the activation's contracting layout (§1)."""
-    act = list(act)
-    on_contract = [a for d in act_c for a in act[d]]
-    if X in on_contract and Y not in on_contract:
-        in_axis, out_axis = X, Y
-    else:
-        in_axis, out_axis = Y, X
+def _scatter_onto_batch(out: list, out_shape, reduce_axes, ctx) -> int | None:
+    """Reduce-scatter a matmul's partial sums onto its batch dim instead of all-reducing them.
+
+    When the output's leading dim is split over the batch axes (or not at all)
+    and the reduced axes divide it further, the partial sums are reduce-
+    scattered onto it (``out[0]`` gains the reduced axes, minor). Same bytes as
+    the all-reduce, and what follows up to the next layer — norms, residual
+    adds, attention, activations — runs on a 1/(reduced axes) share of the
+    batch instead of repeating over them; the next layer gathers them back
+    (sequence parallelism, applied to the batch dim). Returns the scattered dim.
+    """
+    live = tuple(a for a in reduce_axes if ctx.grid.axis_size(a) > 1)
+    if not ctx.scatter_batch or not live or not out or set(out[0]) - set(BATCH_AXES) or set(live) & used_axes(tuple(out)):
+        return None
+    wider = tuple(a for a in BATCH_AXES if a in out[0]) + live
+    if not divides(out_shape[0], wider, ctx.grid):
+        return None
+    out[0] = wider
+    return 0
+
+
+def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx, out_dim=None):
+    """Choose normal/transposed from the activation's contracting layout (§1).
+
+    ``out_dim``: the weight's output-feature dim (default: its first free dim).
+    """
+    on_contract = [a for d in act_c for a in act[d] if a in (X, Y)]
+    in_axis = on_contract[0] if on_contract else Y
+    out_axis = X if in_axis == Y else Y
+    # the output axis is the weight's: un-split it on the activation (a gather, e.g. of a
+    # dim a grouped convolution split over both axes)
+    act = [tuple(a for a in axes if a != out_axis) for axes in act]
     if in_axis not in on_contract and act_c:
         first = act_c[0]
         if in_axis not in used_axes(tuple(act)) and divides(
@@ -447,10 +532,24 @@ def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx):
     for a_dim, w_dim in zip(act_b, w_b):
         w[w_dim] = act[a_dim]
     w_free = [d for d in range(len(w_shape)) if d not in w_c and d not in w_b]
+    out_dim = w_free[0] if out_dim is None and w_free else out_dim
     taken = used_axes(tuple(act))
-    if w_free and out_axis not in taken and divides(w_shape[w_free[0]], (out_axis,), ctx.grid):
-        w[w_free[0]] = (out_axis,)
+    if out_dim is not None and out_axis not in taken and divides(w_shape[out_dim], (out_axis,), ctx.grid):
+        w[out_dim] = (out_axis,)
+        wider = (out_axis, in_axis)
+        if in_axis not in taken and divides(w_shape[out_dim], wider, ctx.grid):
+            # input features the input axis does not divide (3 colour channels, 1 audio
+            # channel): the output features take both axes, the next layer gathers one
+            w[out_dim] = wider
     return tuple(act), tuple(w), (in_axis, out_axis)
+
+
+def _prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    """The leading axes ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
 
 
 def _consistent(llay, rlay, lc, rc, lb, rb):
@@ -463,12 +562,20 @@ def _consistent(llay, rlay, lc, rc, lb, rb):
             rlay[rd] = llay[ld]
         elif not llay[ld] and not (set(rlay[rd]) & used_axes(tuple(llay))):
             llay[ld] = rlay[rd]
+        elif _prefix(llay[ld], rlay[rd]):  # e.g. (x, y) meets (x,): gather the minor axis
+            llay[ld] = rlay[rd] = _prefix(llay[ld], rlay[rd])
         else:
             rlay[rd] = llay[ld] if not (set(llay[ld]) & used_axes(tuple(rlay))) else ()
             if rlay[rd] != llay[ld]:
                 llay[ld] = ()
     paired_l = set(lc) | set(lb)
     paired_r = set(rc) | set(rb)
+    rfree_axes = {a for d, ax in enumerate(rlay) if d not in paired_r for a in ax}
+    if 0 not in paired_l and llay and set(llay[0][:len(BATCH_AXES)]) <= set(BATCH_AXES):
+        # a batch dim reduce-scattered over tensor axes (see _scatter_onto_batch) gives
+        # them back to the weight: the activation is gathered, the weight stays split
+        extra = llay[0][len(BATCH_AXES):]
+        llay[0] = llay[0][:len(BATCH_AXES)] + tuple(a for a in extra if a not in rfree_axes)
     lfree_axes = {a for d, ax in enumerate(llay) if d not in paired_l for a in ax}
     for d, axes in enumerate(rlay):
         if d not in paired_r and set(axes) & lfree_axes:
@@ -477,17 +584,58 @@ def _consistent(llay, rlay, lc, rc, lb, rb):
 
 
 def conv(eqn, layouts, ctx) -> Step:
-    """Convolutions: the batch dim keeps its (data, z) split; channels replicated."""
+    """Convolutions as 4D layers: channels split like a matmul's features.
+
+    The batch dim keeps its (data, z) split and spatial dims are whole. With
+    one feature group, input channels contract (split over the layer's input
+    axis, the partial sums reduced with a psum) and output channels are free
+    (split over the output axis), exactly as :func:`dot_general` splits a
+    weight; the normal/transposed alternation continues through the data flow.
+    With several groups (depthwise, grouped), whole groups are split: input
+    and output channels over the same axes, no reduction.
+    """
     lhs, rhs = eqn.invars
     dn = eqn.params["dimension_numbers"]
-    batch_dim = dn.lhs_spec[0]
-    out_batch = dn.out_spec[0]
-    llay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(lhs)))
-    l_target = tuple(llay[d] if d == batch_dim else () for d in range(len(llay)))
-    out = [()] * len(shape_of(eqn.outvars[0]))
-    out[out_batch] = l_target[batch_dim]
+    lshape, rshape = shape_of(lhs), shape_of(rhs)
+    (lb, lf), lsp = dn.lhs_spec[:2], dn.lhs_spec[2:]
+    (ro, ri), (ob, of) = dn.rhs_spec[:2], dn.out_spec[:2]
+    groups = eqn.params["feature_group_count"]
+    llay = layouts[0] if layouts[0] is not None else replicated(len(lshape))
+    act = list(without(llay, set(lsp)))
+    w: list[tuple[str, ...]] = [()] * len(rshape)
+    layer, reduce = None, ()
     params = dict(eqn.params)
-    return Step([l_target, replicated(len(shape_of(rhs)))], [tuple(out)], [()], params)
+    if eqn.params["batch_group_count"] != 1:
+        act = [act[d] if d == lb else () for d in range(len(act))]
+    elif groups == 1:
+        if layouts[1] is None:
+            act_t, w_t, layer = _layer_layouts(tuple(act), lshape, [lf], [], rshape, [ri], [], ctx,
+                                               out_dim=ro)  # fmt: skip
+            act, w = list(act_t), list(w_t)
+        else:
+            w[ri] = act[lf]
+            free = layouts[1][ro]
+            if free and not set(free) & used_axes(tuple(act)) and divides(rshape[ro], free, ctx.grid):
+                w[ro] = free
+        reduce = act[lf]
+    else:
+        axes = act[lf]
+        for extra in (Y, X):  # whole groups over every tensor axis that divides them
+            if extra in act[lb][len(BATCH_AXES):]:  # taken back from a scattered batch
+                act[lb] = tuple(a for a in act[lb] if a != extra)
+            wider = axes + (extra,)
+            if extra not in used_axes(tuple(act)) and divides(groups, wider, ctx.grid) \
+                    and divides(rshape[ro], wider, ctx.grid):  # fmt: skip
+                axes = wider
+        if axes and divides(groups, axes, ctx.grid) and divides(rshape[ro], axes, ctx.grid):
+            w[ro] = axes
+            params["feature_group_count"] = groups // ctx.grid_factor(axes)
+        else:
+            axes = ()
+        act[lf] = axes
+    out = [()] * len(shape_of(eqn.outvars[0]))
+    out[ob], out[of] = act[lb], w[ro]
+    return Step([tuple(act), tuple(w)], [tuple(out)], [tuple(reduce)], params, layer=layer)
 
 
 def reduce_window(eqn, layouts, ctx) -> Step:
@@ -531,6 +679,9 @@ _RULES = {
     "bitcast_convert_type": bitcast_convert_type,
     **{name: random_keys for name in KEY_PRIMITIVES},
     "gather": gather,
+    "split": split,
+    "stack": stack,
+    "tile": tile,
     "dot_general": dot_general,
     "conv_general_dilated": conv,
 }

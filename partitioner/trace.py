@@ -360,7 +360,7 @@ def _eval_inlined(jaxpr, consts, args, outer=None):
             outs = _eval_inlined(inner_jaxpr, inner_consts, invals[-len(inner_jaxpr.invars) :],
                                  source)  # fmt: skip
         else:  # a primitive, or a call kept whole (partitioner.pointwise)
-            with _source_context(source):  # warnings then name the model's line, not this one
+            with source_context(source):  # warnings then name the model's line, not this one
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
@@ -382,7 +382,7 @@ def _user_source(eqn, outer):
         return None
 
 
-def _source_context(info):
+def source_context(info):
     """Trace under ``info``'s traceback and name stack (JAX-internal API; best effort)."""
     try:
         from jax._src import source_info_util

@@ -31,12 +31,14 @@ from jax import lax
 
 from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.layout import Layout, live, local_shape, use_layout, used_axes
+from axonn_jax.partitioner.layout import Layout, factor, live, local_shape, use_layout, used_axes
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
+from axonn_jax.partitioner.trace import source_context
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
 from axonn_jax.runtime.pointwise import bind_custom_jvp
-from axonn_jax.runtime.random_bits import local_bits
+from axonn_jax.runtime.shard_index import shard_index
+from axonn_jax.runtime.local_ops import KERNELS
 from axonn_jax.runtime.varying import match_vma, vary, vma
 
 #: primitives that start a "layer" for the gather prefetch (OAG)
@@ -83,14 +85,8 @@ def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
         axes = t[_common_prefix(s, t) :]
         if not axes:
             continue
-        parts = 1
-        index = 0
-        for axis in axes:
-            size = grid.axis_size(axis)
-            index = index * size + lax.axis_index(axis)
-            parts *= size
-        chunk = x.shape[d] // parts
-        x = lax.dynamic_slice_in_dim(x, index * chunk, chunk, axis=d)
+        chunk = x.shape[d] // factor(axes, grid)
+        x = lax.dynamic_slice_in_dim(x, shard_index(axes, grid) * chunk, chunk, axis=d)
     return x
 
 
@@ -167,7 +163,7 @@ class Executor:
         self.arg_layouts = list(program.arg_layouts)
         self.out_layouts = list(program.output_layouts)
         self.overlap = overlap
-        self.ctx = R.Context(self.grid)
+        self.ctx = R.Context(self.grid, scatter_batch=program.scatter_batch)
         n = len(self.param_storage)
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
@@ -269,6 +265,11 @@ class Executor:
         return outs
 
     def _run(self, eqn, env, lay) -> None:
+        # the local equations carry the model's source line and module names (profiles, reports)
+        with source_context(eqn.source_info):
+            self._run_here(eqn, env, lay)
+
+    def _run_here(self, eqn, env, lay) -> None:
         for var in eqn.invars:
             if not R.is_literal(var):
                 self.value(var, env, lay)
@@ -298,21 +299,27 @@ class Executor:
                 values[i] = var.val
             elif isinstance(env[var], _Lazy):
                 lazy.append(i)
-            else:
-                values[i] = relayout(env[var], src, dst, self.grid)
+            else:  # one relayout per value and layout (q, k and v read the same gathered input)
+                key = ("relayout", var, live(dst, self.grid))
+                if key not in env:
+                    env[key] = relayout(env[var], src, dst, self.grid)
+                values[i] = env[key]
         together = frozenset().union(
             *(vma(values[i]) for i, v in enumerate(eqn.invars) if i not in lazy and not R.is_literal(v))
         )
         for i in lazy:
             values[i] = self._materialise(env[eqn.invars[i]], layouts[i], step.targets[i], together)
-        if eqn.primitive.name == "random_bits":  # only this device's block of the bits
-            outs = [local_bits(values[0], eqn.params["bit_width"], tuple(eqn.params["shape"]),
-                               step.outs[0], self.grid)]  # fmt: skip
+        if step.local:
+            outs = KERNELS[step.local](eqn, values, step, self.grid,
+                                       lambda vals, params: self._bind(eqn, vals, params))  # fmt: skip
         else:
             outs = self._bind(eqn, values, step.params)
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
             axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
-            if axes:
+            onto = step.scatter[k] if step.scatter else None
+            if axes and onto is not None:
+                out = lax.psum_scatter(out, axes, scatter_dimension=onto, tiled=True)
+            elif axes:
                 out = lax.psum(out, axes)
             env[var], lay[var] = out, step.outs[k]
 

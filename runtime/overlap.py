@@ -190,8 +190,8 @@ def contraction(
         a_v, b_v = vary(a, lhs_missing), vary(b, rhs_missing)
         d_lhs = None
         if perturbed["lhs"]:
-            _, lhs_pullback = jax.vjp(lambda u: bind(u, b_v), a_v)
-            (d_lhs,) = lhs_pullback(ct)
+            # linear in each operand: transpose without recomputing the product
+            (d_lhs,) = jax.linear_transpose(lambda u: bind(u, b_v), a_v)(ct)
             if overlap_all_reduce:
                 ct, d_lhs = barrier([ct, d_lhs])
                 d_lhs = _reduce(d_lhs, lhs_missing)
@@ -200,8 +200,7 @@ def contraction(
                 ct, d_lhs = barrier([ct, d_lhs])
         d_rhs = None
         if perturbed["rhs"]:
-            _, rhs_pullback = jax.vjp(lambda u: bind(a_v, u), b_v)
-            (d_rhs,) = rhs_pullback(ct)
+            (d_rhs,) = jax.linear_transpose(lambda u: bind(a_v, u), b_v)(ct)
             d_rhs = _reduce(d_rhs, rhs_missing)
         return d_lhs, d_rhs
 

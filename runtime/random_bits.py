@@ -25,7 +25,8 @@ from jax import lax
 from jax.extend.random import threefry2x32_p
 
 from axonn_jax.partitioner.grid import Grid
-from axonn_jax.partitioner.layout import Layout, live, local_shape
+from axonn_jax.partitioner.layout import Layout, factor, live, local_shape
+from axonn_jax.runtime.shard_index import shard_index
 
 _MASK16 = 0xFFFF
 
@@ -55,11 +56,8 @@ def _offsets(shape, layout: Layout, grid: Grid) -> list:
     """Global start of this device's block in each dim (traced: uses ``axis_index``)."""
     offsets = []
     for size, axes in zip(shape, live(layout, grid)):
-        index, parts = 0, 1
-        for axis in axes:
-            index = index * grid.axis_size(axis) + lax.axis_index(axis)
-            parts *= grid.axis_size(axis)
-        offsets.append(jnp.uint32(0) if not axes else (index * (size // parts)).astype(jnp.uint32))
+        block = size // factor(axes, grid)
+        offsets.append(jnp.uint32(0) if not axes else (shard_index(axes, grid) * block).astype(jnp.uint32))
     return offsets
 
 

@@ -1,4 +1,4 @@
-"""Report what one training step of a partitioned model communicates and keeps.
+"""Report what one training step of a partitioned model communicates, keeps and computes.
 
 The step is traced, not modelled: ``jax.make_jaxpr`` of ``jax.vjp`` of
 :meth:`Partitioned.apply` (the forward pass and the residuals it keeps) and of
@@ -29,6 +29,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AbstractMesh
 
+from axonn_jax.partitioner.flops import ComputeReport, Flops, count
 from axonn_jax.partitioner.grid import STAGE_AXES, Grid
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
@@ -63,9 +64,10 @@ class StepReport:
     plan: Plan
     communication: CommReport
     memory: MemoryReport
+    compute: ComputeReport
 
     def __str__(self) -> str:
-        return f"{self.plan}\n\n{self.memory}\n\n{self.communication}"
+        return f"{self.plan}\n\n{self.memory}\n\n{self.communication}\n\n{self.compute}"
 
 
 def abstract_stage_mesh(grid: Grid) -> AbstractMesh:
@@ -108,11 +110,35 @@ def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
         outs = apply_program(program, mesh, jax.tree.leaves(p), arrays, overlap=overlap)
         return jax.tree.unflatten(program.out_tree, outs)
 
+    def plain(p, a, k):  # the model's own program, on one device
+        arrays, _ = call_leaves(a, k)
+        outs = jax.core.eval_jaxpr(program.jaxpr, program.consts, *jax.tree.leaves(p), *arrays)
+        return jax.tree.unflatten(program.out_tree, outs)
+
     params = jax.tree.unflatten(
         plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in plan.params]
     )
-    pullback_tree = {}
+    fwd, bwd, residuals = _trace_step(apply, params, args, kwargs)
+    backward = [dataclasses.replace(t, phase="backward") for t in collect(bwd.jaxpr.eqns)]
+    saved = saved_bytes(fwd.jaxpr, num_params=len(plan.params), num_residuals=residuals)
+    memory = MemoryReport.from_plan(
+        plan, optimizer_slots=optimizer_slots, activations=saved.activations,
+        gathered_weights=saved.weights,
+    )  # fmt: skip
+    communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
+    plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
+    compute = ComputeReport(_sum(count(fwd), count(bwd)), _sum(count(plain_fwd), count(plain_bwd)),
+                            grid.size)  # fmt: skip
+    return StepReport(plan, communication, memory, compute)
 
+
+def _trace_step(apply: Callable, params, args, kwargs):
+    """``(forward jaxpr, backward jaxpr, number of residuals)`` of ``apply(params, args, kwargs)``.
+
+    The forward pass is ``jax.vjp`` of the model (outputs and the residuals
+    autodiff keeps), the backward pass the pullback on those residuals.
+    """
+    pullback_tree = {}
     call_tree = jax.tree.structure((args, kwargs))
     leaves = jax.tree.leaves((args, kwargs))
     static = {i: x for i, x in enumerate(leaves) if is_static(x)}  # baked in, not traced
@@ -132,16 +158,14 @@ def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
     bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(pullback_tree["tree"], r)(ct))(
         residual_shapes, cotangents
     )
-    backward = [dataclasses.replace(t, phase="backward") for t in collect(bwd.jaxpr.eqns)]
-    saved = saved_bytes(
-        fwd.jaxpr, num_params=len(plan.params), num_residuals=len(residual_shapes)
-    )
-    memory = MemoryReport.from_plan(
-        plan, optimizer_slots=optimizer_slots, activations=saved.activations,
-        gathered_weights=saved.weights,
-    )  # fmt: skip
-    communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
-    return StepReport(plan, communication, memory)
+    return fwd, bwd, len(residual_shapes)
+
+
+def _sum(a: Flops, b: Flops) -> Flops:
+    lines = dict(a.by_line)
+    for k, v in b.by_line.items():
+        lines[k] = lines.get(k, 0) + v
+    return Flops(a.total + b.total, lines)
 
 
 def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> list[Transfer]:

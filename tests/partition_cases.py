@@ -227,18 +227,34 @@ def assert_matches_reference(result: dict, label: str) -> None:
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=f"{label} losses")
     ref_g, got_g = _leaves(ref_grads), _leaves(grads)
     scale = max(np.max(np.abs(g)) for g in ref_g.values())
-    zero_grad = set()
     for path, ref in ref_g.items():
         err = np.max(np.abs(got_g[path] - ref))
         bound = 1e-5 * np.max(np.abs(ref)) + 1e-6 * scale
         assert err <= bound, f"{label} grad {path}: {err:.3e} > {bound:.3e}"
-        if np.max(np.abs(ref)) <= 1e-6 * scale:
-            zero_grad.add(path)
-    ref_p, got_p, init = _leaves(ref_params), _leaves(params), _leaves(result["init"])
-    for path, ref in ref_p.items():
-        if path in zero_grad:
-            err, bound = np.max(np.abs(got_p[path] - ref)), 2 * STEPS * LR
-        else:
-            err = np.linalg.norm(got_p[path] - ref)
-            bound = 1e-3 * np.linalg.norm(ref - init[path])
-        assert err <= bound, f"{label} param {path} after {STEPS} steps: {err:.3e} > {bound:.3e}"
+    failures = adamw_param_failures(_leaves(params), ref_params, ref_grads, result["init"])
+    assert not failures, f"{label}: {failures[0]} (after {STEPS} steps)"
+
+
+def adamw_param_failures(got: dict, ref_final, ref_first_grads, init) -> list[str]:
+    """Parameters after ``STEPS`` AdamW steps against the plain run's, for the leaves in ``got``.
+
+    Where the true gradient is 0 (``|g| ≤ 1e-6·max|g|``, elementwise: e.g. the key bias
+    of attention, which softmax ignores) both runs see rounding noise that Adam turns
+    into steps of up to ``lr``: ``max|Δ| ≤ 2·steps·lr`` there. Elsewhere
+    ``‖Δ‖₂ ≤ 1e-3·‖p_ref − p₀‖₂``.
+    """
+    first, start, final = _leaves(ref_first_grads), _leaves(init), _leaves(ref_final)
+    top = max(np.max(np.abs(g)) for g in first.values())
+    failures = []
+    for path, value in got.items():
+        value, ref, noise = np.asarray(value), final[path], np.abs(first[path]) <= 1e-6 * top
+        if noise.any():
+            err = np.max(np.abs(value - ref)[noise])
+            if err > 2 * STEPS * LR:
+                failures.append(f"param {path} where its gradient is 0: {err:.3e} > {2 * STEPS * LR:.3e}")
+        if not noise.all():
+            err = np.linalg.norm((value - ref)[~noise])
+            bound = 1e-3 * np.linalg.norm((ref - start[path])[~noise])
+            if err > bound:
+                failures.append(f"param {path}: {err:.3e} > {bound:.3e}")
+    return failures

@@ -81,28 +81,6 @@ def plain_dropout_run(steps: int):
     return model, args, jax.tree.map(np.asarray, params), keys, dropout_trajectory(plain, params, args, keys)
 
 
-def adamw_bound_failures(got: dict, ref_final, ref_first_grads, init) -> list[str]:
-    """The parameter bounds of ``test_partition.py`` after AdamW steps, for the leaves in ``got``.
-
-    ``‖Δ‖₂ ≤ 1e-3·‖p_ref − p₀‖₂``; where the true gradient is 0 (rounding noise
-    on both sides) Adam's step bound ``max|Δ| ≤ 2·steps·lr``.
-    """
-    from partition_cases import STEPS, _leaves
-
-    first, start, final = _leaves(ref_first_grads), _leaves(init), _leaves(ref_final)
-    top = max(np.max(np.abs(g)) for g in first.values())
-    failures = []
-    for path, value in got.items():
-        value = np.asarray(value)
-        if np.max(np.abs(first[path])) <= 1e-6 * top:
-            err, bound = np.max(np.abs(value - final[path])), 2 * STEPS * LR
-        else:
-            err, bound = np.linalg.norm(value - final[path]), 1e-3 * np.linalg.norm(final[path] - start[path])
-        if err > bound:
-            failures.append(f"param {path} after the steps: {err:.3e} > {bound:.3e}")
-    return failures
-
-
 # --- BatchNorm on a pipeline --------------------------------------------------------
 
 

@@ -36,8 +36,9 @@ SHARD = [(4, 4), (8, 8), (16, 16)]
 def _program(overlap: Overlap) -> tuple[list, list]:
     """(forward, backward) instruction lists of the grad program handed to XLA."""
     x = jnp.ones((16, 8), jnp.float32)
+    # OAR overlaps the all-reduce form's input-gradient all-reduce
     pm = axonn_jax.partition(MLP(features=FEATURES), axonn_jax.Grid(x=2, y=2, z=2), x,
-                             overlap=overlap)  # fmt: skip
+                             overlap=overlap, scatter_batch=False)  # fmt: skip
     params = pm.init(jax.random.key(0), x)
 
     def loss(p):

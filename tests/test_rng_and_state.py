@@ -15,8 +15,9 @@ import pytest
 from conftest import grid_id
 from flax import linen as nn
 from flax import nnx
-from partition_cases import BATCH, GRIDS, LR, STEPS, _leaves, assert_matches_reference
-from rng_cases import (KEY, NNXNet, accumulated_reference, adamw_bound_failures,
+from partition_cases import (BATCH, GRIDS, LR, STEPS, _leaves, adamw_param_failures,
+                             assert_matches_reference)  # fmt: skip
+from rng_cases import (KEY, NNXNet, accumulated_reference,
                        batchnorm_pipeline_failures, batchnorm_reference,
                        dropout_loss, dropout_trajectory, plain_dropout_run)  # fmt: skip
 
@@ -83,7 +84,7 @@ def test_train_step_with_per_step_keys(grid, gpt2_reference, devices):
         p, s, loss = step(p, s, args, rngs={"dropout": key})
         losses.append(float(loss))
     np.testing.assert_allclose(losses, ref[0], rtol=1e-5)
-    failures = adamw_bound_failures(_leaves(pm.gather(p)), ref[2], ref[1], params)
+    failures = adamw_param_failures(_leaves(pm.gather(p)), ref[2], ref[1], params)
     assert not failures, failures
 
 

@@ -33,9 +33,11 @@ def test_matmul_weights_are_split_eight_ways(name):
     for p in kernels:
         assert p.role in ("normal", "transposed"), (p.path, p.role)
         assert np.prod(p.local_shape(plan.grid)) * 8 == np.prod(p.shape), (p.path, p.storage)
-    # the embedding tables are split too (hidden over y, rows over z)
+    # the embedding tables are split eight ways too: vocabulary-parallel rows over x, hidden over
+    # y, and the depth split (z) on the larger of the two
     tables = [p for p in plan.params if p.path.endswith("embedding") and p.shape[0] >= 8]
-    assert tables and all(np.prod(p.local_shape(plan.grid)) * 4 == np.prod(p.shape) for p in tables)
+    assert tables and all(np.prod(p.local_shape(plan.grid)) * 8 == np.prod(p.shape) for p in tables), [
+        (p.path, p.storage) for p in tables]
     # memory: far below a replicated copy (norm scales and biases are split less)
     assert plan.param_bytes_per_device * 5 < plan.total_param_bytes
 

@@ -15,6 +15,8 @@ layer output                all-reduce   in axis      forward (twice under
                                                       recompute)
 input gradient              all-reduce   out axis     backward
 norm statistics             all-reduce   y            forward (×2 recompute), bwd
+embedding lookup            all-reduce   x            forward (vocabulary-parallel rows)
+output gather               all-gather   x            forward (vocabulary-parallel logits)
 weight-gradient shard       all-reduce   data         once per step
 other parameter gradients   all-reduce   data·z       once per step
 stage activations           send         pipeline     fwd + bwd, per microbatch
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from axonn_jax.partitioner.grid import DATA, PIPELINE, Y, Z, Grid
+from axonn_jax.partitioner.grid import DATA, PIPELINE, X, Y, Z, Grid
 from axonn_jax.partitioner.report import ring_wire_bytes
 from axonn_jax.perf.spec import ModelSpec
 
@@ -149,6 +151,12 @@ def collectives(
             add("input gradient", "all-reduce", (m.out_axis,), "backward",
                 _ring("all-reduce", g_out) * rows * m.k / g_in * copies, calls)  # fmt: skip
 
+    if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
+        add("embedding lookup", "all-reduce", (X,), "forward",
+            _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups, spec.lookups * mb)
+    if spec.split_outputs:
+        add("output gather", "all-gather", (X,), "forward",
+            _ring("all-gather", grid.x) * rows * spec.split_outputs, mb)
     if spec.norms:
         norms = spec.norms * share
         wire = _ring("all-reduce", grid.y) * rows * spec.norm_stats * norms

@@ -153,6 +153,10 @@ class ModelSpec:
     attention_axis: str | None = X  # the axis that splits their heads
     norms: int = 0  # normalisations over the y-split hidden dim (each all-reduces statistics)
     norm_stats: int = 2  # per-token statistics one norm all-reduces (LayerNorm: 2, RMSNorm: 1)
+    lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
+    #: per-token elements of model outputs split over x (vocabulary-parallel logits), which
+    #: the model's apply all-gathers to return them whole
+    split_outputs: int = 0
 
     def __post_init__(self) -> None:
         for m in self.matmuls:
@@ -221,7 +225,7 @@ def gpt_spec(
     h, hd, L, m = hidden, hidden // heads, layers, batch * seq
     P = Param
     params = [
-        P("embed/embedding", (vocab, h), (None, Y), depth=True, per_block=False),
+        P("embed/embedding", (vocab, h), (X, Y), depth=True, per_block=False),
         P("pos_embed", (seq, h), (None, Y), per_block=False),
         P("norm_final/scale", (h,), (Y,), per_block=False),
         P("norm_final/bias", (h,), (Y,), per_block=False),
@@ -246,7 +250,7 @@ def gpt_spec(
         M("attn/out", m, h, h, X, Y, count=L),
         M("mlp/fc_in", m, h, f, Y, X, count=L),
         M("mlp/fc_out", m, f, h, X, Y, count=L),
-        M("head", m, h, vocab, Y, None if tied else X, recomputed=False),
+        M("head", m, h, vocab, Y, X, recomputed=False),
     ]
     A = Activation
     activations = [
@@ -255,7 +259,7 @@ def gpt_spec(
         A("q, k, v, attention output", 4 * h, X, count=L),
         A("attention probabilities", heads * seq, X, count=L),
         A("gelu input and output", 2 * f, X, count=L),
-        A("logits", vocab, None if tied else X, kind="other", itemsize=4),
+        A("logits", vocab, X, kind="other", itemsize=4),
     ]
     return ModelSpec(
         name=name or f"GPT {L}L/{h}H/{heads}A seq {seq} batch {batch} vocab {vocab}",
@@ -270,4 +274,6 @@ def gpt_spec(
         attention_axis=X,
         norms=2 * L + 1,
         norm_stats=2,  # LayerNorm: mean and mean of squares
+        lookups=1,  # the token embedding (vocabulary-parallel over x)
+        split_outputs=vocab,  # the logits
     )

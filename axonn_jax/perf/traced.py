@@ -35,6 +35,7 @@ import re
 
 from axonn_jax.partitioner.grid import X, Y, Grid
 from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.flows import variable_layouts
 from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.stages import equation_flops, param_origins
@@ -49,7 +50,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     traced, jaxpr = program.traced, program.jaxpr
     n_params = traced.num_params
     origin = param_origins(jaxpr, n_params)
-    roles = {i: p.role for i, p in enumerate(plan.params)}
+    layouts = variable_layouts(jaxpr, plan.grid, program.param_storage, program.arg_layouts,
+                               scatter_batch=program.scatter_batch)  # fmt: skip
+    lookups = 0
 
     matmuls, saved, looked_up = [], {}, set()
     attention_flops, attention_saved = 0.0, {}
@@ -57,6 +60,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         name_ = eqn.primitive.name
         if name_ == "gather" and eqn.invars[0] in origin:
             looked_up.add(origin[eqn.invars[0]])
+            dn = eqn.params["dimension_numbers"]
+            table = layouts[eqn.invars[0]]
+            lookups += any(X in table[d] for d in dn.start_index_map)  # vocabulary-parallel
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -76,7 +82,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         k = math.prod(w_shape[d] for d in (lc if w_side == 0 else rc))
         n = math.prod(w_shape) // max(k, 1)
         m = math.prod(R.shape_of(eqn.outvars[0])) // max(n, 1)
-        in_axis, out_axis = _axes(roles[p], plan.params[p].use)
+        w_lay, w_c = layouts[w_var], (lc if w_side == 0 else rc)
+        in_axis = _tensor_axis(tuple(a for d in w_c for a in w_lay[d]))
+        out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]))
         path = plan.params[p].path
         matmuls.append(MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path)))
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
@@ -111,20 +119,14 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         hidden=hidden,
         attention_flops=attention_flops,
         attention_axis=X,
+        lookups=lookups,
+        split_outputs=sum(math.prod(R.shape_of(v)) // tokens for v in jaxpr.outvars
+                          if not R.is_literal(v) and any(X in axes for axes in layouts[v][1:])),
     )
 
 
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
     return next((a for a in axes if a in (X, Y)), None)
-
-
-def _axes(role: ParamRole, use) -> tuple[str | None, str | None]:
-    if role is ParamRole.NORMAL:
-        return Y, X
-    if role is ParamRole.TRANSPOSED:
-        return X, Y
-    used = [a for dim in use for a in dim if a in (X, Y)]
-    return (used[0] if used else None), None
 
 
 def _in_block(path: str) -> bool:

@@ -13,8 +13,8 @@ info = axonn_jax.init()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from partition_cases import LR, STEPS, _leaves  # noqa: E402
-from rng_cases import (KEY, accumulated_reference, adamw_bound_failures,  # noqa: E402
+from partition_cases import LR, STEPS, _leaves, adamw_param_failures  # noqa: E402
+from rng_cases import (KEY, accumulated_reference,  # noqa: E402
                        batchnorm_pipeline_failures, batchnorm_reference, dropout_loss,
                        plain_dropout_run)
 
@@ -60,7 +60,7 @@ for key in keys:
 if not np.allclose(losses, ref_losses, rtol=1e-5, atol=0):
     failures.append(f"train_step losses {losses} != {ref_losses}")
 held = {path: v for path, v in _leaves_or_none(p).items() if v is not None}
-failures += adamw_bound_failures(held, ref_final, ref_first_grads, params)
+failures += adamw_param_failures(held, ref_final, ref_first_grads, params)
 
 # model state on the same pipeline: BatchNorm statistics stay with (and are updated on) their stage
 x, y, variables, bn_losses, bn_final = batchnorm_reference(3, 2)

@@ -1,0 +1,162 @@
+"""Repeated work and memory: per-device FLOPs and parameters vs the plain model.
+
+For each model × grid: the compiled per-device program of one loss-and-
+gradient step (``jax.jit(pm.value_and_grad(loss))``) is asked for its FLOPs
+(XLA's ``cost_analysis()``), multiplied by the number of devices and divided
+by the FLOPs of the plain single-device ``jax.value_and_grad`` compiled in the
+same process: 1.00 means the work is split with nothing repeated. The
+parameter fraction is the bytes one device holds over the model's total
+(ideal ``1/(x·y·z)``). Loss and gradients are checked against the plain model
+in the same run (``max_err``).
+
+Run (8 simulated CPU devices)::
+
+    .venv/bin/python benchmarks/redundancy.py                    # all families × 4 grids
+    .venv/bin/python benchmarks/redundancy.py --models hf_gpt2 --grids x=4,data=2
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __name__ == "__main__":
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()  # fmt: skip
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import dataclasses
+import json
+
+import jax
+import numpy as np
+
+#: the grids issue 15 names (8 devices each)
+GRIDS = ("x=2,y=2,z=2", "z=4,data=2", "x=4,data=2", "y=2,z=2,data=2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    model: str
+    grid: str
+    redundancy: float  # devices × per-device FLOPs / single-device FLOPs
+    param_fraction: float  # parameter bytes per device / total
+    ideal_fraction: float  # 1 / (x·y·z)
+    #: largest |difference| of loss and gradients vs the plain model, relative (a gradient
+    #: leaf: to its largest entry + 10% of the model's largest; tests/test_partition's bound
+    #: is 1e-5 of that)
+    max_err: float
+    warnings: int
+
+
+def flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float(cost["flops"])
+
+
+def breakdown(model, args: tuple, loss, grid_text: str, top: int = 12) -> str:
+    """The source lines whose work is repeated most: devices × per-device − plain FLOPs."""
+    import axonn_jax
+    from axonn_jax import Grid
+    from axonn_jax.partitioner.flops import count
+
+    grid = Grid.parse(grid_text)
+    variables = model.init(jax.random.key(0), *args)
+    plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
+    pm = axonn_jax.partition(model, grid, *args)
+    step = pm.value_and_grad(lambda out, b: loss(out, *b))
+    split = count(jax.make_jaxpr(step)(pm.shard(variables), tuple(args)))
+    lines = set(plain.by_line) | set(split.by_line)
+    excess = sorted(((split.by_line.get(k, 0) * grid.size - plain.by_line.get(k, 0), k) for k in lines),
+                    reverse=True)  # fmt: skip
+    out = [f"jaxpr FLOPs: plain {plain.total:,}, {grid.size} × per-device {split.total:,} "
+           f"= {grid.size * split.total / plain.total:.2f}×"]  # fmt: skip
+    for extra, key in excess[:top]:
+        out.append(f"  {extra / plain.total:+7.1%}  {key}  (plain {plain.by_line.get(key, 0):,}, "
+                   f"per device {split.by_line.get(key, 0):,})")  # fmt: skip
+    return "\n".join(out)
+
+
+def measure(name: str, model, args: tuple, loss, grid_text: str) -> Row:
+    """One row: compile both programs in this process, compare FLOPs, bytes and numbers."""
+    import axonn_jax
+    from axonn_jax import Grid
+
+    grid = Grid.parse(grid_text)
+    key = jax.random.key(0)
+    variables = model.init(key, *args)
+    batch = tuple(args)
+
+    def plain(v):
+        return loss(model.apply(v, *batch), *batch)
+
+    single = jax.jit(jax.value_and_grad(plain))
+    base_flops = flops(single.lower(variables).compile())
+    want_loss, want_grads = single(variables)
+
+    pm = axonn_jax.partition(model, grid, *args)
+    params = pm.shard(variables)
+    step = jax.jit(pm.value_and_grad(lambda out, b: loss(out, *b)))
+    compiled = step.lower(params, batch).compile()
+    per_device = flops(compiled)
+    got_loss, got_grads = step(params, batch)
+    got_grads = pm.gather(got_grads)
+    errors = [abs(float(got_loss) - float(want_loss)) / max(1.0, abs(float(want_loss)))]
+    scale = max(float(np.max(np.abs(w))) for w in jax.tree.leaves(want_grads))
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        w = np.asarray(w)  # relative to the leaf's largest gradient, floored at 10% of the model's
+        errors.append(float(np.max(np.abs(np.asarray(g) - w))) / (float(np.max(np.abs(w))) + 0.1 * scale))
+    plan = pm.plan
+    return Row(
+        model=name,
+        grid=grid_text,
+        redundancy=per_device * grid.size / base_flops,
+        param_fraction=plan.param_bytes_per_device / plan.total_param_bytes,
+        ideal_fraction=1 / (grid.x * grid.y * grid.z),
+        max_err=max(errors),
+        warnings=len(plan.warnings),
+    )
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| model | grid | redundancy | param fraction (ideal) | max rel. error | warnings |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r.model} | `{r.grid}` | {r.redundancy:.2f} | {r.param_fraction:.3f} "
+                     f"({r.ideal_fraction:.3f}) | {r.max_err:.1e} | {r.warnings} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import hf_zoo
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(hf_zoo.FAMILIES))
+    parser.add_argument("--grids", default=";".join(GRIDS), help="';'-separated grids")
+    parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead: the source lines whose work is repeated, per model × grid")
+    ns = parser.parse_args(argv)
+    rows = []
+    for name in ns.models.split(","):
+        entry = hf_zoo.build(name)
+        for grid in ns.grids.split(";"):
+            if ns.breakdown:
+                print(f"{name} {grid}: {breakdown(entry.model, entry.args, entry.loss, grid)}")
+                continue
+            row = measure(name, entry.model, entry.args, entry.loss, grid)
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+    if rows:
+        print(table(rows))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

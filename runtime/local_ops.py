@@ -1,0 +1,82 @@
+"""Local kernels: equations a rule computes differently from the plain primitive.
+
+A rule (:mod:`axonn_jax.partitioner.rules`) names a kernel in ``Step.local``
+when binding the primitive on the local shards would not give this device's
+block of the result. Each kernel takes the equation, its operands (already in
+the rule's target layouts), the rule's :class:`~axonn_jax.partitioner.rules.Step`
+and the grid, and returns the local outputs *before* the rule's reductions
+(the executor applies ``Step.reduce`` after it).
+
+Example::
+
+    outs = KERNELS[step.local](eqn, values, step, grid, bind)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from axonn_jax.partitioner.grid import Grid
+from axonn_jax.partitioner.layout import factor
+from axonn_jax.partitioner.rules import Step
+from axonn_jax.runtime.random_bits import local_bits
+from axonn_jax.runtime.shard_index import shard_index
+
+#: ``bind(values, params) -> list of outputs``: the executor's binding of the plain primitive
+Bind = Callable[[list, dict], list]
+
+
+def sharded_lookup(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
+    """Vocabulary-parallel ``gather``: look up the rows this device holds, zeros elsewhere.
+
+    Each looked-up dim split over some axes is offset by this device's first
+    row; indices outside the local rows are clamped and their results zeroed,
+    so the sum over the rows' axes (``step.reduce``) is the plain lookup.
+    """
+    operand, indices = values[:2]
+    dn = eqn.params["dimension_numbers"]
+    valid = None
+    for m, dim in enumerate(dn.start_index_map):
+        axes = step.targets[0][dim]
+        if not any(grid.axis_size(a) > 1 for a in axes):
+            continue
+        rows = operand.shape[dim]
+        column = indices[..., m] - shard_index(axes, grid) * rows
+        inside = (column >= 0) & (column < rows)
+        valid = inside if valid is None else valid & inside
+        indices = indices.at[..., m].set(jnp.clip(column, 0, rows - 1))
+    (out,) = bind([operand, indices, *values[2:]], step.params)
+    if valid is None:
+        return [out]
+    batch_dims = tuple(d for d in range(out.ndim) if d not in dn.offset_dims)
+    mask = lax.broadcast_in_dim(valid, out.shape, batch_dims)
+    return [jnp.where(mask, out, jnp.zeros_like(out))]
+
+
+def split_pieces(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
+    """``split`` of a gathered dim, each piece then cut to this device's block of it."""
+    outs = bind(values, step.params)
+    axis = eqn.params["axis"] % outs[0].ndim
+    cut = []
+    for out, layout in zip(outs, step.outs):
+        axes = layout[axis]
+        size = out.shape[axis] // factor(axes, grid)
+        cut.append(lax.dynamic_slice_in_dim(out, shard_index(axes, grid) * size, size, axis=axis))
+    return cut
+
+
+def random_bits(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
+    """Only this device's block of the bits (see :mod:`axonn_jax.runtime.random_bits`)."""
+    return [local_bits(values[0], eqn.params["bit_width"], tuple(eqn.params["shape"]),
+                       step.outs[0], grid)]  # fmt: skip
+
+
+KERNELS: dict[str, Callable[..., list[jax.Array]]] = {
+    "sharded_lookup": sharded_lookup,
+    "split_pieces": split_pieces,
+    "random_bits": random_bits,
+}

@@ -1,0 +1,96 @@
+"""No repeated work: compute and parameters split across the whole tensor-parallel grid.
+
+Published HuggingFace models (``benchmarks/hf_zoo.py``: GPT-2, BERT, Llama,
+OPT, T5, Whisper, Wav2Vec2, ViT, small configs) and the repo's CNN on the four
+grids of issue 15. Redundancy is ``devices × per-device FLOPs / plain FLOPs``
+of one loss-and-gradient step, counted on the traced programs
+(:mod:`axonn_jax.partitioner.flops`; ``benchmarks/redundancy.py`` reports the
+compiled programs' XLA counts, which agree); the parameter fraction is the
+bytes one device holds over the model's. Loss and gradients equal the plain
+model's (``benchmarks.redundancy.measure``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import hf_zoo  # noqa: E402
+from redundancy import GRIDS, measure  # noqa: E402
+
+import axonn_jax  # noqa: E402
+from axonn_jax import Grid  # noqa: E402
+from axonn_jax.partitioner.flops import count  # noqa: E402
+
+
+def _counts(entry, grid: Grid):
+    """(plain FLOPs, per-device FLOPs by line, plain by line, the partitioned model)."""
+    variables = entry.model.init(jax.random.key(0), *entry.args)
+    args = entry.args
+    plain = count(jax.make_jaxpr(jax.value_and_grad(
+        lambda v: entry.loss(entry.model.apply(v, *args), *args)))(variables))  # fmt: skip
+    pm = axonn_jax.partition(entry.model, grid, *args)
+    step = pm.value_and_grad(lambda out, b: entry.loss(out, *b))
+    split = count(jax.make_jaxpr(step)(pm.shard(variables), tuple(args)))
+    return plain, split, pm
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("name", hf_zoo.FAMILIES)
+def test_each_device_does_its_share(name, grid):
+    """Redundancy ≤ 1.05 and parameter fraction ≤ 1/(x·y·z) + 0.03."""
+    grid = Grid.parse(grid)
+    plain, split, pm = _counts(hf_zoo.build(name), grid)
+    redundancy = grid.size * split.total / plain.total
+    assert redundancy <= 1.05, (name, grid, redundancy, _worst(plain, split, grid))
+    fraction = pm.plan.param_bytes_per_device / pm.plan.total_param_bytes
+    assert fraction <= 1 / (grid.x * grid.y * grid.z) + 0.03, (name, grid, fraction)
+
+
+def _worst(plain, split, grid, top: int = 3):
+    lines = set(plain.by_line) | set(split.by_line)
+    return sorted(lines, key=lambda k: plain.by_line.get(k, 0) - grid.size * split.by_line.get(k, 0))[:top]
+
+
+def test_gpt2_attention_is_head_parallel():
+    """After GPT-2's fused qkv is split, the attention core runs on 1/8 of the work per device."""
+    grid = Grid(x=2, y=2, z=2)
+    plain, split, pm = _counts(hf_zoo.build("hf_gpt2"), grid)
+    assert pm.plan.warnings == ()
+    matmuls = [k for k in plain.by_line if k.endswith("dot_general")]
+    attention = [k for k in matmuls if k.startswith("attention.py")]
+    assert attention, matmuls  # flax's dot_product_attention: scores and weighted values
+    for key in matmuls:
+        assert grid.size * split.by_line[key] <= 1.05 * plain.by_line[key], key
+
+
+@pytest.mark.parametrize("name", ["hf_wav2vec2", "cnn"])
+def test_convolution_kernels_split_eight_ways(name):
+    """Every convolution kernel holds 1/(x·y·z) per device: channels over x and y, depth z."""
+    from partition_cases import build
+
+    entry = hf_zoo.build(name) if name.startswith("hf_") else build(name)
+    pm = axonn_jax.partition(entry.model, Grid(x=2, y=2, z=2), *entry.args)
+    kernels = [p for p in pm.plan.params if p.path.endswith("kernel") and len(p.shape) >= 3]
+    kernels += [p for p in pm.plan.params if p.path.endswith("weight_v")]
+    assert len(kernels) >= 2, [p.path for p in pm.plan.params]
+    for p in kernels:
+        local = np.prod(p.local_shape(pm.plan.grid))
+        assert local * 8 == np.prod(p.shape), (p.path, p.shape, p.storage)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", hf_zoo.FAMILIES)
+def test_loss_and_gradients_equal_the_plain_model(name):
+    """On x=2,y=2,z=2 (every tensor axis): compiled FLOPs ≤ 1.05× and exact numbers."""
+    entry = hf_zoo.build(name)
+    row = measure(name, entry.model, entry.args, entry.loss, "x=2,y=2,z=2")
+    assert row.max_err <= 1e-5, row
+    assert row.redundancy <= 1.05, row
