@@ -129,7 +129,8 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv=None) -> dict:
+    """Run the table (``benchmarks/run.py`` calls this); returns ``{"rows", "table"}``."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import hf_zoo
 
@@ -155,8 +156,8 @@ def main(argv=None) -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
-    return 0
+    return {"rows": [dataclasses.asdict(r) for r in rows], "table": table(rows) if rows else ""}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -88,6 +88,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               timeout_s=900),  # fmt: skip
     Benchmark("gpu_mfu", "GPU model FLOPs utilisation", (), ("--steps", "5"), devices=None,
               timeout_s=900),  # fmt: skip
+    Benchmark("redundancy", "Repeated work and parameter share per device (HF models × grids)",
+              (), ("--models", "hf_gpt2,hf_wav2vec2", "--grids", "x=2,y=2,z=2;x=4,data=2"),
+              timeout_s=1500),  # fmt: skip
 )
 
 

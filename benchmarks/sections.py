@@ -195,7 +195,27 @@ def mfu_section(r: dict) -> str:
     return "\n".join(lines)
 
 
+def redundancy_summary(r: dict) -> Rows:
+    rows = r.get("rows") or []
+    if not rows:
+        return []
+    worst = max(rows, key=lambda row: row["redundancy"])
+    over = max(rows, key=lambda row: row["param_fraction"] - row["ideal_fraction"])
+    return [(f"repeated work, {len(rows)} model × grid pairs: worst devices × per-device FLOPs "
+             "/ plain FLOPs", f"{worst['redundancy']:.2f} ({worst['model']}, {worst['grid']})"),
+            ("parameter share per device above 1/(x·y·z), worst",
+             f"+{over['param_fraction'] - over['ideal_fraction']:.3f} ({over['model']}, {over['grid']})")]  # fmt: skip
+
+
+def redundancy_section(r: dict) -> str:
+    head = ("Compiled per-device program of `jax.jit(pm.value_and_grad(loss))` (loss included) "
+            "vs the plain `jax.value_and_grad`, XLA's `cost_analysis()` FLOPs, same process; "
+            "parameter bytes per device / total; loss and gradients vs the plain model:")
+    return head + "\n\n" + r.get("table", "")
+
+
 FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
+    "redundancy": (redundancy_summary, redundancy_section),
     "partition_overhead": (overhead_summary, overhead_section),
     "planning_time": (planning_summary, planning_section),
     "report_time": (report_summary, report_section),
