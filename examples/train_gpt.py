@@ -1,14 +1,25 @@
-"""Train a small byte-level GPT with axonn_jax's 4D tensor parallelism and pipeline.
+"""Train a small GPT with axonn_jax's 4D tensor parallelism and pipeline, on your data or ours.
 
-The embedded default that ``make demo`` runs: a small GPT on the docstrings of
-Python's standard library, 8 simulated CPU devices, grid pipeline=2, x=2, z=2
-(two pipeline stages, each 2-way tensor parallel with depth-sharded weights),
-4 microbatches through AxoNN's message-driven pipeline.
+The embedded default that ``make demo`` runs: a small byte-level GPT on the
+docstrings of Python's standard library, 8 simulated CPU devices, grid
+pipeline=2, x=2, z=2 (two pipeline stages, each 2-way tensor parallel with
+depth-sharded weights), 4 microbatches through AxoNN's message-driven pipeline.
 
     python examples/train_gpt.py                                   # the default
     python examples/train_gpt.py --grid z=4,data=2 --steps 100     # no pipeline
     mpiexec -n 4 python examples/train_gpt.py --grid pipeline=2,data=2
     mpiexec -n 4 python examples/train_gpt.py --grid pipeline=4
+    python examples/train_gpt.py --data notes.txt                  # your text, as bytes
+    python examples/train_gpt.py --data notes.txt --tokenizer my-tokenizer/   # a local tokenizer
+    python examples/train_gpt.py --data tokens.bin --data-dtype uint16        # token ids (memmap)
+
+Data (``--data``): a text file is read as bytes (vocabulary 256) or encoded by
+``--tokenizer`` (a local directory saved with ``save_pretrained``; needs
+``transformers`` or ``tokenizers``); ``.npy`` and raw ``.bin`` files hold token
+ids (vocabulary: the tokenizer's, else the largest id + 1). The last 5% is held
+out for validation. Batches come from :class:`axonn_jax.loader.Loader`:
+windows of ``--seq + 1`` tokens, a pure function of ``(--seed, step)``, each
+process reading only its rows; its position is saved with every checkpoint.
 
 Writes ``metrics.csv`` (step, loss, tokens_per_s, …), ``loss.png`` and, with a
 pipeline, ``timeline.png`` + ``trace.json`` (Perfetto) of the last step under
@@ -28,7 +39,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default="pipeline=2,x=2,z=2",
                    help="e.g. pipeline=2,x=2,z=2 or x=2,y=2,z=2 or pipeline=2,data=2")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default: 4 with a pipeline, else 1)")
+    p.add_argument("--data", default=None,
+                   help="training data: a text file, or token ids in .npy / raw .bin "
+                        "(default: Python's standard-library docstrings)")
+    p.add_argument("--data-dtype", default=None, choices=("uint8", "uint16", "uint32", "int32"),
+                   help="dtype of the ids in a raw .bin file")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="encode a text --data with this local tokenizer (transformers or tokenizers)")
     p.add_argument("--schedule", default="message", choices=("message", "1f1b", "gpipe"),
                    help="pipeline schedule")
     p.add_argument("--steps", type=int, default=300)
@@ -42,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (default runs/gpt-<grid>)")
     p.add_argument("--devices-per-process", type=int, default=None,
                    help="simulated CPU devices per process (default: 8 / #processes)")  # fmt: skip
-    p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--sample-tokens", "--sample-bytes", dest="sample_tokens", type=int, default=200,
+                   help="length of the generated sample (bytes, or tokens with a tokenizer)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="device dtype of parameters and gradients (fp32 master weights)")
     p.add_argument("--offload", action="store_true",
@@ -60,14 +80,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {args.steps}")
     if args.ckpt_every < 0:
         p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
-    if args.microbatches < 1:
-        p.error(f"--microbatches must be >= 1, got {args.microbatches}")
     try:
         from axonn_jax.partitioner.grid import Grid
 
-        Grid.parse(args.grid)
+        grid = Grid.parse(args.grid)
     except (TypeError, ValueError) as exc:
         p.error(f"--grid {args.grid!r}: {exc}")
+    if args.microbatches is None:
+        args.microbatches = 4 if grid.pipeline > 1 else 1
+    for name in ("microbatches", "batch", "seq", "layers", "hidden", "heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    need = args.microbatches * grid.data * grid.z
+    if args.batch % need:
+        p.error(f"--batch {args.batch} is not divisible by microbatches × data × z = "
+                f"{args.microbatches} × {grid.data} × {grid.z} = {need} (grid {args.grid}): every "
+                f"microbatch is split over data·z. Remedy: --batch {-(-args.batch // need) * need} "
+                "or fewer --microbatches.")  # fmt: skip
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.data_dtype and not (args.data and args.data.endswith((".bin", ".npy"))):
+        p.error("--data-dtype applies to a .bin (or .npy) token file given with --data")
     return args
 
 
@@ -94,18 +127,24 @@ def main(argv=None) -> int:
     import optax
 
     import axonn_jax
-    from axonn_jax.corpus import batch_at, split, stdlib_corpus
-    from axonn_jax.models import GPT, GPTConfig
+    from axonn_jax.corpus import load_corpus, split
+    from axonn_jax.loader import Loader
+    from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
 
     info = axonn_jax.init()
     grid = axonn_jax.Grid.parse(args.grid)
     out = Path(args.out or f"runs/gpt-{args.grid.replace(',', '_').replace('=', '')}")
-    config = GPTConfig(vocab_size=256, num_layers=args.layers, hidden=args.hidden,
+    try:
+        corpus = load_corpus(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
+    except (OSError, ValueError, ImportError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    config = GPTConfig(vocab_size=corpus.vocab_size, num_layers=args.layers, hidden=args.hidden,
                        num_heads=args.heads, max_seq_len=args.seq)  # fmt: skip
     model = GPT(config)
-    train_tokens, valid_tokens = split(stdlib_corpus())
-    if args.batch % args.microbatches:
-        raise SystemExit(f"--batch {args.batch} is not divisible by --microbatches {args.microbatches}")
+    train_tokens, valid_tokens = split(corpus.tokens)
+    if len(train_tokens) < args.seq + 2:
+        raise SystemExit(f"error: {corpus} is too short for windows of --seq + 1 = {args.seq + 1} "
+                         "tokens. Remedy: more data or a shorter --seq.")  # fmt: skip
     # batches hold seq + 1 tokens: the model reads [:, :-1] of a microbatch, the loss predicts [:, 1:]
     example = jnp.zeros((args.batch // args.microbatches, args.seq), jnp.int32)
 
@@ -115,25 +154,26 @@ def main(argv=None) -> int:
     params = pm.init(jax.random.key(args.seed))
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01)
 
-    def next_byte_loss(logits, batch):
-        """Cross-entropy of predicting batch[:, 1:] from logits of batch[:, :-1]."""
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-    def inputs(batch):
-        return (batch[:, :-1],)
-
-    options = dict(inputs=inputs, microbatches=args.microbatches, remat=args.remat)
+    options = dict(inputs=window_inputs, microbatches=args.microbatches, remat=args.remat)
     if grid.pipeline > 1:
         options["schedule"] = args.schedule
-    train_step = pm.train_step(next_byte_loss, optimizer, precision=args.precision,
+    train_step = pm.train_step(next_token_loss, optimizer, precision=args.precision,
                                offload=args.offload, **options)  # fmt: skip
     params, opt_state = train_step.init(params)  # params now in --precision on the devices
     logits_of = _partitioned_forward(pm, microbatches=args.microbatches)
 
     def evaluate(params, batch):  # forward only, on the grid (pipelines included)
-        return next_byte_loss(logits_of(params, inputs(batch)[0]), batch)
+        return next_token_loss(logits_of(params, window_inputs(batch)[0]), batch)
 
-    valid = batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1)
+    valid = None
+    if len(valid_tokens) >= args.seq + 2:
+        valid = Loader(valid_tokens, batch=args.batch, seq=args.seq, mesh=None, seed=1).global_batch(0)
+    elif info.is_main:
+        print(f"no validation: the held-out 5% ({len(valid_tokens)} tokens) is shorter than a window")
+    # one step's windows, sharded over (data, z) on pm.mesh; with a pipeline the
+    # runtime places each microbatch on its stages, so the loader yields host arrays
+    mesh = pm.mesh if grid.pipeline == 1 else None
+    loader = Loader(train_tokens, batch=args.batch, seq=args.seq, mesh=mesh, seed=args.seed)
 
     from axonn_jax.checkpoint import Checkpointer
 
@@ -143,6 +183,7 @@ def main(argv=None) -> int:
         restored = ckpt.restore(params=params, opt_state=opt_state)
         params, opt_state = restored.params, restored.opt_state
         first_step = int(restored.extra["next_step"])
+        loader = _resumed_loader(Loader, train_tokens, restored.extra, loader, first_step, mesh)
         if info.is_main:
             print(f"resumed from {ckpt.directory} at step {first_step}")
     elif args.resume and info.is_main:
@@ -155,13 +196,13 @@ def main(argv=None) -> int:
     tokens_per_step = args.batch * args.seq
     start = time.perf_counter()
     for step in range(first_step, args.steps):
-        batch = batch_at(train_tokens, step=step, batch=args.batch, seq=args.seq, seed=args.seed)
+        batch = next(loader)
         t0 = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, batch)
         loss = float(loss)
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
-        if step % 50 == 0 or step == args.steps - 1:
+        if valid is not None and (step % 50 == 0 or step == args.steps - 1):
             row["valid_loss"] = float(evaluate(params, valid))
         rows.append(row)
         if board is not None:
@@ -169,13 +210,13 @@ def main(argv=None) -> int:
                 if key in row:
                     board.add_scalar(key, row[key], step)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
-            ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1})
+            ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1, "loader": loader.state()})
         progress.update(1)
         progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
     progress.close()
     elapsed = time.perf_counter() - start
     if first_step < args.steps:
-        ckpt.save(args.steps, params, opt_state, extra={"next_step": args.steps})
+        ckpt.save(args.steps, params, opt_state, extra={"next_step": args.steps, "loader": loader.state()})
     ckpt.close()  # waits for the asynchronous writes
     if board is not None:
         board.close()
@@ -185,8 +226,8 @@ def main(argv=None) -> int:
                                         title=f"{args.schedule} schedule, {grid}")
     # sampled through the partitioned model on every rank (a collective; the same key everywhere)
     sample_logits = _partitioned_forward(pm, microbatches=1)  # one row per batch shard
-    sample = _generate(lambda t: sample_logits(params, t), train_tokens[:args.seq],
-                       args.sample_bytes, args.seq, copies=grid.data * grid.z)  # fmt: skip
+    sample = corpus.decode(_generate(lambda t: sample_logits(params, t), train_tokens[:args.seq],
+                                     args.sample_tokens, args.seq, copies=grid.data * grid.z))  # fmt: skip
     if info.is_main:
         if first_step:  # resumed: keep the rows of the steps before the checkpoint
             rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows
@@ -286,8 +327,25 @@ def _partitioned_forward(pm, *, microbatches: int):
     return logits_of
 
 
-def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> str:
-    """Sample ``n`` bytes; ``logits_of(tokens)`` runs the partitioned model.
+def _resumed_loader(loader_type, tokens, extra: dict, loader, step: int, mesh):
+    """The loader at the checkpoint's position (checkpoints without one: at ``step``)."""
+    if "loader" not in extra:
+        loader.step = step
+        return loader
+    try:
+        resumed = loader_type.from_state(tokens, extra["loader"], mesh=mesh)
+    except ValueError as exc:
+        raise SystemExit(f"error: --resume: {exc}") from None
+    if (resumed.batch, resumed.seq, resumed.seed) != (loader.batch, loader.seq, loader.seed):
+        raise SystemExit(
+            f"error: --resume: the checkpoint was trained with --batch {resumed.batch} --seq "
+            f"{resumed.seq} --seed {resumed.seed}; pass the same values to continue its data."
+        )
+    return resumed
+
+
+def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> list[int]:
+    """Sample ``n`` tokens; ``logits_of(tokens)`` runs the partitioned model.
 
     The context is repeated ``copies`` times so that the batch splits over the
     grid's batch axes (and microbatches); row 0 is used.
@@ -302,7 +360,7 @@ def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> str:
         logits = logits_of(context)[0, -1]
         key, sub = jax.random.split(key)
         tokens.append(int(jax.random.categorical(sub, logits / 0.8)))
-    return bytes(tokens[len(prompt) :]).decode("utf-8", errors="replace")
+    return tokens[len(prompt) :]
 
 
 if __name__ == "__main__":
