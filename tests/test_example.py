@@ -50,3 +50,59 @@ def test_bad_cli_arguments():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0 and "expected AXIS=SIZE" in result.stderr
+
+
+def _example_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_example", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _documented_commands() -> list[list[str]]:
+    """The example's flags in every command of its docstring and of the README."""
+    import shlex
+
+    example = _example_module()
+    text = example.__doc__ + (ROOT / "README.md").read_text()
+    commands = []
+    for line in text.splitlines():
+        if "examples/train_gpt.py" in line and not line.lstrip().startswith(("`", "#", "|")):
+            words = shlex.split(line.split("#")[0])
+            commands.append(words[[w.endswith("examples/train_gpt.py") for w in words].index(True) + 1 :])
+    return commands
+
+
+def test_every_documented_command_parses():
+    """Grid, batch and microbatch checks happen at argument parsing, for every documented command."""
+    commands = _documented_commands()
+    assert len(commands) >= 7, commands
+    example = _example_module()
+    for argv in commands:
+        example.parse_args(argv)  # exits 2 with the reason if the command could not run
+    assert example.parse_args(["--grid", "z=4,data=2"]).microbatches == 1  # no pipeline: 1
+    assert example.parse_args([]).microbatches == 4  # the default grid pipelines
+
+
+def test_indivisible_batch_fails_at_parsing():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--grid", "z=4,data=2",
+         "--microbatches", "4"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--batch 16 is not divisible by microbatches × data × z = 4 × 2 × 4 = 32" in result.stderr
+    assert "Remedy: --batch 32" in result.stderr
+
+
+@pytest.mark.slow
+def test_docstring_command_without_pipeline_runs(tmp_path):
+    """`python examples/train_gpt.py --grid z=4,data=2 --steps 100`, for 2 steps."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--grid", "z=4,data=2",
+               "--steps", "2", "--sample-tokens", "8", "--out", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    with (tmp_path / "metrics.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
