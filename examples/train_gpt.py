@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -71,15 +72,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="activation checkpointing policy")
     p.add_argument("--overlap", default="all",
                    help="communication overlap: all, none, or a comma list of oag, ors, oar")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="validation loss every N steps and at the last (0: only at the last)")
+    p.add_argument("--log-every", type=int, default=0,
+                   help="without a terminal: one progress line every N steps (0: about 20 lines)")
+    p.add_argument("--plan-table", action="store_true",
+                   help="print every parameter's layout (default: the plan's summary)")
+    p.add_argument("--all-ranks", action="store_true",
+                   help="under MPI, let every rank print (default: rank 0 only)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
     p.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --ckpt-dir (any grid)")
+    p.add_argument("--fresh", action="store_true",
+                   help="without --resume: delete the checkpoints already in --ckpt-dir and start over")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.ckpt_every < 0:
-        p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
+    for name in ("ckpt_every", "eval_every", "log_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     try:
         from axonn_jax.partitioner.grid import Grid
 
@@ -123,7 +135,6 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     import axonn_jax
@@ -132,6 +143,8 @@ def main(argv=None) -> int:
     from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
 
     info = axonn_jax.init()
+    if info.distributed and not args.all_ranks:  # rank 0 speaks for the job; errors reach stderr
+        _quiet_stdout(silence=not info.is_main)
     grid = axonn_jax.Grid.parse(args.grid)
     out = Path(args.out or f"runs/gpt-{args.grid.replace(',', '_').replace('=', '')}")
     try:
@@ -150,7 +163,8 @@ def main(argv=None) -> int:
 
     pm = axonn_jax.partition(model, grid, example, overlap=args.overlap)
     if info.is_main:
-        print(pm.plan)
+        print(f"data: {corpus}")
+        print(pm.plan.table() if args.plan_table else pm.plan)
     params = pm.init(jax.random.key(args.seed))
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01)
 
@@ -177,7 +191,22 @@ def main(argv=None) -> int:
 
     from axonn_jax.checkpoint import Checkpointer
 
-    ckpt = Checkpointer(Path(args.ckpt_dir or out / "ckpt"), max_to_keep=2)
+    ckpt_dir = Path(args.ckpt_dir or out / "ckpt")
+    ckpt = Checkpointer(ckpt_dir, max_to_keep=2)
+    if ckpt.all_steps() and not args.resume:
+        if not args.fresh:
+            raise SystemExit(
+                f"error: {ckpt_dir} already holds checkpoints (steps {ckpt.all_steps()}). Remedy: "
+                "--resume to continue from the latest, --fresh to delete them and start over, or "
+                "another --out / --ckpt-dir."
+            )
+        ckpt.close()
+        pm.transport.barrier()
+        if info.is_main:
+            print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
+            shutil.rmtree(ckpt_dir)
+        pm.transport.barrier()
+        ckpt = Checkpointer(ckpt_dir, max_to_keep=2)
     first_step = 0
     if args.resume and ckpt.latest_step() is not None:
         restored = ckpt.restore(params=params, opt_state=opt_state)
@@ -191,18 +220,21 @@ def main(argv=None) -> int:
     # batches are a pure function of (seed, step): resuming at step k replays the same data
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    progress = _progress(args.steps, enabled=info.is_main, initial=first_step)
+    progress = _Progress(first_step, args.steps, enabled=info.is_main, every=args.log_every)
     board = _tensorboard(out / "tensorboard") if info.is_main else None
     tokens_per_step = args.batch * args.seq
     start = time.perf_counter()
     for step in range(first_step, args.steps):
         batch = next(loader)
+        if step == first_step:
+            progress.compiling()
         t0 = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, batch)
         loss = float(loss)
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
-        if valid is not None and (step % 50 == 0 or step == args.steps - 1):
+        last = step == args.steps - 1
+        if valid is not None and (last or (args.eval_every and step % args.eval_every == 0)):
             row["valid_loss"] = float(evaluate(params, valid))
         rows.append(row)
         if board is not None:
@@ -211,8 +243,7 @@ def main(argv=None) -> int:
                     board.add_scalar(key, row[key], step)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
             ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1, "loader": loader.state()})
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        progress.step(row, seconds=time.perf_counter() - t0)
     progress.close()
     elapsed = time.perf_counter() - start
     if first_step < args.steps:
@@ -229,26 +260,124 @@ def main(argv=None) -> int:
     sample = corpus.decode(_generate(lambda t: sample_logits(params, t), train_tokens[:args.seq],
                                      args.sample_tokens, args.seq, copies=grid.data * grid.z))  # fmt: skip
     if info.is_main:
+        ran = rows
         if first_step:  # resumed: keep the rows of the steps before the checkpoint
             rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows
         _write_csv(out / "metrics.csv", rows)
         _plot(out / "loss.png", rows, title=f"GPT {config.num_layers}L/{config.hidden}H on {grid}")
-        if not rows:
+        if not ran:
             print(f"nothing to do: the checkpoint is already at step {first_step} >= --steps")
             return 0
-        first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-10:]])
-        print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s); "
-              f"wrote {out}/metrics.csv, {out}/loss.png"
-              + (f", {out}/timeline.png, {out}/trace.json" if grid.pipeline > 1 else ""))  # fmt: skip
+        print(_summary(ran, first_step, args.steps, elapsed, progress.compile_seconds))
+        files = ["metrics.csv", "loss.png"] + (["timeline.png", "trace.json"] if grid.pipeline > 1 else [])
+        print(f"wrote {out}/: {', '.join(files)}")
+        if board is not None:
+            print(f"TensorBoard: {out / 'tensorboard'} (tensorboard --logdir {out / 'tensorboard'})")
+        print(f"checkpoints: {ckpt.directory} (steps {', '.join(map(str, ckpt.all_steps()))}; "
+              "continue with --resume)")  # fmt: skip
         print("sample:", repr(sample))
     return 0
 
 
-def _progress(total: int, *, enabled: bool, initial: int = 0):
-    from tqdm import tqdm
+def _quiet_stdout(*, silence: bool) -> None:
+    """Under MPI: drop this process's stdout (``silence``), or only Gloo's connection lines.
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step",
-                file=sys.stdout)  # fmt: skip
+    Works on file descriptor 1, so it covers what C++ libraries print too. For
+    the filter, a thread copies whole lines from a pipe to the real stdout (it
+    is a pipe to mpiexec anyway), until the process exits.
+    """
+    import atexit
+    import threading
+
+    sys.stdout.flush()
+    if silence:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        return
+    real, restore = os.dup(1), os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb") as lines, os.fdopen(real, "wb", buffering=0) as out:
+            for line in lines:
+                if not line.startswith(b"[Gloo] "):
+                    out.write(line)
+
+    thread = threading.Thread(target=pump, name="stdout-filter", daemon=True)
+    thread.start()
+
+    def finish() -> None:  # closing the pipe's last writer ends the pump
+        sys.stdout.flush()
+        os.dup2(restore, 1)
+        os.close(restore)
+        thread.join(timeout=10)
+
+    atexit.register(finish)
+
+
+def _summary(ran: list[dict], first_step: int, steps: int, elapsed: float, compile_s: float) -> str:
+    """One line: the loss over the steps this run executed (after --resume, only those)."""
+    last = sum(r["loss"] for r in ran[-10:]) / len(ran[-10:])
+    resumed = f", resumed from the checkpoint of step {first_step}" if first_step else ""
+    return (f"\nloss {ran[0]['loss']:.3f} -> {last:.3f} in {len(ran)} steps ({first_step + 1}-{steps} "
+            f"of {steps}{resumed}), {elapsed:.0f} s of which {compile_s:.0f} s compiling")
+
+
+class _Progress:
+    """Progress of the run: a tqdm bar on a terminal, else a plain line every ``every`` steps.
+
+    The first step compiles: it is announced and timed, and rates and the ETA
+    count only the steps after it.
+    """
+
+    def __init__(self, first: int, total: int, *, enabled: bool, every: int = 0) -> None:
+        self.first, self.total, self.enabled = first, total, enabled
+        self.tty = enabled and sys.stdout.isatty()
+        self.every = every or max(1, (total - first) // 20)
+        self.bar, self.compile_seconds, self.started = None, 0.0, None
+
+    def compiling(self) -> None:
+        if self.enabled:  # (a log gets whole lines)
+            print(f"step {self.first + 1}/{self.total}: compiling the train step…",
+                  end=" " if self.tty else "\n", flush=True)  # fmt: skip
+
+    def step(self, row: dict, *, seconds: float) -> None:
+        if self.started is None:  # the first step: compilation (and the first validation)
+            self.compile_seconds, self.started = seconds, time.perf_counter()
+            if self.enabled:
+                print(f"{'done' if self.tty else 'compiled and ran it'} in {seconds:.1f} s "
+                      f"(loss {row['loss']:.3f})", flush=True)  # fmt: skip
+            if self.tty and row["step"] + 1 < self.total:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, initial=row["step"] + 1, desc="train",
+                                unit="step", file=sys.stdout)  # fmt: skip
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        elif self.enabled and ((row["step"] - self.first) % self.every == 0 or row["step"] == self.total - 1):
+            print(self._line(row), flush=True)
+
+    def _line(self, row: dict) -> str:
+        done = row["step"] - self.first  # steps since the compiling one
+        per_step = (time.perf_counter() - self.started) / max(done, 1)
+        valid = f"  valid {row['valid_loss']:.3f}" if "valid_loss" in row else ""
+        return (f"step {row['step'] + 1}/{self.total}  loss {row['loss']:.3f}{valid}  "
+                f"tok/s {row['tokens_per_s']:,.0f}  {per_step:.2f} s/step  "
+                f"eta {_clock(per_step * (self.total - 1 - row['step']))}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _tensorboard(directory: Path):
@@ -290,9 +419,9 @@ def _plot(path: Path, rows: list[dict], *, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
     valid = [(r["step"], r["valid_loss"]) for r in rows if "valid_loss" in r]
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
+    if valid:  # points: evaluations are sparse, a line between them would suggest data
+        ax.plot(*zip(*valid), "o", ms=4, label="validation")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -65,7 +65,7 @@ class StepReport:
     memory: MemoryReport
 
     def __str__(self) -> str:
-        return f"{self.plan}\n\n{self.memory}\n\n{self.communication}"
+        return f"{self.plan}\n{self.plan.table()}\n\n{self.memory}\n\n{self.communication}"
 
 
 def abstract_stage_mesh(grid: Grid) -> AbstractMesh:

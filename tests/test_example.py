@@ -11,7 +11,7 @@ import pytest
 from mpi_util import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--steps", "6", "--layers", "1", "--hidden", "64", "--sample-bytes", "8"]
+ARGS = ["--steps", "6", "--layers", "1", "--hidden", "64", "--sample-tokens", "8"]
 
 
 def _run(prefix, out, timeout=300):
@@ -37,6 +37,9 @@ def test_example_single_process_and_mpiexec_agree(tmp_path):
     # validation and sampling run forward-only through the stages, across the two processes too
     sample = [line for line in stdout.splitlines() if line.startswith("sample:")]
     assert sample and sample == [line for line in stdout_two.splitlines() if line.startswith("sample:")]
+    # rank 0 speaks for the job: one plan, one summary, no Gloo connection lines
+    assert stdout_two.count("Plan for Grid(") == 1 and stdout_two.count("sample:") == 1
+    assert "[Gloo]" not in stdout_two and stdout_two.count("compiling the train step") == 1
 
 
 def test_bad_cli_arguments():
