@@ -65,7 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-tokens", "--sample-bytes", dest="sample_tokens", type=int, default=200,
                    help="length of the generated sample (bytes, or tokens with a tokenizer)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="device dtype of parameters and gradients (fp32 master weights)")
+                   help="device dtype of parameters and gradients (fp32 master weights); bf16 also "
+                        "computes in bf16 on GPU/TPU (fp32 on CPU)")
     p.add_argument("--offload", action="store_true",
                    help="master weights and optimizer state in host memory")
     p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
@@ -151,8 +152,11 @@ def main(argv=None) -> int:
         corpus = load_corpus(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
     except (OSError, ValueError, ImportError) as exc:
         raise SystemExit(f"error: {exc}") from None
+    compute, notice = compute_dtype(args.precision, jax.default_backend())
+    if notice and info.is_main:
+        print(notice)
     config = GPTConfig(vocab_size=corpus.vocab_size, num_layers=args.layers, hidden=args.hidden,
-                       num_heads=args.heads, max_seq_len=args.seq)  # fmt: skip
+                       num_heads=args.heads, max_seq_len=args.seq, dtype=compute)  # fmt: skip
     model = GPT(config)
     train_tokens, valid_tokens = split(corpus.tokens)
     if len(train_tokens) < args.seq + 2:
@@ -277,6 +281,25 @@ def main(argv=None) -> int:
               "continue with --resume)")  # fmt: skip
         print("sample:", repr(sample))
     return 0
+
+
+def compute_dtype(precision: str, backend: str) -> tuple[str, str | None]:
+    """The model's computation dtype for ``--precision`` on ``backend``, and a notice if it differs.
+
+    bf16 stores parameters and gradients in bf16 and computes in bf16 on GPU
+    and TPU. XLA:CPU fails on bf16 all-reduces inside the x/y layers, so on CPU
+    the model computes in fp32 (storage stays bf16). fp16 is storage only:
+    fp16 activations overflow where the loss scale cannot help.
+    """
+    if precision == "bf16" and backend in ("gpu", "tpu", "cuda", "rocm"):
+        return "bfloat16", None
+    if precision == "bf16":
+        return "float32", (f"note: --precision bf16 stores parameters and gradients in bf16; the "
+                           f"model computes in fp32 on {backend} (bf16 compute needs a GPU or TPU)")
+    if precision == "fp16":
+        return "float32", ("note: --precision fp16 stores parameters and gradients in fp16; the "
+                           "model computes in fp32")
+    return "float32", None
 
 
 def _quiet_stdout(*, silence: bool) -> None:
