@@ -8,6 +8,7 @@ PYTEST_ARGS ?=
 # Tests that launch mpiexec jobs run alone, after the others ran on TEST_WORKERS
 # processes (pytest-xdist); exit code 5 = no test selected by PYTEST_ARGS.
 TEST_WORKERS ?= 2
+# --fresh: a second `make demo` starts over (DEMO_ARGS=--resume continues instead)
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
@@ -23,7 +24,7 @@ test: setup
 	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q -m mpi $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: setup
-	$(WITH_VENV) $(PYTHON_VENV) examples/train_gpt.py $(DEMO_ARGS)
+	$(WITH_VENV) $(PYTHON_VENV) examples/train_gpt.py --fresh $(DEMO_ARGS)
 
 bench: setup
 	$(WITH_VENV) $(PYTHON_VENV) benchmarks/run.py $(BENCH_ARGS)

@@ -28,7 +28,10 @@ GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from axonn_jax import __version__
+
     ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
+    ap.add_argument("--version", action="version", version=f"axonn-jax {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="rank the (x, y, z, data, pipeline) grids for a model",
@@ -109,9 +112,12 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
                     microbatches=args.microbatches)  # fmt: skip
     seconds = time.perf_counter() - t0
     if args.json:
-        print(json.dumps([p.as_dict() for p in result.ranked], indent=2))
+        print(json.dumps([{**p.as_dict(), "grid_flag": _grid_flag(p.grid)} for p in result.ranked],
+                         indent=2))  # fmt: skip
     else:
         print(_table(spec, machine, options, args.gpus, result, seconds))
+        if result.ranked:
+            print(_launch(result.ranked[0]))
     if not result.ranked:
         print(
             f"axonn-jax plan: no grid of {args.gpus} GPUs divides and fits {spec.name} "
@@ -174,6 +180,24 @@ def _spec_from_factory(parser, target: str):
         return spec_from_model(model, *inputs, name=f"{target} ({type(model).__name__})")
     except (TypeError, ValueError) as e:
         parser.error(f"--model {target}: cannot plan the model: {e}")
+
+
+def _grid_flag(grid) -> str:
+    """``z=4,data=2``: the axes larger than 1, as ``--grid`` and ``Grid.parse`` take them."""
+    sizes = {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data, "pipeline": grid.pipeline}
+    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "x=1"
+
+
+def _launch(best) -> str:
+    """How to run the top-ranked configuration: the example's flags and the Python call."""
+    flag = _grid_flag(best.grid)
+    mb, offload = best.options.microbatches, best.options.offload
+    step = [f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
+    python = f"axonn_jax.Grid({flag.replace(',', ', ')})"
+    if step:
+        python += f" and pm.train_step(..., {', '.join(step)})"
+    return (f"\nto launch rank 1: --grid {flag} --microbatches {mb}{' --offload' * offload}"
+            f"   (in Python: {python})")
 
 
 def _gib(n: float) -> str:

@@ -1,16 +1,26 @@
 """A deterministic, resumable loader that gives every process its shard of the batch.
 
 The global batch of step ``n`` is :func:`axonn_jax.corpus.batch_at` (a pure
-function of ``(seed, n)``), laid out for a stage mesh ``(data, z, y, x)``:
-the batch dim is split over ``(data, z)`` and replicated over ``x`` and ``y``,
-the layout ``pm.apply`` expects. The array is built with
-``jax.make_array_from_callback``, so each process reads only the token windows
-of its own devices (the window offsets of the whole batch are a few integers).
+function of ``(seed, n)``): ``batch`` windows of ``seq + 1`` tokens, the
+model's inputs ``window[:, :-1]`` and the next tokens they predict. It is laid
+out for a stage mesh ``(data, z, y, x)``: the batch dim is split over
+``(data, z)`` and replicated over ``x`` and ``y``, the layout ``pm.apply``
+expects. The array is built with ``jax.make_array_from_callback``, so each
+process reads only the token windows of its own devices (the window offsets
+of the whole batch are a few integers). With ``mesh=None`` (pipelines: the
+runtime places each microbatch on its stages) a step is a host array.
+
+The windows pair with :func:`axonn_jax.models.next_token_loss`, which takes a
+``[B, S + 1]`` window beside ``[B, S, vocab]`` logits.
 
 Example::
 
+    from axonn_jax.models import next_token_loss, window_inputs
+
     loader = Loader(tokens, batch=16, seq=64, mesh=pm.mesh, seed=0)
     batch = next(loader)                   # [16, 65] int32, rows split over (data, z)
+    loss = next_token_loss(pm.apply(params, batch[:, :-1]), batch)
+    step = pm.train_step(next_token_loss, optax.adamw(1e-3), inputs=window_inputs)  # the same
     state = loader.state()                 # {'step': 1, 'seed': 0, ...}: save it with a checkpoint
     loader = Loader.from_state(tokens, state, mesh=pm.mesh)   # ... and resume exactly
 """
@@ -39,6 +49,8 @@ class Loader:
         seq: sequence length; each row holds ``seq + 1`` tokens (inputs and shifted labels).
         mesh: a stage mesh with axes ``data`` and ``z`` (``pm.mesh`` or
             ``grid.stage_meshes()[s]``); other axes replicate the batch.
+            ``None``: host (numpy) arrays of the whole batch, e.g. for
+            ``pm.train_step`` on a pipeline grid.
         seed: the data seed; batches are a pure function of ``(seed, step)``.
         microbatches: ``m > 1`` makes each step an ``[m, batch / m, seq + 1]``
             array: microbatch ``i`` is rows ``i·batch/m … (i+1)·batch/m`` of the
@@ -52,7 +64,7 @@ class Loader:
         *,
         batch: int,
         seq: int,
-        mesh: Mesh,
+        mesh: Mesh | None,
         seed: int = 0,
         microbatches: int = 1,
         step: int = 0,
@@ -68,17 +80,18 @@ class Loader:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        missing = [a for a in BATCH_AXES if a not in mesh.axis_names]
+        missing = [] if mesh is None else [a for a in BATCH_AXES if a not in mesh.axis_names]
         if missing:
             raise ValueError(
                 f"mesh axes {mesh.axis_names} lack {missing}: the loader splits the batch over "
                 f"{BATCH_AXES}. Remedy: pass a stage mesh (pm.mesh or grid.stage_meshes()[s])."
             )
-        shards = int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+        sizes = {a: 1 if mesh is None else mesh.shape[a] for a in BATCH_AXES}
+        shards = int(np.prod(list(sizes.values())))
         if batch % (microbatches * shards):
             raise ValueError(
                 f"batch {batch} is not divisible by microbatches × data × z = {microbatches} × "
-                f"{mesh.shape['data']} × {mesh.shape['z']}: each microbatch is split over "
+                f"{sizes['data']} × {sizes['z']}: each microbatch is split over "
                 f"(data, z). Remedy: use a batch that is a multiple of {microbatches * shards}."
             )
         window_starts(len(self.tokens), step=0, batch=1, seq=seq, seed=seed)  # validates seq
@@ -92,7 +105,8 @@ class Loader:
                     microbatches=self.microbatches, num_tokens=len(self.tokens))  # fmt: skip
 
     @classmethod
-    def from_state(cls, tokens: np.ndarray, state: Mapping[str, int], *, mesh: Mesh) -> Loader:
+    def from_state(cls, tokens: np.ndarray, state: Mapping[str, int], *,
+                   mesh: Mesh | None) -> Loader:  # fmt: skip
         """Resume from :meth:`state`; the corpus must have the length it had then."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
@@ -112,8 +126,10 @@ class Loader:
         return batch_at(self.tokens, step=step, batch=self.batch, seq=self.seq, seed=self.seed)
 
     @property
-    def sharding(self) -> NamedSharding:
-        """Where a step's array lives: batch rows over ``(data, z)``."""
+    def sharding(self) -> NamedSharding | None:
+        """Where a step's array lives: batch rows over ``(data, z)`` (``None``: on the host)."""
+        if self.mesh is None:
+            return None
         spec = P(BATCH_AXES) if self.microbatches == 1 else P(None, BATCH_AXES)
         return NamedSharding(self.mesh, spec)
 
@@ -123,8 +139,10 @@ class Loader:
         rows, m = self.batch, self.microbatches
         return (rows, self.seq + 1) if m == 1 else (m, rows // m, self.seq + 1)
 
-    def at(self, step: int) -> jax.Array:
+    def at(self, step: int) -> jax.Array | np.ndarray:
         """The sharded array of ``step``; each process reads only its own rows."""
+        if self.mesh is None:
+            return self.global_batch(step).reshape(self.shape)
         starts = window_starts(len(self.tokens), step=step, batch=self.batch, seq=self.seq,
                                seed=self.seed).reshape(self.shape[:-1])  # fmt: skip
         cache: dict[tuple, np.ndarray] = {}
@@ -142,11 +160,12 @@ class Loader:
     def __iter__(self) -> Loader:
         return self
 
-    def __next__(self) -> jax.Array:
+    def __next__(self) -> jax.Array | np.ndarray:
         out = self.at(self.step)
         self.step += 1
         return out
 
     def __repr__(self) -> str:
         return (f"Loader(batch={self.batch}, seq={self.seq}, microbatches={self.microbatches}, "
-                f"seed={self.seed}, step={self.step}, mesh={dict(self.mesh.shape)})")  # fmt: skip
+                f"seed={self.seed}, step={self.step}, "
+                f"mesh={None if self.mesh is None else dict(self.mesh.shape)})")  # fmt: skip

@@ -5,7 +5,7 @@ Example (a user-written jitted train step)::
     pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, y=2, z=2), tokens)
     params = pm.init(jax.random.key(0))
     opt = optax.adamw(1e-3)
-    opt_state = opt.init(params)
+    opt_state = pm.init_optimizer(opt, params)     # laid out as the step returns it: compiles once
 
     @jax.jit
     def train_step(params, opt_state, tokens):
@@ -210,6 +210,31 @@ class Partitioned:
         """
         tree, wrapped = self._planned_tree(params)
         return _wrap(self.placed.gather(tree), wrapped)
+
+    def init_optimizer(self, optimizer, params):
+        """``optimizer.init(params)`` laid out as a jitted step returns it, so the step compiles once.
+
+        Parameter-like leaves (Adam moments) take their parameter's layout and
+        everything else (step counters) is replicated on :attr:`mesh`. A plain
+        ``optimizer.init(params)`` leaves the counters on one device; after the
+        first step they live on the mesh, and the step compiles a second time.
+        With a pipeline, ``pm.train_step(...).init(params)`` places the state per stage.
+        """
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        from axonn_jax.runtime.offload import optimizer_state_shardings
+
+        if self.grid.pipeline > 1:
+            raise ValueError(
+                f"init_optimizer lays the state out on one mesh, and {self.grid} has "
+                f"{self.grid.pipeline} stage meshes. Remedy: step = pm.train_step(loss_fn, "
+                "optimizer); params, opt_state = step.init(params)."
+            )
+        _, wrapped = self._planned_tree(params)
+        shardings = optimizer_state_shardings(optimizer, params, _wrap(self.param_shardings, wrapped),
+                                              NamedSharding(self.mesh, P()))  # fmt: skip
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def _planned_tree(self, tree) -> tuple[Any, bool]:
         """``tree`` as the plan holds it, and whether it came as ``{'params': tree}``.

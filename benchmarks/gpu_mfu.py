@@ -1,7 +1,7 @@
 """Model FLOPs utilisation (MFU) of a GPT train step on the GPUs of this machine.
 
 FLOPs of one step from the model (``GPTConfig.flops_per_token``, the IPDPS'22
-count of design.md §6, here without activation recompute since none is done)
+count, here without activation recompute since none is done)
 and, as a cross-check, from XLA's cost analysis of the compiled step; divided
 by the median step time and by ``--peak-tflops`` × the number of GPUs. Two
 steps on the same devices, interleaved: axonn_jax on ``Grid(data=n)`` and the

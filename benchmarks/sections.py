@@ -183,7 +183,7 @@ def mfu_section(r: dict) -> str:
     if "skipped" in r:
         return r["skipped"] + "."
     lines = [f"GPT ({r['params']:,} parameters, {r['dtype']}) on {r['devices']}× {r['device']}; "
-             f"model FLOPs per step {r['model_flops']:.3g} (design.md §6 count, no recompute); "
+             f"model FLOPs per step {r['model_flops']:.3g} (IPDPS'22 count, no recompute); "
              f"peak {r['peak_tflops'] or '?'} TFLOP/s per device.", "",
              "| step | TFLOP/s per device | MFU | XLA cost-analysis FLOPs / model FLOPs | (median) |",
              "| --- | --- | --- | --- | --- |"]  # fmt: skip

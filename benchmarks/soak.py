@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     mpiexec = Path(sys.executable).parent / "mpiexec"
     example = ["--grid", args.grid, "--steps", str(args.steps), *SMALL_MODEL,
-               "--out", str(out / "run"), *args.example_args]  # fmt: skip
+               "--out", str(out / "run"), "--fresh", *args.example_args]  # fmt: skip
     command = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.procs),
                sys.executable, str(ROOT / "benchmarks" / "soak_worker.py"),
                "--memory-dir", str(out / "memory"), "--", *example]  # fmt: skip

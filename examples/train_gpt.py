@@ -1,14 +1,25 @@
-"""Train a small byte-level GPT with axonn_jax's 4D tensor parallelism and pipeline.
+"""Train a small GPT with axonn_jax's 4D tensor parallelism and pipeline, on your data or ours.
 
-The embedded default that ``make demo`` runs: a small GPT on the docstrings of
-Python's standard library, 8 simulated CPU devices, grid pipeline=2, x=2, z=2
-(two pipeline stages, each 2-way tensor parallel with depth-sharded weights),
-4 microbatches through AxoNN's message-driven pipeline.
+The embedded default that ``make demo`` runs: a small byte-level GPT on the
+docstrings of Python's standard library, 8 simulated CPU devices, grid
+pipeline=2, x=2, z=2 (two pipeline stages, each 2-way tensor parallel with
+depth-sharded weights), 4 microbatches through AxoNN's message-driven pipeline.
 
     python examples/train_gpt.py                                   # the default
     python examples/train_gpt.py --grid z=4,data=2 --steps 100     # no pipeline
     mpiexec -n 4 python examples/train_gpt.py --grid pipeline=2,data=2
     mpiexec -n 4 python examples/train_gpt.py --grid pipeline=4
+    python examples/train_gpt.py --data notes.txt                  # your text, as bytes
+    python examples/train_gpt.py --data notes.txt --tokenizer my-tokenizer/   # a local tokenizer
+    python examples/train_gpt.py --data tokens.bin --data-dtype uint16        # token ids (memmap)
+
+Data (``--data``): a text file is read as bytes (vocabulary 256) or encoded by
+``--tokenizer`` (a local directory saved with ``save_pretrained``; needs
+``transformers`` or ``tokenizers``); ``.npy`` and raw ``.bin`` files hold token
+ids (vocabulary: the tokenizer's, else the largest id + 1). The last 5% is held
+out for validation. Batches come from :class:`axonn_jax.loader.Loader`:
+windows of ``--seq + 1`` tokens, a pure function of ``(--seed, step)``, each
+process reading only its rows; its position is saved with every checkpoint.
 
 Writes ``metrics.csv`` (step, loss, tokens_per_s, …), ``loss.png`` and, with a
 pipeline, ``timeline.png`` + ``trace.json`` (Perfetto) of the last step under
@@ -19,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,7 +40,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default="pipeline=2,x=2,z=2",
                    help="e.g. pipeline=2,x=2,z=2 or x=2,y=2,z=2 or pipeline=2,data=2")
-    p.add_argument("--microbatches", type=int, default=4, help="microbatches per step")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per step (default: 4 with a pipeline, else 1)")
+    p.add_argument("--data", default=None,
+                   help="training data: a text file, or token ids in .npy / raw .bin "
+                        "(default: Python's standard-library docstrings)")
+    p.add_argument("--data-dtype", default=None, choices=("uint8", "uint16", "uint32", "int32"),
+                   help="dtype of the ids in a raw .bin file")
+    p.add_argument("--tokenizer", default=None, metavar="NAME_OR_PATH",
+                   help="encode a text --data with this local tokenizer (transformers or tokenizers)")
     p.add_argument("--schedule", default="message", choices=("message", "1f1b", "gpipe"),
                    help="pipeline schedule")
     p.add_argument("--steps", type=int, default=300)
@@ -42,32 +62,58 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="output directory (default runs/gpt-<grid>)")
     p.add_argument("--devices-per-process", type=int, default=None,
                    help="simulated CPU devices per process (default: 8 / #processes)")  # fmt: skip
-    p.add_argument("--sample-bytes", type=int, default=200)
+    p.add_argument("--sample-tokens", "--sample-bytes", dest="sample_tokens", type=int, default=200,
+                   help="length of the generated sample (bytes, or tokens with a tokenizer)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="device dtype of parameters and gradients (fp32 master weights)")
+                   help="device dtype of parameters and gradients (fp32 master weights); bf16 also "
+                        "computes in bf16 on GPU/TPU (fp32 on CPU)")
     p.add_argument("--offload", action="store_true",
                    help="master weights and optimizer state in host memory")
     p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
                    help="activation checkpointing policy")
     p.add_argument("--overlap", default="all",
                    help="communication overlap: all, none, or a comma list of oag, ors, oar")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="validation loss every N steps and at the last (0: only at the last)")
+    p.add_argument("--log-every", type=int, default=0,
+                   help="without a terminal: one progress line every N steps (0: about 20 lines)")
+    p.add_argument("--plan-table", action="store_true",
+                   help="print every parameter's layout (default: the plan's summary)")
+    p.add_argument("--all-ranks", action="store_true",
+                   help="under MPI, let every rank print (default: rank 0 only)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
     p.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --ckpt-dir (any grid)")
+    p.add_argument("--fresh", action="store_true",
+                   help="without --resume: delete the checkpoints already in --ckpt-dir and start over")
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    if args.ckpt_every < 0:
-        p.error(f"--ckpt-every must be >= 0, got {args.ckpt_every}")
-    if args.microbatches < 1:
-        p.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    for name in ("ckpt_every", "eval_every", "log_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     try:
         from axonn_jax.partitioner.grid import Grid
 
-        Grid.parse(args.grid)
+        grid = Grid.parse(args.grid)
     except (TypeError, ValueError) as exc:
         p.error(f"--grid {args.grid!r}: {exc}")
+    if args.microbatches is None:
+        args.microbatches = 4 if grid.pipeline > 1 else 1
+    for name in ("microbatches", "batch", "seq", "layers", "hidden", "heads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    need = args.microbatches * grid.data * grid.z
+    if args.batch % need:
+        p.error(f"--batch {args.batch} is not divisible by microbatches × data × z = "
+                f"{args.microbatches} × {grid.data} × {grid.z} = {need} (grid {args.grid}): every "
+                f"microbatch is split over data·z. Remedy: --batch {-(-args.batch // need) * need} "
+                "or fewer --microbatches.")  # fmt: skip
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    if args.data_dtype and not (args.data and args.data.endswith((".bin", ".npy"))):
+        p.error("--data-dtype applies to a .bin (or .npy) token file given with --data")
     return args
 
 
@@ -90,59 +136,87 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
     import optax
 
     import axonn_jax
-    from axonn_jax.corpus import batch_at, split, stdlib_corpus
-    from axonn_jax.models import GPT, GPTConfig
+    from axonn_jax.corpus import load_corpus, split
+    from axonn_jax.loader import Loader
+    from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
 
     info = axonn_jax.init()
+    if info.distributed and not args.all_ranks:  # rank 0 speaks for the job; errors reach stderr
+        _quiet_stdout(silence=not info.is_main)
     grid = axonn_jax.Grid.parse(args.grid)
     out = Path(args.out or f"runs/gpt-{args.grid.replace(',', '_').replace('=', '')}")
-    config = GPTConfig(vocab_size=256, num_layers=args.layers, hidden=args.hidden,
-                       num_heads=args.heads, max_seq_len=args.seq)  # fmt: skip
+    try:
+        corpus = load_corpus(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
+    except (OSError, ValueError, ImportError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    compute, notice = compute_dtype(args.precision, jax.default_backend())
+    if notice and info.is_main:
+        print(notice)
+    config = GPTConfig(vocab_size=corpus.vocab_size, num_layers=args.layers, hidden=args.hidden,
+                       num_heads=args.heads, max_seq_len=args.seq, dtype=compute)  # fmt: skip
     model = GPT(config)
-    train_tokens, valid_tokens = split(stdlib_corpus())
-    if args.batch % args.microbatches:
-        raise SystemExit(f"--batch {args.batch} is not divisible by --microbatches {args.microbatches}")
+    train_tokens, valid_tokens = split(corpus.tokens)
+    if len(train_tokens) < args.seq + 2:
+        raise SystemExit(f"error: {corpus} is too short for windows of --seq + 1 = {args.seq + 1} "
+                         "tokens. Remedy: more data or a shorter --seq.")  # fmt: skip
     # batches hold seq + 1 tokens: the model reads [:, :-1] of a microbatch, the loss predicts [:, 1:]
     example = jnp.zeros((args.batch // args.microbatches, args.seq), jnp.int32)
 
     pm = axonn_jax.partition(model, grid, example, overlap=args.overlap)
     if info.is_main:
-        print(pm.plan)
+        print(f"data: {corpus}")
+        print(pm.plan.table() if args.plan_table else pm.plan)
     params = pm.init(jax.random.key(args.seed))
     optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01)
 
-    def next_byte_loss(logits, batch):
-        """Cross-entropy of predicting batch[:, 1:] from logits of batch[:, :-1]."""
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-    def inputs(batch):
-        return (batch[:, :-1],)
-
-    options = dict(inputs=inputs, microbatches=args.microbatches, remat=args.remat)
+    options = dict(inputs=window_inputs, microbatches=args.microbatches, remat=args.remat)
     if grid.pipeline > 1:
         options["schedule"] = args.schedule
-    train_step = pm.train_step(next_byte_loss, optimizer, precision=args.precision,
+    train_step = pm.train_step(next_token_loss, optimizer, precision=args.precision,
                                offload=args.offload, **options)  # fmt: skip
     params, opt_state = train_step.init(params)  # params now in --precision on the devices
     logits_of = _partitioned_forward(pm, microbatches=args.microbatches)
 
     def evaluate(params, batch):  # forward only, on the grid (pipelines included)
-        return next_byte_loss(logits_of(params, inputs(batch)[0]), batch)
+        return next_token_loss(logits_of(params, window_inputs(batch)[0]), batch)
 
-    valid = batch_at(valid_tokens, step=0, batch=args.batch, seq=args.seq, seed=1)
+    valid = None
+    if len(valid_tokens) >= args.seq + 2:
+        valid = Loader(valid_tokens, batch=args.batch, seq=args.seq, mesh=None, seed=1).global_batch(0)
+    elif info.is_main:
+        print(f"no validation: the held-out 5% ({len(valid_tokens)} tokens) is shorter than a window")
+    # one step's windows, sharded over (data, z) on pm.mesh; with a pipeline the
+    # runtime places each microbatch on its stages, so the loader yields host arrays
+    mesh = pm.mesh if grid.pipeline == 1 else None
+    loader = Loader(train_tokens, batch=args.batch, seq=args.seq, mesh=mesh, seed=args.seed)
 
     from axonn_jax.checkpoint import Checkpointer
 
-    ckpt = Checkpointer(Path(args.ckpt_dir or out / "ckpt"), max_to_keep=2)
+    ckpt_dir = Path(args.ckpt_dir or out / "ckpt")
+    ckpt = Checkpointer(ckpt_dir, max_to_keep=2)
+    if ckpt.all_steps() and not args.resume:
+        if not args.fresh:
+            raise SystemExit(
+                f"error: {ckpt_dir} already holds checkpoints (steps {ckpt.all_steps()}). Remedy: "
+                "--resume to continue from the latest, --fresh to delete them and start over, or "
+                "another --out / --ckpt-dir."
+            )
+        ckpt.close()
+        pm.transport.barrier()
+        if info.is_main:
+            print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
+            shutil.rmtree(ckpt_dir)
+        pm.transport.barrier()
+        ckpt = Checkpointer(ckpt_dir, max_to_keep=2)
     first_step = 0
     if args.resume and ckpt.latest_step() is not None:
         restored = ckpt.restore(params=params, opt_state=opt_state)
         params, opt_state = restored.params, restored.opt_state
         first_step = int(restored.extra["next_step"])
+        loader = _resumed_loader(Loader, train_tokens, restored.extra, loader, first_step, mesh)
         if info.is_main:
             print(f"resumed from {ckpt.directory} at step {first_step}")
     elif args.resume and info.is_main:
@@ -150,18 +224,21 @@ def main(argv=None) -> int:
     # batches are a pure function of (seed, step): resuming at step k replays the same data
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    progress = _progress(args.steps, enabled=info.is_main, initial=first_step)
+    progress = _Progress(first_step, args.steps, enabled=info.is_main, every=args.log_every)
     board = _tensorboard(out / "tensorboard") if info.is_main else None
     tokens_per_step = args.batch * args.seq
     start = time.perf_counter()
     for step in range(first_step, args.steps):
-        batch = batch_at(train_tokens, step=step, batch=args.batch, seq=args.seq, seed=args.seed)
+        batch = next(loader)
+        if step == first_step:
+            progress.compiling()
         t0 = time.perf_counter()
         params, opt_state, loss = train_step(params, opt_state, batch)
         loss = float(loss)
         dt = time.perf_counter() - t0
         row = {"step": step, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
-        if step % 50 == 0 or step == args.steps - 1:
+        last = step == args.steps - 1
+        if valid is not None and (last or (args.eval_every and step % args.eval_every == 0)):
             row["valid_loss"] = float(evaluate(params, valid))
         rows.append(row)
         if board is not None:
@@ -169,13 +246,12 @@ def main(argv=None) -> int:
                 if key in row:
                     board.add_scalar(key, row[key], step)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
-            ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1})
-        progress.update(1)
-        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+            ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1, "loader": loader.state()})
+        progress.step(row, seconds=time.perf_counter() - t0)
     progress.close()
     elapsed = time.perf_counter() - start
     if first_step < args.steps:
-        ckpt.save(args.steps, params, opt_state, extra={"next_step": args.steps})
+        ckpt.save(args.steps, params, opt_state, extra={"next_step": args.steps, "loader": loader.state()})
     ckpt.close()  # waits for the asynchronous writes
     if board is not None:
         board.close()
@@ -185,29 +261,146 @@ def main(argv=None) -> int:
                                         title=f"{args.schedule} schedule, {grid}")
     # sampled through the partitioned model on every rank (a collective; the same key everywhere)
     sample_logits = _partitioned_forward(pm, microbatches=1)  # one row per batch shard
-    sample = _generate(lambda t: sample_logits(params, t), train_tokens[:args.seq],
-                       args.sample_bytes, args.seq, copies=grid.data * grid.z)  # fmt: skip
+    sample = corpus.decode(_generate(lambda t: sample_logits(params, t), train_tokens[:args.seq],
+                                     args.sample_tokens, args.seq, copies=grid.data * grid.z))  # fmt: skip
     if info.is_main:
+        ran = rows
         if first_step:  # resumed: keep the rows of the steps before the checkpoint
             rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows
         _write_csv(out / "metrics.csv", rows)
         _plot(out / "loss.png", rows, title=f"GPT {config.num_layers}L/{config.hidden}H on {grid}")
-        if not rows:
+        if not ran:
             print(f"nothing to do: the checkpoint is already at step {first_step} >= --steps")
             return 0
-        first, last = rows[0]["loss"], np.mean([r["loss"] for r in rows[-10:]])
-        print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({elapsed:.0f} s); "
-              f"wrote {out}/metrics.csv, {out}/loss.png"
-              + (f", {out}/timeline.png, {out}/trace.json" if grid.pipeline > 1 else ""))  # fmt: skip
+        print(_summary(ran, first_step, args.steps, elapsed, progress.compile_seconds))
+        files = ["metrics.csv", "loss.png"] + (["timeline.png", "trace.json"] if grid.pipeline > 1 else [])
+        print(f"wrote {out}/: {', '.join(files)}")
+        if board is not None:
+            print(f"TensorBoard: {out / 'tensorboard'} (tensorboard --logdir {out / 'tensorboard'})")
+        print(f"checkpoints: {ckpt.directory} (steps {', '.join(map(str, ckpt.all_steps()))}; "
+              "continue with --resume)")  # fmt: skip
         print("sample:", repr(sample))
     return 0
 
 
-def _progress(total: int, *, enabled: bool, initial: int = 0):
-    from tqdm import tqdm
+def compute_dtype(precision: str, backend: str) -> tuple[str, str | None]:
+    """The model's computation dtype for ``--precision`` on ``backend``, and a notice if it differs.
 
-    return tqdm(total=total, initial=initial, disable=not enabled, desc="train", unit="step",
-                file=sys.stdout)  # fmt: skip
+    bf16 stores parameters and gradients in bf16 and computes in bf16 on GPU
+    and TPU. XLA:CPU fails on bf16 all-reduces inside the x/y layers, so on CPU
+    the model computes in fp32 (storage stays bf16). fp16 is storage only:
+    fp16 activations overflow where the loss scale cannot help.
+    """
+    if precision == "bf16" and backend in ("gpu", "tpu", "cuda", "rocm"):
+        return "bfloat16", None
+    if precision == "bf16":
+        return "float32", (f"note: --precision bf16 stores parameters and gradients in bf16; the "
+                           f"model computes in fp32 on {backend} (bf16 compute needs a GPU or TPU)")
+    if precision == "fp16":
+        return "float32", ("note: --precision fp16 stores parameters and gradients in fp16; the "
+                           "model computes in fp32")
+    return "float32", None
+
+
+def _quiet_stdout(*, silence: bool) -> None:
+    """Under MPI: drop this process's stdout (``silence``), or only Gloo's connection lines.
+
+    Works on file descriptor 1, so it covers what C++ libraries print too. For
+    the filter, a thread copies whole lines from a pipe to the real stdout (it
+    is a pipe to mpiexec anyway), until the process exits.
+    """
+    import atexit
+    import threading
+
+    sys.stdout.flush()
+    if silence:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+        return
+    real, restore = os.dup(1), os.dup(1)
+    read, write = os.pipe()
+    os.dup2(write, 1)
+    os.close(write)
+
+    def pump() -> None:
+        with os.fdopen(read, "rb") as lines, os.fdopen(real, "wb", buffering=0) as out:
+            for line in lines:
+                if not line.startswith(b"[Gloo] "):
+                    out.write(line)
+
+    thread = threading.Thread(target=pump, name="stdout-filter", daemon=True)
+    thread.start()
+
+    def finish() -> None:  # closing the pipe's last writer ends the pump
+        sys.stdout.flush()
+        os.dup2(restore, 1)
+        os.close(restore)
+        thread.join(timeout=10)
+
+    atexit.register(finish)
+
+
+def _summary(ran: list[dict], first_step: int, steps: int, elapsed: float, compile_s: float) -> str:
+    """One line: the loss over the steps this run executed (after --resume, only those)."""
+    last = sum(r["loss"] for r in ran[-10:]) / len(ran[-10:])
+    resumed = f", resumed from the checkpoint of step {first_step}" if first_step else ""
+    return (f"\nloss {ran[0]['loss']:.3f} -> {last:.3f} in {len(ran)} steps ({first_step + 1}-{steps} "
+            f"of {steps}{resumed}), {elapsed:.0f} s of which {compile_s:.0f} s compiling")
+
+
+class _Progress:
+    """Progress of the run: a tqdm bar on a terminal, else a plain line every ``every`` steps.
+
+    The first step compiles: it is announced and timed, and rates and the ETA
+    count only the steps after it.
+    """
+
+    def __init__(self, first: int, total: int, *, enabled: bool, every: int = 0) -> None:
+        self.first, self.total, self.enabled = first, total, enabled
+        self.tty = enabled and sys.stdout.isatty()
+        self.every = every or max(1, (total - first) // 20)
+        self.bar, self.compile_seconds, self.started = None, 0.0, None
+
+    def compiling(self) -> None:
+        if self.enabled:  # (a log gets whole lines)
+            print(f"step {self.first + 1}/{self.total}: compiling the train step…",
+                  end=" " if self.tty else "\n", flush=True)  # fmt: skip
+
+    def step(self, row: dict, *, seconds: float) -> None:
+        if self.started is None:  # the first step: compilation (and the first validation)
+            self.compile_seconds, self.started = seconds, time.perf_counter()
+            if self.enabled:
+                print(f"{'done' if self.tty else 'compiled and ran it'} in {seconds:.1f} s "
+                      f"(loss {row['loss']:.3f})", flush=True)  # fmt: skip
+            if self.tty and row["step"] + 1 < self.total:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=self.total, initial=row["step"] + 1, desc="train",
+                                unit="step", file=sys.stdout)  # fmt: skip
+            return
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+        elif self.enabled and ((row["step"] - self.first) % self.every == 0 or row["step"] == self.total - 1):
+            print(self._line(row), flush=True)
+
+    def _line(self, row: dict) -> str:
+        done = row["step"] - self.first  # steps since the compiling one
+        per_step = (time.perf_counter() - self.started) / max(done, 1)
+        valid = f"  valid {row['valid_loss']:.3f}" if "valid_loss" in row else ""
+        return (f"step {row['step'] + 1}/{self.total}  loss {row['loss']:.3f}{valid}  "
+                f"tok/s {row['tokens_per_s']:,.0f}  {per_step:.2f} s/step  "
+                f"eta {_clock(per_step * (self.total - 1 - row['step']))}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
 
 
 def _tensorboard(directory: Path):
@@ -249,9 +442,9 @@ def _plot(path: Path, rows: list[dict], *, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train", lw=1)
     valid = [(r["step"], r["valid_loss"]) for r in rows if "valid_loss" in r]
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation")
-    ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)", title=title)
+    if valid:  # points: evaluations are sparse, a line between them would suggest data
+        ax.plot(*zip(*valid), "o", ms=4, label="validation")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title=title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -286,8 +479,25 @@ def _partitioned_forward(pm, *, microbatches: int):
     return logits_of
 
 
-def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> str:
-    """Sample ``n`` bytes; ``logits_of(tokens)`` runs the partitioned model.
+def _resumed_loader(loader_type, tokens, extra: dict, loader, step: int, mesh):
+    """The loader at the checkpoint's position (checkpoints without one: at ``step``)."""
+    if "loader" not in extra:
+        loader.step = step
+        return loader
+    try:
+        resumed = loader_type.from_state(tokens, extra["loader"], mesh=mesh)
+    except ValueError as exc:
+        raise SystemExit(f"error: --resume: {exc}") from None
+    if (resumed.batch, resumed.seq, resumed.seed) != (loader.batch, loader.seq, loader.seed):
+        raise SystemExit(
+            f"error: --resume: the checkpoint was trained with --batch {resumed.batch} --seq "
+            f"{resumed.seq} --seed {resumed.seed}; pass the same values to continue its data."
+        )
+    return resumed
+
+
+def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> list[int]:
+    """Sample ``n`` tokens; ``logits_of(tokens)`` runs the partitioned model.
 
     The context is repeated ``copies`` times so that the batch splits over the
     grid's batch axes (and microbatches); row 0 is used.
@@ -302,7 +512,7 @@ def _generate(logits_of, prompt, n: int, window: int, *, copies: int) -> str:
         logits = logits_of(context)[0, -1]
         key, sub = jax.random.split(key)
         tokens.append(int(jax.random.categorical(sub, logits / 0.8)))
-    return bytes(tokens[len(prompt) :]).decode("utf-8", errors="replace")
+    return tokens[len(prompt) :]
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 Example:
     >>> print(pm.plan)                                   # doctest: +SKIP
     Plan for Grid(x=2, y=2, z=2, data=1, pipeline=1): 6 parameters ...
+    >>> print(pm.plan.table())                           # doctest: +SKIP
+    parameter   shape   stored as   role   bytes/device ...
 """
 
 from __future__ import annotations
@@ -114,22 +116,21 @@ class Plan:
         return tuple(line if n == 1 else f"{line} ({n} times)" for line, n in counts.items())
 
     def __str__(self) -> str:
+        """A compact summary: totals, warnings, parameters by role, memory, stages.
+
+        :meth:`table` lists every parameter.
+        """
         g = self.grid
-        rows = [("parameter", "shape", "stored as", "role", "bytes/device")]
-        for p in self.params:
-            rows.append((p.path, "×".join(map(str, p.shape)) or "scalar", describe(p.storage),
-                         p.role.value if p.trainable else f"state, {p.role.value}", f"{p.bytes_per_device(g):,}"))  # fmt: skip
-        widths = [max(len(r[i]) for r in rows) for i in range(5)]
         lines = [
             f"Plan for {g}: {len(self.params)} parameters, "
             f"{self.total_param_bytes:,} bytes total, "
             f"{self.param_bytes_per_device:,} bytes per device "
             f"({self.total_param_bytes / max(self.param_bytes_per_device, 1):.2f}× less)"
         ]
-        for i, row in enumerate(rows):
-            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-            if i == 0:
-                lines.append("  ".join("-" * w for w in widths))
+        if self.warnings:
+            lines.append("warnings:")
+            lines.extend(f"  - {w}" for w in self.warnings)
+        lines.append("parameters by role: " + self._role_counts())
         mem = self.memory()
         lines.append(
             f"memory per device: parameters {mem.parameters:,} B, gradients {mem.gradients:,} B, "
@@ -144,9 +145,33 @@ class Plan:
                     f"{st.flops / total:.1%} of FLOPs, sends {st.send_bytes:,} B/batch; "
                     f"{_span(st.params)}"
                 )
-        if self.warnings:
-            lines.append("warnings:")
-            lines.extend(f"  - {w}" for w in self.warnings)
+        lines.append("every parameter's layout: print(pm.plan.table())")
+        return "\n".join(lines)
+
+    def _role_counts(self) -> str:
+        """``normal 4 (1,024 B/device), ...``: trainable parameters by role, then model state."""
+        counts: dict[str, list[int]] = {}
+        for p in self.params:
+            kind = p.role.value if p.trainable else "state"
+            entry = counts.setdefault(kind, [0, 0])
+            entry[0] += 1
+            entry[1] += p.bytes_per_device(self.grid)
+        order = [r.value for r in ParamRole] + ["state"]
+        return ", ".join(f"{k} {counts[k][0]} ({counts[k][1]:,} B/device)" for k in order if k in counts)
+
+    def table(self) -> str:
+        """One row per parameter: path, shape, stored layout, role, bytes per device."""
+        g = self.grid
+        rows = [("parameter", "shape", "stored as", "role", "bytes/device")]
+        for p in self.params:
+            rows.append((p.path, "×".join(map(str, p.shape)) or "scalar", describe(p.storage),
+                         p.role.value if p.trainable else f"state, {p.role.value}", f"{p.bytes_per_device(g):,}"))  # fmt: skip
+        widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        lines = []
+        for i, row in enumerate(rows):
+            lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+            if i == 0:
+                lines.append("  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
 

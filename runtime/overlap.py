@@ -1,4 +1,4 @@
-"""Communication overlap (design.md §2): OAG, ORS and OAR as dependency windows.
+"""Communication overlap (AxoNN SC'24): OAG, ORS and OAR as dependency windows.
 
 XLA decides *when* each collective runs from the program's data flow; on GPU
 it also splits collectives into asynchronous ``-start``/``-done`` pairs and

@@ -67,7 +67,8 @@ class StepReport:
     compute: ComputeReport
 
     def __str__(self) -> str:
-        return f"{self.plan}\n\n{self.memory}\n\n{self.communication}\n\n{self.compute}"
+        return (f"{self.plan}\n{self.plan.table()}\n\n{self.memory}\n\n{self.communication}"
+                f"\n\n{self.compute}")
 
 
 def abstract_stage_mesh(grid: Grid) -> AbstractMesh:

@@ -1,4 +1,4 @@
-"""PartitionSpecs of the 4D algorithm (design.md §1); pure, needs no devices.
+"""PartitionSpecs of the 4D algorithm (AxoNN SC'24); pure, needs no devices.
 
 Example:
     >>> weight_spec(2)                    # normal layer W[K, N]

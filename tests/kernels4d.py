@@ -1,4 +1,4 @@
-"""The 4D tensor-parallel layer kernels (design.md §1), for use inside ``shard_map``.
+"""The 4D tensor-parallel layer kernels (the AxoNN SC'24 4D algorithm), for use inside ``shard_map``.
 
 Every function here runs on *local shards* inside a ``jax.shard_map`` over a
 stage mesh with axes ``(data, z, y, x)`` and ``check_vma=True``. The forward
@@ -52,7 +52,7 @@ def gather_depth(shard: jax.Array, *, dim: int) -> jax.Array:
 
     The parameter is first marked varying over ``data`` so that, in backward,
     the gradient is reduce-scattered over ``z`` *before* it is all-reduced over
-    ``data`` (the cheaper order of design.md §1 eq. 5).
+    ``data`` (the cheaper order of the SC'24 paper's eq. 5).
     """
     shard = lax.pcast(shard, DATA, to="varying")
     return lax.all_gather(shard, Z, axis=dim, tiled=True)

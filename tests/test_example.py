@@ -11,7 +11,7 @@ import pytest
 from mpi_util import mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
-ARGS = ["--steps", "6", "--layers", "1", "--hidden", "64", "--sample-bytes", "8"]
+ARGS = ["--steps", "6", "--layers", "1", "--hidden", "64", "--sample-tokens", "8"]
 
 
 def _run(prefix, out, timeout=300):
@@ -37,6 +37,9 @@ def test_example_single_process_and_mpiexec_agree(tmp_path):
     # validation and sampling run forward-only through the stages, across the two processes too
     sample = [line for line in stdout.splitlines() if line.startswith("sample:")]
     assert sample and sample == [line for line in stdout_two.splitlines() if line.startswith("sample:")]
+    # rank 0 speaks for the job: one plan, one summary, no Gloo connection lines
+    assert stdout_two.count("Plan for Grid(") == 1 and stdout_two.count("sample:") == 1
+    assert "[Gloo]" not in stdout_two and stdout_two.count("compiling the train step") == 1
 
 
 def test_bad_cli_arguments():
@@ -50,3 +53,96 @@ def test_bad_cli_arguments():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode != 0 and "expected AXIS=SIZE" in result.stderr
+
+
+def _example_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_example", ROOT / "examples" / "train_gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _documented_commands() -> list[list[str]]:
+    """The example's flags in every command of its docstring and of the README."""
+    import shlex
+
+    example = _example_module()
+    text = example.__doc__ + (ROOT / "README.md").read_text()
+    commands = []
+    for line in text.splitlines():
+        if "examples/train_gpt.py" in line and not line.lstrip().startswith(("`", "#", "|")):
+            words = shlex.split(line.split("#")[0])
+            commands.append(words[[w.endswith("examples/train_gpt.py") for w in words].index(True) + 1 :])
+    return commands
+
+
+def test_every_documented_command_parses():
+    """Grid, batch and microbatch checks happen at argument parsing, for every documented command."""
+    commands = _documented_commands()
+    assert len(commands) >= 7, commands
+    example = _example_module()
+    for argv in commands:
+        example.parse_args(argv)  # exits 2 with the reason if the command could not run
+    assert example.parse_args(["--grid", "z=4,data=2"]).microbatches == 1  # no pipeline: 1
+    assert example.parse_args([]).microbatches == 4  # the default grid pipelines
+
+
+def test_indivisible_batch_fails_at_parsing():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--grid", "z=4,data=2",
+         "--microbatches", "4"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "--batch 16 is not divisible by microbatches × data × z = 4 × 2 × 4 = 32" in result.stderr
+    assert "Remedy: --batch 32" in result.stderr
+
+
+@pytest.mark.slow
+def test_docstring_command_without_pipeline_runs(tmp_path):
+    """`python examples/train_gpt.py --grid z=4,data=2 --steps 100`, for 2 steps."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--grid", "z=4,data=2",
+               "--steps", "2", "--sample-tokens", "8", "--out", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    with (tmp_path / "metrics.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 2
+
+
+def test_bf16_computes_in_bf16_on_accelerators_and_fp32_on_cpu(devices):
+    """The example's compute dtype per backend; the bf16 model really runs its matmuls in bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    import axonn_jax
+    from axonn_jax.models import GPT, GPTConfig
+
+    compute_dtype = _example_module().compute_dtype
+    assert compute_dtype("bf16", "gpu") == ("bfloat16", None) == compute_dtype("bf16", "tpu")
+    dtype, notice = compute_dtype("bf16", "cpu")
+    assert dtype == "float32" and notice.count("\n") == 0 and "computes in fp32 on cpu" in notice
+    assert compute_dtype("fp32", "gpu") == ("float32", None)
+    assert compute_dtype("fp16", "gpu")[0] == "float32"
+    # what a GPU run partitions: matmuls in bf16, parameters stored in fp32 (the plan's dtype)
+    config = GPTConfig(vocab_size=64, num_layers=1, hidden=32, num_heads=2, max_seq_len=8, dtype="bfloat16")
+    tokens = jnp.zeros((4, 8), jnp.int32)
+    pm = axonn_jax.partition(GPT(config), axonn_jax.Grid(x=2, z=2, data=2), tokens)
+    assert {p.dtype for p in pm.plan.params} == {"float32"}
+    params = jax.eval_shape(pm.init, jax.random.key(0))
+    jaxpr = str(jax.make_jaxpr(pm.apply)(params, tokens))
+    dots = [line for line in jaxpr.splitlines() if "dot_general" in line]
+    assert dots and all("bf16[" in line for line in dots)
+
+
+@pytest.mark.slow
+def test_bf16_on_cpu_trains_with_a_one_line_notice(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--precision", "bf16",
+               "--grid", "x=2,z=2,data=2", *ARGS[2:], "--steps", "2", "--out", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: --precision bf16")]
+    assert notes == ["note: --precision bf16 stores parameters and gradients in bf16; the model "
+                     "computes in fp32 on cpu (bf16 compute needs a GPU or TPU)"]

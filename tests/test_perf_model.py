@@ -17,6 +17,7 @@ import collections
 import itertools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +352,25 @@ def test_cli_table(capsys):
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
     assert [r[0] for r in rows] == ["1", "2", "3"]
     assert all(math.prod(int(v) for v in r[1:6]) == 8 for r in rows)
+    # it ends with what to launch: the first row's grid, as --grid and as Grid(...)
+    last = out.rstrip().splitlines()[-1]
+    flag = re.match(r"to launch rank 1: --grid (\S+) --microbatches (\d+)", last)
+    assert flag, last
+    from axonn_jax import Grid
+
+    grid = Grid.parse(flag.group(1))
+    assert [str(v) for v in (grid.x, grid.y, grid.z, grid.data, grid.pipeline)] == rows[0][1:6]
+    assert flag.group(2) == rows[0][6] and f"axonn_jax.Grid({flag.group(1).replace(',', ', ')})" in last
+
+
+def test_cli_version():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("axonn-jax")
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip().startswith("axonn-jax 0.")
 
 
 def test_cli_json(capsys):
@@ -363,6 +383,8 @@ def test_cli_json(capsys):
         assert c["step_seconds"] >= c["comm_seconds"] > 0
         assert {"params", "optimizer", "activations"} <= set(c["bytes_per_gpu"])
     assert [c["step_seconds"] for c in configs] == sorted(c["step_seconds"] for c in configs)
+    assert all(c["grid_flag"] == ",".join(f"{k}={c[k]}" for k in ("x", "y", "z", "data", "pipeline")
+                                          if c[k] > 1) for c in configs)  # fmt: skip
 
 
 def test_cli_model_factory(tmp_path, monkeypatch, capsys):

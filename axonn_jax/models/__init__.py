@@ -21,6 +21,7 @@ from axonn_jax.models.gpt import (
     GPTConfig,
     gpt_nnx_from_linen_params,
     next_token_loss,
+    window_inputs,
 )
 from axonn_jax.models.mlp import MLP, MLPNNX
 
@@ -35,4 +36,5 @@ __all__ = [
     "MLPNNX",
     "gpt_nnx_from_linen_params",
     "next_token_loss",
+    "window_inputs",
 ]

@@ -123,13 +123,37 @@ class GPTConfig:
 
 
 def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting ``tokens[:, 1:]`` from ``logits[:, :-1]``.
+    """Mean cross-entropy of predicting each next token; a scalar.
 
-    ``logits`` is [batch, seq, vocab], ``tokens`` int [batch, seq]; returns a scalar.
+    ``logits`` is [batch, S, vocab]. ``tokens`` is either
+
+    * int [batch, S + 1], a window of :class:`~axonn_jax.loader.Loader`: the
+      model read ``tokens[:, :-1]`` (:func:`window_inputs`) and every logit
+      predicts the token after it, ``tokens[:, 1:]``; or
+    * int [batch, S], the model's own input: ``logits[:, :-1]`` predict
+      ``tokens[:, 1:]`` (the last logit has no target).
     """
+    if tokens.shape[1] == logits.shape[1] + 1:
+        logits, targets = logits, tokens[:, 1:]
+    elif tokens.shape[1] == logits.shape[1]:
+        logits, targets = logits[:, :-1], tokens[:, 1:]
+    else:
+        raise ValueError(
+            f"tokens {tokens.shape} do not pair with logits {logits.shape}: expected the model's "
+            "input [batch, S] or a loader window [batch, S + 1]."
+        )
     return optax.softmax_cross_entropy_with_integer_labels(
-        logits[:, :-1].astype(jnp.float32), tokens[:, 1:]
+        logits.astype(jnp.float32), targets
     ).mean()
+
+
+def window_inputs(window: jax.Array) -> tuple[jax.Array]:
+    """The model's inputs from a loader window [batch, S + 1]: ``(window[:, :-1],)``.
+
+    Pairs with :func:`next_token_loss`, e.g.
+    ``pm.train_step(next_token_loss, optimizer, inputs=window_inputs)``.
+    """
+    return (window[:, :-1],)
 
 
 def _check_tokens(config: GPTConfig, tokens: jax.Array) -> None:

@@ -44,7 +44,7 @@ from axonn_jax.partitioner.grid import DATA, PIPELINE, X, Y, Z, Grid
 from axonn_jax.partitioner.report import ring_wire_bytes
 from axonn_jax.perf.spec import ModelSpec
 
-#: Axis nesting, innermost first (design.md §1); groups of later axes contain earlier ones.
+#: Axis nesting, innermost first (the 4D algorithm's hierarchy); groups of later axes contain earlier ones.
 NESTING = ("x", "y", "z", "data", "pipeline")
 
 

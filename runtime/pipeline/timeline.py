@@ -95,15 +95,28 @@ def bubble_theory(stages: int, microbatches: int) -> float:
 
 def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline") -> Path:
     """A PNG with one row per stage: forward, backward and (last stage) forward+loss+backward
-    tasks in three colours, labelled by microbatch."""
+    tasks in three colours, labelled by microbatch; the legend sits below the axes."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(rows, title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline"):
+    """The matplotlib figure of :func:`plot_timeline` (the caller closes it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     zero = _zero(rows)
     stages = sorted({r[1] for r in rows})
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(stages) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(stages) + 1.8), layout="constrained")
     colours = {"F": "#4c78a8", "B": "#f58518", "FB": "#54a24b"}
     for rank, stage, kind, mb, start, end, _ in rows:
         y = stages.index(stage)
@@ -116,14 +129,7 @@ def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline 
     ax.set_xlabel("time (ms)")
     idle = idle_fractions(rows)
     ax.set_title(f"{title} — idle " + ", ".join(f"s{s} {f:.0%}" for s, f in idle.items()))
-    from matplotlib.patches import Patch
-
     labels = {"F": "forward", "B": "backward", "FB": "forward+loss+backward"}
-    ax.legend(handles=[Patch(color=c, label=labels[k]) for k, c in colours.items()],
-              loc="upper right", fontsize=7)  # fmt: skip
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    fig.legend(handles=[Patch(color=c, label=labels[k]) for k, c in colours.items()],
+               loc="outside lower center", ncol=3, fontsize=7, frameon=False)  # fmt: skip
+    return fig
