@@ -56,27 +56,21 @@ def flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def breakdown(model, args: tuple, loss, grid_text: str, top: int = 12) -> str:
-    """The source lines whose work is repeated most: devices × per-device − plain FLOPs."""
-    import axonn_jax
-    from axonn_jax import Grid
-    from axonn_jax.partitioner.flops import count
+def traced_compute(model, args: tuple, loss, grid):
+    """``(ComputeReport, pm)`` of one loss-and-gradient step, counted on the traced programs.
 
-    grid = Grid.parse(grid_text)
+    No compilation: FLOPs per device of ``pm.value_and_grad(loss)`` (the loss
+    included) against the plain ``jax.value_and_grad``, per source line.
+    """
+    import axonn_jax
+    from axonn_jax.partitioner.flops import ComputeReport, count
+
     variables = model.init(jax.random.key(0), *args)
     plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
     pm = axonn_jax.partition(model, grid, *args)
     step = pm.value_and_grad(lambda out, b: loss(out, *b))
     split = count(jax.make_jaxpr(step)(pm.shard(variables), tuple(args)))
-    lines = set(plain.by_line) | set(split.by_line)
-    excess = sorted(((split.by_line.get(k, 0) * grid.size - plain.by_line.get(k, 0), k) for k in lines),
-                    reverse=True)  # fmt: skip
-    out = [f"jaxpr FLOPs: plain {plain.total:,}, {grid.size} × per-device {split.total:,} "
-           f"= {grid.size * split.total / plain.total:.2f}×"]  # fmt: skip
-    for extra, key in excess[:top]:
-        out.append(f"  {extra / plain.total:+7.1%}  {key}  (plain {plain.by_line.get(key, 0):,}, "
-                   f"per device {split.by_line.get(key, 0):,})")  # fmt: skip
-    return "\n".join(out)
+    return ComputeReport(split, plain, grid.size), pm
 
 
 def measure(name: str, model, args: tuple, loss, grid_text: str) -> Row:
@@ -146,7 +140,10 @@ def main(argv=None) -> dict:
         entry = hf_zoo.build(name)
         for grid in ns.grids.split(";"):
             if ns.breakdown:
-                print(f"{name} {grid}: {breakdown(entry.model, entry.args, entry.loss, grid)}")
+                from axonn_jax import Grid
+
+                report, _ = traced_compute(entry.model, entry.args, entry.loss, Grid.parse(grid))
+                print(f"{name} {grid} (traced, loss included): {report}")
                 continue
             row = measure(name, entry.model, entry.args, entry.loss, grid)
             rows.append(row)

@@ -24,6 +24,8 @@ import dataclasses
 import math
 from collections import Counter
 
+from axonn_jax.partitioner.trace import user_line
+
 #: primitives that move or relabel data without arithmetic
 _FREE = frozenset("""reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
     dynamic_update_slice concatenate pad gather scatter copy copy_p convert_element_type
@@ -40,6 +42,11 @@ class Flops:
     total: int
     by_line: dict[str, int]
 
+    def __add__(self, other: Flops) -> Flops:
+        lines = Counter(self.by_line)
+        lines.update(other.by_line)
+        return Flops(self.total + other.total, dict(lines))
+
 
 def count(closed_jaxpr) -> Flops:
     """FLOPs of ``closed_jaxpr`` (a ``ClosedJaxpr`` or ``Jaxpr``), per source line."""
@@ -54,8 +61,8 @@ def _walk(jaxpr, times: int, lines: Counter) -> None:
         if subs:
             name = eqn.primitive.name
             if name == "cond":
-                best = max(subs, key=lambda j: count(j).total)
-                _walk(getattr(best, "jaxpr", best), times, lines)
+                best = max((count(j) for j in subs), key=lambda f: f.total)
+                lines.update({k: v * times for k, v in best.by_line.items()})
                 continue
             repeat = int(eqn.params.get("length", 1)) if name == "scan" else 1
             for sub in subs:
@@ -63,7 +70,7 @@ def _walk(jaxpr, times: int, lines: Counter) -> None:
             continue
         flops = equation_flops(eqn)
         if flops:
-            lines[f"{_line(eqn)} {eqn.primitive.name}"] += flops * times
+            lines[f"{user_line(eqn.source_info) or '?'} {eqn.primitive.name}"] += flops * times
 
 
 def equation_flops(eqn) -> int:
@@ -95,18 +102,6 @@ def _subjaxprs(eqn) -> list:
                 found.append(item)
     return found
 
-
-def _line(eqn) -> str:
-    """``file:line`` of the user frame of ``eqn`` (``?`` when unknown)."""
-    try:
-        from jax._src import source_info_util
-
-        frame = source_info_util.user_frame(eqn.source_info.traceback)
-    except Exception:  # pragma: no cover - diagnostics only
-        frame = None
-    if frame is None:
-        return "?"
-    return f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
 
 
 @dataclasses.dataclass(frozen=True)

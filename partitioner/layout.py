@@ -74,6 +74,14 @@ def merge(layouts: list[Layout]) -> Layout:
     return tuple(out)
 
 
+def common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+    """The leading axes two dims' splits share: ``(x, y)`` and ``(x,)`` → ``(x,)``."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def without(layout: Layout, dims) -> Layout:
     """The layout with ``dims`` made unsharded."""
     dims = set(dims)

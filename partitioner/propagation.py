@@ -35,7 +35,7 @@ from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes
 from axonn_jax.partitioner.pointwise import replaced_rules
 from axonn_jax.partitioner.roles import DEPTH_SPLIT_PRIMITIVES, ParamRole
-from axonn_jax.partitioner.trace import TracedModel, inline_calls
+from axonn_jax.partitioner.trace import TracedModel, inline_calls, user_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,13 +420,7 @@ def _where(eqn) -> str:
     info = getattr(eqn, "source_info", None)
     stack = getattr(info, "name_stack", None)
     text = str(stack) if stack else ""
-    try:
-        from jax._src import source_info_util
-
-        frame = source_info_util.user_frame(info.traceback) if info is not None else None
-        if frame is not None:
-            loc = f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
-            text = f"{text} ({loc})" if text else loc
-    except Exception:  # pragma: no cover - diagnostics only
-        pass
+    loc = user_line(info)
+    if loc:
+        text = f"{text} ({loc})" if text else loc
     return text or "<unknown>"

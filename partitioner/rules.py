@@ -24,6 +24,7 @@ from typing import Any
 from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
 from axonn_jax.partitioner.layout import (
     Layout,
+    common_prefix,
     divides,
     factor,
     local_shape,
@@ -93,10 +94,6 @@ class Context:
 
     def local(self, shape, layout: Layout) -> tuple[int, ...]:
         return local_shape(shape, layout, self.grid)
-
-    def grid_factor(self, axes: tuple[str, ...]) -> int:
-        """How many blocks a dim split over ``axes`` has."""
-        return factor(axes, self.grid)
 
 
 def shape_of(var) -> tuple[int, ...]:
@@ -544,14 +541,6 @@ def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx, out_dim
     return tuple(act), tuple(w), (in_axis, out_axis)
 
 
-def _prefix(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
-    """The leading axes ``a`` and ``b`` share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return a[:n]
-
-
 def _consistent(llay, rlay, lc, rc, lb, rb):
     """Make paired (contracting and batch) dims sharded alike; free dims disjoint."""
     llay, rlay = list(llay), list(rlay)
@@ -562,8 +551,8 @@ def _consistent(llay, rlay, lc, rc, lb, rb):
             rlay[rd] = llay[ld]
         elif not llay[ld] and not (set(rlay[rd]) & used_axes(tuple(llay))):
             llay[ld] = rlay[rd]
-        elif _prefix(llay[ld], rlay[rd]):  # e.g. (x, y) meets (x,): gather the minor axis
-            llay[ld] = rlay[rd] = _prefix(llay[ld], rlay[rd])
+        elif common_prefix(llay[ld], rlay[rd]):  # e.g. (x, y) meets (x,): gather the minor axis
+            llay[ld] = rlay[rd] = common_prefix(llay[ld], rlay[rd])
         else:
             rlay[rd] = llay[ld] if not (set(llay[ld]) & used_axes(tuple(rlay))) else ()
             if rlay[rd] != llay[ld]:
@@ -629,7 +618,7 @@ def conv(eqn, layouts, ctx) -> Step:
                 axes = wider
         if axes and divides(groups, axes, ctx.grid) and divides(rshape[ro], axes, ctx.grid):
             w[ro] = axes
-            params["feature_group_count"] = groups // ctx.grid_factor(axes)
+            params["feature_group_count"] = groups // factor(axes, ctx.grid)
         else:
             axes = ()
         act[lf] = axes

@@ -382,6 +382,17 @@ def _user_source(eqn, outer):
         return None
 
 
+def user_line(info) -> str | None:
+    """``file:line`` of the user frame in ``info``'s traceback (None when unknown)."""
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(info.traceback) if info is not None else None
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - other JAX versions
+        return None
+    return None if frame is None else f"{frame.file_name.rsplit('/', 1)[-1]}:{frame.start_line}"
+
+
 def source_context(info):
     """Trace under ``info``'s traceback and name stack (JAX-internal API; best effort)."""
     try:

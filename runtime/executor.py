@@ -31,7 +31,7 @@ from jax import lax
 
 from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.layout import Layout, factor, live, local_shape, use_layout, used_axes
+from axonn_jax.partitioner.layout import Layout, common_prefix, factor, live, local_shape, use_layout, used_axes
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.partitioner.trace import source_context
@@ -78,23 +78,16 @@ def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
     if src == dst:
         return x
     for d, (s, t) in enumerate(zip(src, dst)):
-        keep = _common_prefix(s, t)
+        keep = len(common_prefix(s, t))
         for axis in reversed(s[keep:]):
             x = _gather(x, axis, d)
     for d, (s, t) in enumerate(zip(src, dst)):
-        axes = t[_common_prefix(s, t) :]
+        axes = t[len(common_prefix(s, t)) :]
         if not axes:
             continue
         chunk = x.shape[d] // factor(axes, grid)
         x = lax.dynamic_slice_in_dim(x, shard_index(axes, grid) * chunk, chunk, axis=d)
     return x
-
-
-def _common_prefix(a: tuple, b: tuple) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _gather(x: jax.Array, axis: str, dim: int) -> jax.Array:

@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AbstractMesh
 
-from axonn_jax.partitioner.flops import ComputeReport, Flops, count
+from axonn_jax.partitioner.flops import ComputeReport, count
 from axonn_jax.partitioner.grid import STAGE_AXES, Grid
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
@@ -128,8 +128,7 @@ def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
     )  # fmt: skip
     communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
     plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
-    compute = ComputeReport(_sum(count(fwd), count(bwd)), _sum(count(plain_fwd), count(plain_bwd)),
-                            grid.size)  # fmt: skip
+    compute = ComputeReport(count(fwd) + count(bwd), count(plain_fwd) + count(plain_bwd), grid.size)
     return StepReport(plan, communication, memory, compute)
 
 
@@ -160,13 +159,6 @@ def _trace_step(apply: Callable, params, args, kwargs):
         residual_shapes, cotangents
     )
     return fwd, bwd, len(residual_shapes)
-
-
-def _sum(a: Flops, b: Flops) -> Flops:
-    lines = dict(a.by_line)
-    for k, v in b.by_line.items():
-        lines[k] = lines.get(k, 0) + v
-    return Flops(a.total + b.total, lines)
 
 
 def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> list[Transfer]:

@@ -15,30 +15,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import hf_zoo  # noqa: E402
-from redundancy import GRIDS, measure  # noqa: E402
+from redundancy import GRIDS, measure, traced_compute  # noqa: E402
 
 import axonn_jax  # noqa: E402
 from axonn_jax import Grid  # noqa: E402
-from axonn_jax.partitioner.flops import count  # noqa: E402
-
-
-def _counts(entry, grid: Grid):
-    """(plain FLOPs, per-device FLOPs by line, plain by line, the partitioned model)."""
-    variables = entry.model.init(jax.random.key(0), *entry.args)
-    args = entry.args
-    plain = count(jax.make_jaxpr(jax.value_and_grad(
-        lambda v: entry.loss(entry.model.apply(v, *args), *args)))(variables))  # fmt: skip
-    pm = axonn_jax.partition(entry.model, grid, *args)
-    step = pm.value_and_grad(lambda out, b: entry.loss(out, *b))
-    split = count(jax.make_jaxpr(step)(pm.shard(variables), tuple(args)))
-    return plain, split, pm
 
 
 @pytest.mark.slow
@@ -47,22 +33,19 @@ def _counts(entry, grid: Grid):
 def test_each_device_does_its_share(name, grid):
     """Redundancy ≤ 1.05 and parameter fraction ≤ 1/(x·y·z) + 0.03."""
     grid = Grid.parse(grid)
-    plain, split, pm = _counts(hf_zoo.build(name), grid)
-    redundancy = grid.size * split.total / plain.total
-    assert redundancy <= 1.05, (name, grid, redundancy, _worst(plain, split, grid))
+    entry = hf_zoo.build(name)
+    report, pm = traced_compute(entry.model, entry.args, entry.loss, grid)
+    assert report.redundancy <= 1.05, (name, grid, report.redundancy, report.repeated(3))
     fraction = pm.plan.param_bytes_per_device / pm.plan.total_param_bytes
     assert fraction <= 1 / (grid.x * grid.y * grid.z) + 0.03, (name, grid, fraction)
-
-
-def _worst(plain, split, grid, top: int = 3):
-    lines = set(plain.by_line) | set(split.by_line)
-    return sorted(lines, key=lambda k: plain.by_line.get(k, 0) - grid.size * split.by_line.get(k, 0))[:top]
 
 
 def test_gpt2_attention_is_head_parallel():
     """After GPT-2's fused qkv is split, the attention core runs on 1/8 of the work per device."""
     grid = Grid(x=2, y=2, z=2)
-    plain, split, pm = _counts(hf_zoo.build("hf_gpt2"), grid)
+    entry = hf_zoo.build("hf_gpt2")
+    report, pm = traced_compute(entry.model, entry.args, entry.loss, grid)
+    plain, split = report.plain, report.per_device
     assert pm.plan.warnings == ()
     matmuls = [k for k in plain.by_line if k.endswith("dot_general")]
     attention = [k for k in matmuls if k.startswith("attention.py")]
