@@ -77,3 +77,26 @@ def test_loss_and_gradients_equal_the_plain_model(name):
     row = measure(name, entry.model, entry.args, entry.loss, "x=2,y=2,z=2")
     assert row.max_err <= 1e-5, row
     assert row.redundancy <= 1.05, row
+
+
+class _StackTile(__import__("flax").linen.Module):
+    """Rotary-style ``stack`` of sin and cos and a ``tile``d class token (GPT-J, CLIP)."""
+
+    @__import__("flax").linen.compact
+    def __call__(self, x):
+        import flax.linen as nn
+        import jax.numpy as jnp
+
+        h = nn.Dense(32)(x)
+        h = jnp.stack([jnp.sin(h), jnp.cos(h)], axis=1).sum(axis=1)
+        token = self.param("cls", nn.initializers.normal(), (1, 1, 32))
+        h = jnp.concatenate([jnp.tile(token, (h.shape[0], 1, 1)), h], axis=1)
+        return nn.Dense(8)(nn.gelu(h))
+
+
+@pytest.mark.parametrize("grid", ["x=2,y=2,z=2", "x=4,data=2"])
+def test_stack_and_tile_plan_without_fallback_and_exactly(grid):
+    """``stack`` and ``tile`` have rules: no replicated fallback, loss and gradients exact."""
+    x = np.random.default_rng(0).standard_normal((8, 6, 16)).astype(np.float32)
+    row = measure("stack_tile", _StackTile(), (x,), lambda out, _: (out ** 2).mean(), grid)
+    assert row.warnings == 0 and row.max_err <= 1e-5, row
