@@ -1,15 +1,22 @@
-"""Checkpoints: asynchronous, atomic, every process writes its own shards, restore onto any grid.
+"""Checkpoints: orbax's standard layout, asynchronous, atomic, per-process shards, any grid.
 
-A checkpoint stores each parameter and optimizer-state leaf as one global
-logical array under its path (``params/block_0/attn/query/kernel``,
-``opt_state/0/mu/...``), so it does not depend on the grid it was saved from:
-:meth:`Checkpointer.restore` places it onto whatever shardings you give
-(another grid, another process count). Orbax's ``CheckpointManager`` runs the
-save in a background thread and renames the step's temporary directory only
-after every process has finished, so a save killed midway never shows up as a
-step and never touches earlier ones. Chunks are CRC-32C checked; a truncated or
-corrupted checkpoint raises :class:`CheckpointError` naming the step and the
-steps that remain. Metadata is JSON; nothing is unpickled.
+A checkpoint step holds the items ``params``, ``opt_state`` and ``rng`` in
+the layout of orbax's ``StandardCheckpointHandler`` (each leaf one global
+logical Zarr array named by its keys, ``_METADATA`` as the tree index), and
+``meta`` (JSON: step, ``extra``). Plain orbax reads them without axonn_jax::
+
+    ocp.StandardCheckpointer().restore(f"runs/ckpt/{step}/params", target)
+
+Since values are stored whole, not per grid, :meth:`Checkpointer.restore`
+places them onto whatever shardings you give (another grid, another process
+count, pipeline stages or not, offloaded or not). Orbax's ``CheckpointManager``
+runs the save in a background thread and renames the step's temporary
+directory only after every process has finished, so a save killed midway
+never shows up as a step and never touches earlier ones. Chunks are CRC-32C
+checked; a truncated or corrupted checkpoint raises :class:`CheckpointError`
+naming the step and the steps that remain. Metadata is JSON; nothing is
+unpickled. Steps written by the previous axonn_jax layout (one ``arrays``
+item) are still restored.
 
 Every call is collective: run it on every process of the job.
 
@@ -17,10 +24,10 @@ Example::
 
     from axonn_jax.checkpoint import Checkpointer
 
-    ckpt = Checkpointer("runs/ckpt", max_to_keep=3)
-    ckpt.save(step, params, opt_state, extra={"loader": loader.state()})   # returns at once
-    ...
-    r = ckpt.restore(params=pm.param_shardings, optimizer=optimizer)      # latest step, any grid
+    with Checkpointer("runs/ckpt", max_to_keep=3) as ckpt:   # close() finishes the last save
+        ckpt.save(step, params, opt_state, extra={"loader": loader.state()})   # returns at once
+        ...
+        r = ckpt.restore(params=pm.param_structs, optimizer=optimizer)    # latest step, any grid
     params, opt_state = r.params, r.opt_state
     loader = Loader.from_state(tokens, r.extra["loader"], mesh=pm.mesh)
 
@@ -53,17 +60,21 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axonn_jax.runtime import checkpoint_legacy
 from axonn_jax.runtime.checkpoint_handler import (
-    ShardedTreeHandler,
-    ShardedTreeRestore,
-    ShardedTreeSave,
+    EmptyNode,
+    LeafKey,
+    StandardTreeHandler,
+    StandardTreeRestore,
     allgather_json,
     plan_leaves,
 )
 from axonn_jax.runtime.shard_store import DamagedArrayError, LeafMeta
 
 _ITEMS = ("params", "opt_state", "rng")
-_FORMAT = "axonn_jax.checkpoint/1"
+_FORMAT = "axonn_jax.checkpoint/2"
+_LEGACY_FORMAT = "axonn_jax.checkpoint/1"
+_RNG_KEY = "key"  # the rng item is {"key": rng}: orbax items are trees, not bare arrays
 
 
 class CheckpointError(RuntimeError):
@@ -110,7 +121,8 @@ class Checkpointer:
             read_only=read_only,
             create=not read_only,
         )
-        handlers = {"arrays": ShardedTreeHandler(), "meta": ocp.JsonCheckpointHandler()}
+        handlers = {item: StandardTreeHandler() for item in _ITEMS}
+        handlers["meta"] = ocp.JsonCheckpointHandler()
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
@@ -121,10 +133,9 @@ class Checkpointer:
         """Start saving ``step``; returns once this process's shards are on the host.
 
         ``extra`` is JSON (loader position, config, ...). ``rng`` is a PRNG key.
-        Call :meth:`wait` (or the next save/restore does) to finish.
+        Call :meth:`wait` (or the next save/restore, or :meth:`close`) to finish.
         """
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        _check_step(step, "save")
         if self._read_only:
             raise ValueError(f"this Checkpointer of {self.directory} is read-only")
         record = {"format": _FORMAT, "step": int(step), "extra": dict(extra or {})}
@@ -135,14 +146,11 @@ class Checkpointer:
                 f"extra must be JSON-serialisable ({err}). Remedy: store numbers, strings, lists "
                 "and dicts there (e.g. loader.state()); arrays belong in params/opt_state."
             ) from None
-        leaves = []
-        for item, tree in zip(_ITEMS, (params, opt_state, rng)):
-            if tree is not None:
-                leaves += _flatten(item, tree)[0]
-        leaves, owners = plan_leaves(leaves)  # validates, and agrees across processes, first
-        args = ocp.args.Composite(
-            arrays=ShardedTreeSave(leaves, owners), meta=ocp.args.JsonSave(record)
-        )
+        trees = dict(zip(_ITEMS, (params, opt_state, None if rng is None else {_RNG_KEY: rng})))
+        items = {item: _keyed(item, tree) for item, tree in trees.items() if tree is not None}
+        plans = plan_leaves(items)  # validates, and agrees across processes, first
+        saved = {item: plan for item, plan in plans.items() if plan.leaves}
+        args = ocp.args.Composite(**saved, meta=ocp.args.JsonSave(record))
         try:  # force: save every step asked for (orbax would skip steps <= the latest)
             self._manager.save(int(step), args=args, force=True)
         except ocp.checkpoint_manager.StepAlreadyExistsError:
@@ -171,18 +179,22 @@ class Checkpointer:
         """Read ``step`` (default: the latest) onto the given shardings.
 
         Args:
-            params: target pytree matching the saved params; each leaf is a
-                ``Sharding`` (e.g. ``pm.param_shardings``), a ``jax.Array`` or
-                ``jax.ShapeDtypeStruct`` with a sharding (shape and dtype are
-                checked), or ``None`` for a leaf not on this process.
+            params: target pytree matching the saved params; each leaf a
+                ``jax.ShapeDtypeStruct`` with a sharding (``pm.param_structs``:
+                shape and dtype are checked), a ``jax.Array`` (likewise), a bare
+                ``Sharding`` (``pm.param_shardings``: only the layout is checked),
+                or ``None`` for a leaf not on this process.
             opt_state: target for the optimizer state, like ``params``; or
             optimizer: derive the optimizer-state target from ``params``: state
-                leaves that mirror a parameter take its sharding, the rest
-                (step counts) are replicated on the first parameter's mesh.
+                leaves that mirror a parameter take its sharding (and memory
+                kind), the rest (step counts) are replicated on the first
+                parameter's mesh.
         Raises:
             CheckpointError: no such committed step, or the step is damaged.
             ValueError: the target does not match what was saved (names the path).
         """
+        if step is not None:
+            _check_step(step, "restore")
         self.wait()
         self._manager.reload()  # steps written by other Checkpointers since this one opened
         steps = self.all_steps()
@@ -197,16 +209,17 @@ class Checkpointer:
             )
         where = f"checkpoint {self.directory} step {step}"
         try:
-            saved = dict(self._manager.item_metadata(step)["arrays"])
-        except (DamagedArrayError, OSError, ValueError, KeyError, TypeError) as err:
-            raise self._damaged(where, step, steps, err) from None
-        try:
             args = ocp.args.Composite(meta=ocp.args.JsonRestore())
             record = self._manager.restore(step, args=args)["meta"]
-            if not isinstance(record, dict) or record.get("format") != _FORMAT:
+            if not isinstance(record, dict) or record.get("format") not in (_FORMAT, _LEGACY_FORMAT):
                 raise ValueError(f"not a {_FORMAT} record")
         except (OSError, ValueError, KeyError, TypeError) as err:
             err = f"its JSON record 'meta' is unreadable ({err})"
+            raise self._damaged(where, step, steps, err) from None
+        legacy = record["format"] == _LEGACY_FORMAT
+        try:
+            saved = self._saved_leaves(step, legacy)
+        except (DamagedArrayError, OSError, ValueError, KeyError, TypeError) as err:
             raise self._damaged(where, step, steps, err) from None
 
         param_targets, param_tree = _targets("params", params, saved, where)
@@ -218,12 +231,12 @@ class Checkpointer:
             opt_targets, opt_tree = _targets("opt_state", derived, saved, where)
         _check_complete({"params": param_targets, "opt_state": opt_targets}, saved, where)
         wanted = {**param_targets, **(opt_targets or {})}
-        if "rng" in saved:
-            wanted["rng"] = None
+        rng_path = "rng" if legacy else f"rng/{_RNG_KEY}"
+        if saved.get(rng_path) is not None:
+            wanted[rng_path] = None
         reads = {p: t for p, t in wanted.items() if t is not _ELSEWHERE}
         try:
-            args = ocp.args.Composite(arrays=ShardedTreeRestore(reads))
-            values = self._manager.restore(step, args=args)["arrays"]
+            values = self._read(step, reads, legacy)
         except (DamagedArrayError, OSError) as err:
             raise self._damaged(where, step, steps, err) from None
 
@@ -234,9 +247,37 @@ class Checkpointer:
             step=step,
             params=rebuild(param_targets, param_tree),
             opt_state=None if opt_targets is None else rebuild(opt_targets, opt_tree),
-            rng=values.get("rng"),
+            rng=values.get(rng_path),
             extra=record["extra"],
         )
+
+    def _saved_leaves(self, step: int, legacy: bool) -> dict[str, LeafMeta | None]:
+        """``{path: LeafMeta or None (saved empty)}`` of every item of ``step`` (JSON only)."""
+        if legacy:
+            return checkpoint_legacy.leaf_metadata(self._item_dir(step, checkpoint_legacy.ITEM))
+        saved = {}
+        for item in _ITEMS:
+            directory = self._item_dir(step, item)
+            if directory.exists():
+                metas = StandardTreeHandler().metadata(directory)
+                saved.update({f"{item}/{path}": meta for path, meta in metas.items()})
+        return saved
+
+    def _read(self, step: int, reads: Mapping[str, Any], legacy: bool) -> dict[str, Any]:
+        """``{path: value}`` of the ``reads`` (``{path: sharding or None}``)."""
+        if legacy:
+            return checkpoint_legacy.read(self._item_dir(step, checkpoint_legacy.ITEM), reads)
+        per_item = {}
+        for path, target in reads.items():
+            item, _, rest = path.partition("/")
+            per_item.setdefault(item, {})[rest] = target
+        args = ocp.args.Composite(**{item: StandardTreeRestore(targets)
+                                     for item, targets in per_item.items()})  # fmt: skip
+        restored = self._manager.restore(step, args=args)
+        return {f"{item}/{path}": value for item in per_item for path, value in restored[item].items()}
+
+    def _item_dir(self, step: int, item: str) -> Path:
+        return self.directory / str(step) / item
 
     def _damaged(self, where: str, step: int, steps: list[int], err) -> CheckpointError:
         earlier = [s for s in steps if s < step]
@@ -314,14 +355,41 @@ def _is_leaf(x) -> bool:
     return x is None or isinstance(x, (jax.sharding.Sharding, jax.ShapeDtypeStruct))
 
 
+def _keyed(item: str, tree) -> list[tuple[LeafKey, Any]]:
+    """``[(LeafKey, leaf)]`` of ``tree``; ``None`` stays a leaf (held by another process),
+    and subtrees without leaves (``{}``, ``optax.EmptyState()``) become :class:`EmptyNode`."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: _is_leaf(x) or _is_empty(x))[0]
+    return [(LeafKey.of(keys), _EMPTY_TYPES.get(type(leaf), EmptyNode("None")) if _is_empty(leaf) else leaf)
+            for keys, leaf in flat if keys]  # fmt: skip
+
+
+_EMPTY_TYPES = {dict: EmptyNode("Dict"), list: EmptyNode("List")}
+
+
+def _is_empty(x) -> bool:
+    """A pytree node with no leaves (not ``None``, which marks a leaf held elsewhere)."""
+    return (x is not None and not _is_leaf(x) and not jax.tree_util.all_leaves([x])
+            and not jax.tree.leaves(x, is_leaf=_is_leaf))  # fmt: skip
+
+
 def _flatten(item: str, tree) -> tuple[list[tuple[str, Any]], Any]:
     """``[(path, leaf)]`` with paths like ``params/dense/kernel``; ``None`` stays a leaf."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     pairs = []
     for keys, leaf in flat:
-        suffix = jax.tree_util.keystr(keys, simple=True, separator="/")
+        suffix = LeafKey.of(keys).path
         pairs.append((f"{item}/{suffix}" if suffix else item, leaf))
     return pairs, treedef
+
+
+def _check_step(step, what: str) -> None:
+    """A step is a non-negative ``int`` (not a string, bool or float)."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        hint = f" Remedy: {what}(step={int(step)})." if isinstance(step, str) and step.isdigit() else ""
+        raise TypeError(f"{what}: step must be a non-negative int, got {step!r} "
+                        f"({type(step).__name__}).{hint}")  # fmt: skip
+    if step < 0:
+        raise ValueError(f"{what}: step must be a non-negative int, got {step}")
 
 
 def _stored(item: str, saved: Mapping) -> set[str]:
@@ -377,14 +445,14 @@ def _targets(item: str, tree, saved: Mapping[str, LeafMeta | None], where: str):
 
 
 def _check_complete(targets: Mapping[str, Mapping | None], saved: Mapping, where: str) -> None:
-    """The targets of all processes together cover every saved path (collective)."""
+    """The targets of all processes together cover every saved path with data (collective)."""
     local = {item: sorted(paths) for item, paths in targets.items() if paths is not None}
     union: dict[str, set[str]] = {}
     for listing in allgather_json(local):
         for item, paths in listing.items():
             union.setdefault(item, set()).update(paths)
     for item, paths in union.items():
-        missing = _stored(item, saved) - paths
+        missing = {p for p in _stored(item, saved) if saved[p] is not None} - paths
         if missing:
             raise _mismatch(item, where, (), missing)
 

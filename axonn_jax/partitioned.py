@@ -177,6 +177,23 @@ class Partitioned:
         """
         return self.placed.param_shardings
 
+    @property
+    def param_structs(self):
+        """``jax.ShapeDtypeStruct`` pytree of the params: shape, dtype and sharding.
+
+        The checkpoint restore target that checks sizes and dtypes, not only the
+        layout (``None`` for other processes' leaves, as in :attr:`param_shardings`)::
+
+            r = ckpt.restore(params=pm.param_structs, optimizer=optimizer)
+
+        For half-precision device parameters, set the dtype:
+        ``jax.tree.map(lambda s: s.update(dtype=jnp.bfloat16), pm.param_structs)``.
+        """
+        shardings = jax.tree.leaves(self.param_shardings, is_leaf=lambda x: x is None)
+        leaves = [None if s is None else jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s)
+                  for p, s in zip(self.plan.params, shardings)]  # fmt: skip
+        return jax.tree.unflatten(self.plan.param_tree, leaves)
+
     # --- parameters -------------------------------------------------------
     def init(self, key: jax.Array, *args, **kwargs):
         """Initialise parameters directly in their sharded layout.

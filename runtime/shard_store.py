@@ -11,9 +11,9 @@ each process reads just the regions its devices need. Metadata is JSON
 Example::
 
     leaf = prepare("params/dense/kernel", array, sole_writer=True)  # this process's shards to host
-    await write(leaf, root / "leaf_00000", context)    # in a background thread
-    meta = read_meta(root / "leaf_00000")
-    value = await read(root / "leaf_00000", meta, target_sharding, context)
+    await write(leaf, root / "block_0.attn.kernel", context)    # in a background thread
+    meta = read_meta(root / "block_0.attn.kernel")
+    value = await read(root / "block_0.attn.kernel", meta, target_sharding, context)
 """
 
 from __future__ import annotations

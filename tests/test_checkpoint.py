@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from checkpoint_cases import place, shardings, values
+from checkpoint_cases import host_leaves, place, read_with_plain_orbax, shardings, values
 from conftest import grid_id
 
 import axonn_jax
@@ -85,6 +85,43 @@ def run(devices, corpus, tmp_path_factory):
     checkpoint.close(directory)
     return dict(pm=pm, optimizer=optimizer, step=step, losses=losses, final=params,
                 directory=directory, **at_3)  # fmt: skip
+
+
+# --- orbax's standard layout -------------------------------------------------------
+
+
+def test_plain_orbax_reads_the_checkpoint_without_axonn_jax(run, tmp_path):
+    """StandardCheckpointer, in a process that never imports axonn_jax, gets every saved value."""
+    plain = read_with_plain_orbax(run["directory"] / "3", tmp_path)
+    expected = {**host_leaves("params", run["pm"].gather(run["params"])),
+                **host_leaves("opt_state", run["opt_state"]),
+                **host_leaves("rng", {"key": jax.random.key(9)})}  # fmt: skip
+    assert sorted(plain) == sorted(expected)
+    for path, value in expected.items():
+        assert plain[path].dtype == value.dtype and plain[path].shape == value.shape, path
+        np.testing.assert_array_equal(plain[path], value, err_msg=path)
+
+
+def test_checkpoints_of_the_previous_format_still_restore(devices):
+    """tests/data/checkpoint_v1 was written by the previous layout (one ``arrays`` item)."""
+    layout = shardings(devices, axes=("data", "z", "x"), shape=(4, 2, 1))
+    opt_target = {"mu": layout, "count": None}
+    restored = checkpoint.restore(TESTS / "data" / "checkpoint_v1", params=layout,
+                                  opt_state=dict(opt_target, count=layout["n"]))  # fmt: skip
+    assert restored.step == 3 and restored.extra == {"loader": {"step": 3}}
+    _assert_bitwise(restored.params, values(3))
+    half = jax.tree.map(lambda x: (np.asarray(x) * 0.5).astype(np.asarray(x).dtype if x.ndim else np.float32), values(3))
+    _assert_bitwise(restored.opt_state, {"count": np.int32(7), "mu": half})
+    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(5)))
+
+
+def test_restore_into_a_model_of_another_size_names_the_leaf_and_both_shapes(run):
+    bigger = GPT(GPTConfig(vocab_size=64, num_layers=1, hidden=64, num_heads=2, max_seq_len=SEQ + 1))
+    pm = axonn_jax.partition(bigger, Grid(x=2, y=2, z=2), EXAMPLE)
+    with pytest.raises(ValueError, match=r"'params/block_0/attn/key/bias' is float32\[2, 16\] in checkpoint .* step 3 but the target is float32\[2, 32\]"):  # fmt: skip
+        checkpoint.restore(run["directory"], params=pm.param_structs, optimizer=run["optimizer"])
+    with pytest.raises(TypeError, match=r"step must be a non-negative int, got '3' \(str\). Remedy: restore\(step=3\)"):  # fmt: skip
+        checkpoint.restore(run["directory"], "3", params=run["pm"].param_structs)
 
 
 # --- restore onto any grid ------------------------------------------------------
@@ -208,7 +245,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(devices,
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     partial = [p for p in directory.iterdir() if p.name.startswith("2.")]
-    assert partial and any(partial[0].rglob("leaf_*/c.*")), "killed before writing a chunk"
+    assert partial and any(partial[0].rglob("c.*")), "killed before writing a chunk"
 
     layout = shardings(devices)
     assert checkpoint.latest_step(directory) == 1
@@ -225,7 +262,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(devices,
 
 
 def _chunk(step_dir: Path) -> Path:
-    return sorted(step_dir.glob("arrays/leaf_00000/c.*"))[0]
+    return sorted(step_dir.glob("params/w/c.*"))[0]
 
 
 def _flip_byte(path: Path) -> None:
@@ -242,10 +279,10 @@ DAMAGE = {
     "flipped bit in a chunk": lambda d: _flip_byte(_chunk(d)),
     "truncated chunk": lambda d: _truncate(_chunk(d)),
     "deleted chunk": lambda d: _chunk(d).unlink(),
-    "truncated zarr.json": lambda d: _truncate(d / "arrays" / "leaf_00001" / "zarr.json"),
-    "truncated index": lambda d: _truncate(d / "arrays" / "index.json"),
+    "truncated zarr.json": lambda d: _truncate(d / "params" / "b.v" / "zarr.json"),
+    "truncated tree metadata": lambda d: _truncate(d / "params" / "_METADATA"),
     "corrupted meta": lambda d: (d / "meta" / "metadata").write_text("{not json"),
-    "deleted array": lambda d: shutil.rmtree(d / "arrays" / "leaf_00002"),
+    "deleted array": lambda d: shutil.rmtree(d / "params" / "n"),
 }
 
 
@@ -279,7 +316,7 @@ def test_restore_never_unpickles(devices, two_steps, monkeypatch):
     restored = checkpoint.restore(two_steps, params=shardings(devices))
     _assert_bitwise(restored.params, values(2))
     for file in (two_steps / "2").rglob("*"):  # metadata files are JSON
-        if file.is_file() and file.name in ("index.json", "zarr.json", "metadata", "_CHECKPOINT_METADATA"):
+        if file.is_file() and file.name in ("_METADATA", "zarr.json", "metadata", "_CHECKPOINT_METADATA"):
             json.loads(file.read_text())
 
 
@@ -325,6 +362,8 @@ def test_bad_inputs_are_refused_with_remedies(devices, tmp_path):
         ckpt.save(0, {"s": "text"})
     with pytest.raises(ValueError, match="non-negative int"):
         ckpt.save(-1, place(values(0), layout))
+    with pytest.raises(TypeError, match=r"step must be a non-negative int, got '0' \(str\)"):
+        ckpt.save("0", place(values(0), layout))
     with pytest.raises(CheckpointError, match="no checkpoints in"):
         ckpt.restore(params=layout)
     ckpt.save(0, place(values(0), layout))

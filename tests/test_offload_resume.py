@@ -11,6 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+from checkpoint_cases import host_leaves, read_with_plain_orbax
+
 import axonn_jax
 from axonn_jax.checkpoint import Checkpointer
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
@@ -49,8 +51,23 @@ def saved_run(request, devices, tmp_path_factory):
             if t == 2:
                 ckpt.save(3, params, opt_state)
                 at_3 = (_host(params), _host(opt_state))
+                by_path = {**host_leaves("params", params), **host_leaves("opt_state", opt_state)}
     return dict(precision=precision, directory=directory, losses=losses, final=_host(params),
-                final_state=_host(opt_state), at_3=at_3)  # fmt: skip
+                final_state=_host(opt_state), at_3=at_3, by_path=by_path)  # fmt: skip
+
+
+def _assert_read_by_plain_orbax(step_dir, expected: dict, tmp_path) -> None:
+    plain = read_with_plain_orbax(step_dir, tmp_path)
+    assert sorted(plain) == sorted(expected)
+    for path, value in expected.items():
+        assert plain[path].dtype == value.dtype, path
+        np.testing.assert_array_equal(plain[path], value, err_msg=path)
+
+
+def test_plain_orbax_reads_offloaded_state(saved_run, tmp_path):
+    """Masters and moments saved from pinned host memory, read without axonn_jax."""
+    assert any("/master/" in p for p in saved_run["by_path"])
+    _assert_read_by_plain_orbax(saved_run["directory"] / "3", saved_run["by_path"], tmp_path)
 
 
 def test_three_plus_three_steps_equal_six(saved_run):
@@ -108,6 +125,7 @@ def test_pipeline_with_offload_resumes_exactly(devices, tmp_path):
             losses.append(float(loss))
             if t == 1:
                 ckpt.save(2, params, opt_state)
+                by_path = {**host_leaves("params", params), **host_leaves("opt_state", opt_state)}
     step, params, opt_state = fresh(1)  # other initial values: the restore must replace them
     restored = Checkpointer(tmp_path, read_only=True).restore(params=params, opt_state=opt_state)
     params, opt_state = restored.params, restored.opt_state
@@ -116,3 +134,4 @@ def test_pipeline_with_offload_resumes_exactly(devices, tmp_path):
         params, opt_state, loss = step(params, opt_state, batch)
         resumed.append(float(loss))
     assert resumed == losses
+    _assert_read_by_plain_orbax(tmp_path / "2", by_path, tmp_path)

@@ -1,6 +1,6 @@
 """Under mpiexec -n 2 (4 devices each): pipeline-stage checkpoints, restored onto other grids.
 
-Usage: mpiexec -n 2 python checkpoint_stages.py DIRECTORY
+Usage: mpiexec -n 2 python checkpoint_stages.py DIRECTORY EXPECTED.npz
 
 Stage s of Grid(pipeline=2, x=2, z=2) lives on process s only, so each process
 holds only its stage's parameters (the others are None) and writes only its own
@@ -10,7 +10,9 @@ bitwise with the parameters both processes can compute on the host. Optimizer
 states are saved both as one tree (None where the other process holds the leaf)
 and as ``{stage: state}`` with each process passing only its own stage. Rank 0
 prints one "OK ..." line per check. The pipeline runtime's own layout (pm.init,
-TrainStep.init with pipeline=2) and the loader are checked too.
+TrainStep.init with pipeline=2) and the loader are checked too. Rank 0 writes the
+values of step 1 to EXPECTED.npz (``{"item/path": array}``) for the test to compare
+with what plain orbax reads.
 """
 
 import sys
@@ -27,13 +29,15 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from checkpoint_cases import host_leaves  # noqa: E402
+
 from axonn_jax.checkpoint import Checkpointer  # noqa: E402
 from axonn_jax.corpus import batch_at  # noqa: E402
 from axonn_jax.loader import Loader  # noqa: E402
 from axonn_jax.models import GPT, GPTConfig  # noqa: E402
 
 assert info.distributed and jax.process_count() == 2, "expected mpiexec -n 2"
-rank, directory = info.process_index, sys.argv[1]
+rank, directory, expected_file = info.process_index, sys.argv[1], sys.argv[2]
 
 
 def ok(what: str) -> None:
@@ -84,10 +88,16 @@ adam = state[0]._replace(
     nu=jax.tree.map(lambda p: p * p, local),
 )
 state = (adam,) + tuple(state[1:])
-ckpt = Checkpointer(directory, max_to_keep=2)
+ckpt = Checkpointer(directory, max_to_keep=3)
 ckpt.save(1, local, state, extra={"note": "stages"}, rng=jax.random.key(5))
 ckpt.wait()
 assert ckpt.all_steps() == [1], ckpt.all_steps()
+if info.is_main:  # what step 1 holds, as full host values
+    host_adam = adam._replace(count=np.int32(7), mu=jax.tree.map(lambda p: p * 0.5, full),
+                              nu=jax.tree.map(lambda p: p * p, full))  # fmt: skip
+    np.savez(expected_file, **host_leaves("params", full),
+             **host_leaves("opt_state", (host_adam,) + tuple(state[1:])),
+             **host_leaves("rng", {"key": jax.random.key(5)}))  # fmt: skip
 ok("save stages")
 
 # --- restore onto grids that span both processes ----------------------------------
