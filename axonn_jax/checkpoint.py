@@ -40,8 +40,13 @@ empty.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import sys
+import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -60,7 +65,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.runtime import checkpoint_legacy
+from axonn_jax.runtime import checkpoint_legacy, writer_lock
 from axonn_jax.runtime.checkpoint_handler import (
     EmptyNode,
     LeafKey,
@@ -68,6 +73,7 @@ from axonn_jax.runtime.checkpoint_handler import (
     StandardTreeRestore,
     allgather_json,
     plan_leaves,
+    prepare_shards,
 )
 from axonn_jax.runtime.shard_store import DamagedArrayError, LeafMeta
 
@@ -101,10 +107,20 @@ class Checkpointer:
         asynchronous: return from :meth:`save` once the shards are copied to
             host memory and write them in a background thread.
         read_only: only list and restore (never writes, deletes or cleans up).
+        takeover: replace another writer's lock on ``directory`` (a writer of a
+            job that is no longer running on another host; see
+            :mod:`~axonn_jax.runtime.writer_lock`).
+
+    One writer per directory: a second live writer is refused. Close the
+    writer (``with Checkpointer(...) as ckpt:`` or :meth:`close`) to finish the
+    last save; one still open when the script ends is finished then, with a
+    warning, and a save that failed makes the process exit with status 1
+    after naming the step, never hang.
     """
 
     def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3,
-                 asynchronous: bool = True, read_only: bool = False) -> None:  # fmt: skip
+                 asynchronous: bool = True, read_only: bool = False,
+                 takeover: bool = False) -> None:  # fmt: skip
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
                                         or max_to_keep < 1):  # fmt: skip
             raise ValueError(
@@ -126,6 +142,26 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
+        self._pending: int | None = None  # the step being saved in the background
+        self._lock = None if read_only else self._acquire_lock(takeover)
+        if not read_only:
+            _WRITERS.add(self)
+
+    def _acquire_lock(self, takeover: bool):
+        """Process 0 takes the directory's writer lock; every process learns the outcome."""
+        lock, refusal = None, None
+        if jax.process_index() == 0:
+            mine_but_closed = (writer_lock.held_by_this_process(self.directory)
+                               and not any(w.directory == self.directory for w in _WRITERS))  # fmt: skip
+            try:
+                lock = writer_lock.WriterLock.acquire(self.directory, takeover=takeover or mine_but_closed)
+            except writer_lock.WriterLockError as err:
+                refusal = str(err)
+        refusal = allgather_json(refusal)[0]
+        if refusal is not None:
+            self._manager.close()
+            raise writer_lock.WriterLockError(refusal)
+        return lock
 
     # --- saving -----------------------------------------------------------
     def save(self, step: int, params, opt_state=None, extra: Mapping | None = None, *,
@@ -148,20 +184,52 @@ class Checkpointer:
             ) from None
         trees = dict(zip(_ITEMS, (params, opt_state, None if rng is None else {_RNG_KEY: rng})))
         items = {item: _keyed(item, tree) for item, tree in trees.items() if tree is not None}
+        _check_not_donated(items)
+        self.wait()  # the previous save's error surfaces here, before a new one starts
         plans = plan_leaves(items)  # validates, and agrees across processes, first
-        saved = {item: plan for item, plan in plans.items() if plan.leaves}
+        # copied to host before orbax starts the step: a bad leaf fails here, not in its threads
+        saved = {item: prepare_shards(plan) for item, plan in plans.items() if plan.leaves}
         args = ocp.args.Composite(**saved, meta=ocp.args.JsonSave(record))
-        try:  # force: save every step asked for (orbax would skip steps <= the latest)
-            self._manager.save(int(step), args=args, force=True)
-        except ocp.checkpoint_manager.StepAlreadyExistsError:
+        if int(step) in self.all_steps():
             raise ValueError(
                 f"{self.directory} already holds step {step}. Remedy: save under a new step "
                 "number (or delete that step's directory first)."
-            ) from None
+            )
+        try:  # force: save every step asked for (orbax would skip steps <= the latest)
+            self._manager.save(int(step), args=args, force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError:  # written by another process meanwhile
+            raise ValueError(f"{self.directory} already holds step {step}. Remedy: save under a "
+                             "new step number.") from None  # fmt: skip
+        except Exception as err:
+            raise self._failed(int(step), err) from err
+        self._pending = int(step)
 
     def wait(self) -> None:
-        """Block until the pending save (if any) is committed; re-raises its error."""
-        self._manager.wait_until_finished()
+        """Block until the pending save (if any) is committed.
+
+        Raises:
+            CheckpointError: the save failed (I/O error, disk full); names the
+                step and the latest complete one, which is untouched.
+        """
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._failed(step, err) from err
+        if step is not None:
+            _FAILED_SAVES.pop(self.directory, None)  # a later step committed: nothing is lost
+
+    def _failed(self, step: int | None, err: BaseException) -> CheckpointError:
+        """Record a failed save (the process will exit 1 rather than hang) and describe it."""
+        steps = self.all_steps()
+        kept = f"the latest complete step is {steps[-1]}" if steps else "no complete step exists yet"
+        message = (f"saving step {step} to {self.directory} failed: {type(err).__name__}: {err}; "
+                   f"{kept} (untouched). Remedy: fix the cause (space, permissions) and save "
+                   "again; restore() reads the complete steps.")  # fmt: skip
+        _FAILED_SAVES[self.directory] = message
+        global _THREADS_STUCK
+        _THREADS_STUCK = True
+        return CheckpointError(message)
 
     # --- listing ----------------------------------------------------------
     def all_steps(self) -> list[int]:
@@ -287,14 +355,62 @@ class Checkpointer:
 
     # --- lifetime ---------------------------------------------------------
     def close(self) -> None:
-        """Finish pending saves and release orbax's threads."""
-        self._manager.close()
+        """Finish the pending save, release orbax's threads and the writer lock.
+
+        Raises :class:`CheckpointError` if that save failed (after releasing)."""
+        _WRITERS.discard(self)
+        try:
+            self.wait()
+        finally:
+            with contextlib.suppress(Exception):  # a failed save's error was raised by wait
+                self._manager.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --- the end of the process ------------------------------------------------------
+_WRITERS: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_FAILED_SAVES: dict[Path, str] = {}  # per directory, a failed save no later step made good
+_THREADS_STUCK = False  # orbax's threads of a failed save never end
+
+
+def _finish_at_exit() -> None:
+    """Commit saves still pending when the script ends (warning), or exit 1 if one failed.
+
+    Runs when the interpreter starts shutting down, before it joins threads.
+    Orbax's threads of a failed save wait forever for a signal, so after a
+    failed save the process leaves with ``os._exit``: status 1 naming the lost
+    step, or 0 if a later save to that directory committed.
+    """
+    for ckpt in list(_WRITERS):
+        step = ckpt._pending
+        try:
+            ckpt.close()
+        except CheckpointError:
+            continue  # recorded in _FAILED_SAVES
+        if step is not None:
+            print(f"axonn_jax.checkpoint: the script ended with the save of step {step} to "
+                  f"{ckpt.directory} pending; it is now complete. Remedy: close the Checkpointer "
+                  "(or use `with Checkpointer(...)`) so that saves finish where you expect.",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    if _FAILED_SAVES:
+        print("axonn_jax.checkpoint: exiting with status 1 because a save failed:\n  "
+              + "\n  ".join(_FAILED_SAVES.values()), file=sys.stderr, flush=True)  # fmt: skip
+    if _THREADS_STUCK:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1 if _FAILED_SAVES else 0)
+
+
+# before concurrent.futures refuses new work and before threads are joined
+getattr(threading, "_register_atexit", __import__("atexit").register)(_finish_at_exit)
 
 
 # --- module-level conveniences -------------------------------------------------
@@ -380,6 +496,18 @@ def _flatten(item: str, tree) -> tuple[list[tuple[str, Any]], Any]:
         suffix = LeafKey.of(keys).path
         pairs.append((f"{item}/{suffix}" if suffix else item, leaf))
     return pairs, treedef
+
+
+def _check_not_donated(items: Mapping[str, list]) -> None:
+    """Refuse arrays whose buffers a jitted step donated (deleted), naming the first."""
+    for item, leaves in items.items():
+        for key, leaf in leaves:
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(
+                    f"checkpoint leaf '{item}/{key.path}' was donated to a jitted step (its buffer "
+                    "is deleted). Remedy: save what the step returned "
+                    "(params, opt_state, loss = step(params, opt_state, batch); ckpt.save(...))."
+                )
 
 
 def _check_step(step, what: str) -> None:

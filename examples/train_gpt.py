@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     from axonn_jax.checkpoint import Checkpointer
 
     ckpt_dir = Path(args.ckpt_dir or out / "ckpt")
-    ckpt = Checkpointer(ckpt_dir, max_to_keep=2)
+    ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
     if ckpt.all_steps() and not args.resume:
         if not args.fresh:
             raise SystemExit(
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
             print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
             shutil.rmtree(ckpt_dir)
         pm.transport.barrier()
-        ckpt = Checkpointer(ckpt_dir, max_to_keep=2)
+        ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
     first_step = 0
     if args.resume and ckpt.latest_step() is not None:
         restored = ckpt.restore(params=params, opt_state=opt_state)

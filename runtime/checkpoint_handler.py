@@ -113,6 +113,7 @@ class StandardTreeSave(ocp.args.CheckpointArgs):
     leaves: Sequence[tuple[LeafKey, Any]]
     owners: Sequence[int | None]
     value_types: Sequence[str]
+    prepared: Sequence[tuple[str, shard_store.PreparedLeaf]] | None = None  # prepare_shards
 
 
 @dataclasses.dataclass
@@ -129,14 +130,9 @@ class StandardTreeHandler(ocp.AsyncCheckpointHandler):
         """Copy this process's shards to host now; write them in the background."""
         if args is None:
             raise ValueError("StandardTreeHandler.async_save needs args=StandardTreeSave(...)")
-        me = jax.process_index()
-        prepared = [
-            (key.dir_name, shard_store.prepare(key.path, value, sole_writer=owner == me))
-            for (key, value), owner in zip(args.leaves, args.owners)
-            if value is not None and not isinstance(value, EmptyNode)
-        ]
+        prepared = (args if args.prepared is not None else prepare_shards(args)).prepared
         metadata = _tree_metadata(args, prepared)
-        is_primary = me == 0
+        is_primary = jax.process_index() == 0
 
         async def commit() -> None:
             root = Path(str(directory))
@@ -173,6 +169,20 @@ class StandardTreeHandler(ocp.AsyncCheckpointHandler):
 # `register_with_handler` pairs args with their handler class; done after both exist.
 ocp.args.register_with_handler(StandardTreeHandler, for_save=True)(StandardTreeSave)
 ocp.args.register_with_handler(StandardTreeHandler, for_restore=True)(StandardTreeRestore)
+
+
+def prepare_shards(plan: StandardTreeSave) -> StandardTreeSave:
+    """``plan`` with this process's shards copied to host memory (synchronous).
+
+    Done before orbax starts a step, so that a leaf that cannot be read (e.g.
+    deleted by donation) fails the ``save`` call instead of orbax's threads."""
+    me = jax.process_index()
+    prepared = [
+        (key.dir_name, shard_store.prepare(key.path, value, sole_writer=owner == me))
+        for (key, value), owner in zip(plan.leaves, plan.owners)
+        if value is not None and not isinstance(value, EmptyNode)
+    ]
+    return dataclasses.replace(plan, prepared=prepared)
 
 
 def read_metas(root: Path, index: Mapping[str, str | None]) -> dict[str, LeafMeta | None]:
