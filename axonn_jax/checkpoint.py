@@ -204,6 +204,30 @@ class Checkpointer:
             raise self._failed(int(step), err) from err
         self._pending = int(step)
 
+    def save_train_state(self, step: int, train_step, params, opt_state, extra: Mapping | None = None,
+                         *, rng: jax.Array | None = None) -> None:  # fmt: skip
+        """:meth:`save` the state of ``pm.train_step(...)`` in a form any grid and mode restores.
+
+        Stores float32 parameters (the masters where the step keeps them) and
+        the optimizer state over the whole model, so :meth:`restore_train_state`
+        reads it into a step with another grid, with or without a pipeline,
+        offload or another precision. Plain orbax sees ``params`` and
+        ``opt_state/inner`` as a single-device Flax/optax run would have them.
+        """
+        params, opt_state = train_step.checkpoint_state(params, opt_state)
+        self.save(step, params, opt_state, extra, rng=rng)
+
+    def restore_train_state(self, train_step, params, opt_state, step: int | None = None) -> Restored:
+        """Restore what :meth:`save_train_state` saved into ``train_step``'s layout.
+
+        ``params, opt_state`` come from ``train_step.init(...)`` (they give the
+        shardings and memory kinds); the result holds the restored pair.
+        """
+        params_target, opt_target = train_step.checkpoint_target(params, opt_state)
+        restored = self.restore(step, params=params_target, opt_state=opt_target)
+        params, opt_state = train_step.from_checkpoint(restored.params, restored.opt_state)
+        return dataclasses.replace(restored, params=params, opt_state=opt_state)
+
     def wait(self) -> None:
         """Block until the pending save (if any) is committed.
 

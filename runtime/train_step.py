@@ -50,6 +50,11 @@ def _none(x) -> bool:
     return x is None
 
 
+def _first_held(*trees):
+    """Leaf by leaf, the first tree's leaf that is not ``None`` (trees alike, ``None`` holes)."""
+    return jax.tree.map(lambda *xs: next((x for x in xs if x is not None), None), *trees, is_leaf=_none)
+
+
 class TrainStep:
     """``(params, opt_state, batch) → (params, opt_state, loss)``.
 
@@ -221,6 +226,65 @@ class TrainStep:
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
+
+    # --- checkpoints: one form for every grid, pipeline and offload mode ----------------
+    def checkpoint_state(self, params, opt_state: OptState) -> tuple[Any, dict]:
+        """``(params, opt_state)`` as checkpoints store them, the same on every grid and mode.
+
+        ``params``: full-precision values (the float32 masters where the step
+        keeps them, else the device parameters; model state as is). ``opt_state``:
+        ``{"inner": the optimizer's state over the whole model}`` (pipeline
+        stages merged), plus ``"loss_scale"`` with fp16. Leaves of other
+        processes' stages are ``None``. Restore with :meth:`checkpoint_target`
+        and :meth:`from_checkpoint` (``Checkpointer.save_train_state`` /
+        ``restore_train_state`` do all three).
+        """
+        _check_step_inputs(params, opt_state)
+        trainable, model_state = self.call.split(params)
+        states = ([opt_state.optimizer] if self.placed.grid.pipeline == 1
+                  else [opt_state.optimizer[s] for s in sorted(opt_state.optimizer)])  # fmt: skip
+        if states[0].master is not None:
+            trainable = _first_held(*(s.master for s in states))
+        saved = {"inner": _first_held(*(s.inner for s in states))}
+        if opt_state.loss_scale is not None:
+            saved["loss_scale"] = opt_state.loss_scale
+        return self.call.merge(trainable, model_state), saved
+
+    def checkpoint_target(self, params, opt_state: OptState) -> tuple[Any, dict]:
+        """Restore targets for :meth:`checkpoint_state`'s form, from a fresh :meth:`init`.
+
+        Parameters come back in float32 on the device parameters' shardings;
+        optimizer-state leaves on the shardings and memory kinds of ``opt_state``.
+        """
+        full, saved = self.checkpoint_state(params, opt_state)
+        structs = jax.tree.map(
+            lambda device, value: None if device is None else jax.ShapeDtypeStruct(
+                value.shape, value.dtype, sharding=device.sharding),
+            params, full, is_leaf=_none,
+        )  # fmt: skip
+        return structs, saved
+
+    def from_checkpoint(self, params, saved: dict) -> tuple[Any, OptState]:
+        """``(device params, opt_state)`` of this step from :meth:`checkpoint_state`'s form.
+
+        Masters and device parameters are made from ``params`` as :meth:`init`
+        makes them; the optimizer state is ``saved["inner"]`` split over this
+        process's stages (scalars such as step counts copied to each stage).
+        """
+        device, opt_state = self.init(params)
+        states = ({None: opt_state.optimizer} if self.placed.grid.pipeline == 1
+                  else dict(opt_state.optimizer))  # fmt: skip
+        for s, state in states.items():
+            inner = jax.tree.map(
+                lambda like, value: None if like is None else jax.device_put(value, like.sharding),
+                state.inner, saved["inner"], is_leaf=_none,
+            )  # fmt: skip
+            states[s] = state._replace(inner=inner)
+        scale = opt_state.loss_scale
+        if scale is not None and "loss_scale" in saved:
+            scale = jax.tree.map(lambda like, v: jax.device_put(v, like.sharding), scale, saved["loss_scale"])
+        optimizer = states[None] if self.placed.grid.pipeline == 1 else states
+        return device, OptState(optimizer, scale)
 
     def _check_ranks_agree(self) -> None:
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
