@@ -218,14 +218,29 @@ class Partitioned:
         tree, wrapped = self._planned_tree(full_params)
         return _wrap(self.placed.shard(tree), wrapped)
 
-    def gather(self, params):
+    def gather(self, params, opt_state=None):
         """Full parameters back as host NumPy arrays, on every process.
 
         With a pipeline over several processes, each leaf is gathered on the
         processes of its stage and then sent to the others. Accepts (and
         returns) the params tree or the linen variables dict.
+
+        Given the ``opt_state`` of :meth:`train_step` (``step.init`` / ``step(...)``),
+        it returns the float32 master weights kept there instead of the device
+        parameters (``precision="bf16"``/``"fp16"``, ``offload=True``; with a
+        pipeline, every stage's, whichever process holds it). Any other
+        optimizer state (:meth:`init_optimizer`) holds no masters: the
+        parameters are returned.
+
+        Example:
+            >>> full = pm.gather(params, opt_state)   # fp32 masters of a bf16 step  # doctest: +SKIP
         """
         tree, wrapped = self._planned_tree(params)
+        if opt_state is not None:
+            from axonn_jax.runtime.model_call import ModelCall
+            from axonn_jax.runtime.train_step import master_params
+
+            tree = master_params(self.placed, ModelCall.of(self.program.traced), tree, opt_state)
         return _wrap(self.placed.gather(tree), wrapped)
 
     def init_optimizer(self, optimizer, params):

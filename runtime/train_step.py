@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
 from axonn_jax.runtime.model_call import ModelCall
-from axonn_jax.runtime.offload import MasterOptimizer
+from axonn_jax.runtime.offload import MasterOptimizer, MasterState
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.stage_update import StageUpdate, describe
@@ -166,22 +166,12 @@ class TrainStep:
 
     def _stage_tree(self, leaves: list, stage: int):
         """Stage ``stage``'s trainable leaves as the params tree (``None`` elsewhere)."""
-        return self.call.split(self.placed.subtree(leaves, self._groups()[stage]))[0]
-
-    def _plan_leaves(self, params_tree) -> list:
-        """A params tree (``None`` holes kept) as leaves in the plan's order (state: ``None``)."""
-        _, no_state = self.call.split(self.placed.subtree([None] * len(self.plan.params), []))
-        return jax.tree.leaves(self.call.merge(params_tree, no_state), is_leaf=_none)
-
-    def _groups(self) -> dict[int, list[int]]:
-        """Local stage → the trainable leaves it updates (model state is carried, not optimized)."""
-        trainable = [p.trainable for p in self.plan.params]
-        return {s: [i for i in idx if trainable[i]] for s, idx in self.placed.homes.groups().items()}
+        return self.call.split(self.placed.subtree(leaves, trainable_groups(self.placed)[stage]))[0]
 
     def _stage_update(self) -> StageUpdate | None:
         """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
         if self._across_stages is False:
-            masters = {s: self._compiled(s)[0] for s in self._groups()}
+            masters = {s: self._compiled(s)[0] for s in trainable_groups(self.placed)}
             abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
             update = StageUpdate.of(self.placed, masters,
                                     jax.tree.unflatten(self.plan.param_tree, abstract))  # fmt: skip
@@ -220,9 +210,9 @@ class TrainStep:
         self._stage_update()  # refuse what cannot be exact before any work
         leaves = placed.param_leaves(params)
         out, states = list(leaves), {}
-        for s, idx in self._groups().items():
+        for s, idx in trainable_groups(self.placed).items():
             device, states[s] = self._compiled(s)[0].init(self._stage_tree(leaves, s))
-            new = self._plan_leaves(device)
+            new = plan_leaves(self.placed, self.call, device)
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
@@ -311,7 +301,7 @@ class TrainStep:
         if self.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
             local = all(bool(np.asarray(all_finite(g))) for g in g_leaves if g is not None)
             finite = placed.transport.all_true(local)
-        groups = self._groups()
+        groups = trainable_groups(self.placed)
         across = self._stage_update()
         if across is not None:  # the whole-model update, in rounds over the stages
             stage_params, states = across({s: self._stage_tree(p_leaves, s) for s in groups},
@@ -326,10 +316,58 @@ class TrainStep:
                 )  # fmt: skip
         out = list(p_leaves)
         for s, idx in groups.items():
-            new = self._plan_leaves(stage_params[s])
+            new = plan_leaves(self.placed, self.call, stage_params[s])
             for i in idx:
                 out[i] = new[i]
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, None), loss
+
+
+def plan_leaves(placed: PlacedModel, call: ModelCall, params_tree) -> list:
+    """A params tree (``None`` holes kept) as leaves in the plan's order (state: ``None``)."""
+    _, no_state = call.split(placed.subtree([None] * len(placed.plan.params), []))
+    return jax.tree.leaves(call.merge(params_tree, no_state), is_leaf=_none)
+
+
+def trainable_groups(placed: PlacedModel) -> dict[int, list[int]]:
+    """Local stage → the trainable leaves it updates (model state is carried, not optimized)."""
+    trainable = [p.trainable for p in placed.plan.params]
+    return {s: [i for i in idx if trainable[i]] for s, idx in placed.homes.groups().items()}
+
+
+def master_params(placed: PlacedModel, call: ModelCall, params, opt_state):
+    """``params`` with the float32 master weights of ``opt_state`` in place of the device values.
+
+    ``opt_state`` is what :meth:`TrainStep.init` returned (an :class:`OptState`),
+    its ``optimizer`` part (a :class:`MasterState`, or ``{stage: MasterState}``
+    with a pipeline: this process's stages), or any other optimizer state,
+    which holds no masters (``pm.init_optimizer``: the parameters are the
+    masters). The result has the layout of ``params`` (leaves of other
+    processes' stages ``None``; offloaded masters stay in host memory), ready
+    for ``pm.gather``. Model state (BatchNorm statistics) comes from ``params``.
+
+    Example:
+        >>> full = pm.gather(master_params(pm.placed, call, params, opt_state))  # doctest: +SKIP
+    """
+    state = opt_state.optimizer if isinstance(opt_state, OptState) else opt_state
+    if placed.grid.pipeline == 1 or not isinstance(state, dict):
+        if not isinstance(state, MasterState) or state.master is None:
+            return params  # no separate masters: the parameters are the masters
+        return call.merge(state.master, call.split(params)[1])
+    groups = trainable_groups(placed)
+    if not all(isinstance(v, MasterState) for v in state.values()) or set(state) != set(groups):
+        raise ValueError(
+            f"opt_state holds the stages {sorted(state)} but this process keeps the parameters of "
+            f"stages {sorted(groups)} of {placed.grid}. Remedy: pass the opt_state returned by "
+            "this process's step.init / step(...) on the same grid."
+        )
+    out = placed.param_leaves(params)
+    for s, idx in groups.items():
+        if state[s].master is None:  # fp32 on the device: the parameters are the masters
+            continue
+        masters = plan_leaves(placed, call, state[s].master)
+        for i in idx:
+            out[i] = masters[i]
+    return jax.tree.unflatten(placed.plan.param_tree, out)
 
 
 def _check_step_inputs(params, opt_state) -> None:
