@@ -213,7 +213,9 @@ def main(argv=None) -> int:
         ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
     first_step = 0
     if args.resume and ckpt.latest_step() is not None:
-        restored = ckpt.restore(params=params, opt_state=opt_state)
+        # any grid, pipeline or not, offloaded or not: the checkpoint holds float32
+        # params and the optimizer state over the whole model
+        restored = ckpt.restore_train_state(train_step, params, opt_state)
         params, opt_state = restored.params, restored.opt_state
         first_step = int(restored.extra["next_step"])
         loader = _resumed_loader(Loader, train_tokens, restored.extra, loader, first_step, mesh)
@@ -246,12 +248,14 @@ def main(argv=None) -> int:
                 if key in row:
                     board.add_scalar(key, row[key], step)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
-            ckpt.save(step + 1, params, opt_state, extra={"next_step": step + 1, "loader": loader.state()})
+            ckpt.save_train_state(step + 1, train_step, params, opt_state,
+                                  extra={"next_step": step + 1, "loader": loader.state()})  # fmt: skip
         progress.step(row, seconds=time.perf_counter() - t0)
     progress.close()
     elapsed = time.perf_counter() - start
     if first_step < args.steps:
-        ckpt.save(args.steps, params, opt_state, extra={"next_step": args.steps, "loader": loader.state()})
+        ckpt.save_train_state(args.steps, train_step, params, opt_state,
+                              extra={"next_step": args.steps, "loader": loader.state()})  # fmt: skip
     ckpt.close()  # waits for the asynchronous writes
     if board is not None:
         board.close()

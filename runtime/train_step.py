@@ -230,15 +230,12 @@ class TrainStep:
         ``restore_train_state`` do all three).
         """
         _check_step_inputs(params, opt_state)
-        trainable, model_state = self.call.split(params)
         states = ([opt_state.optimizer] if self.placed.grid.pipeline == 1
                   else [opt_state.optimizer[s] for s in sorted(opt_state.optimizer)])  # fmt: skip
-        if states[0].master is not None:
-            trainable = _first_held(*(s.master for s in states))
         saved = {"inner": _first_held(*(s.inner for s in states))}
         if opt_state.loss_scale is not None:
             saved["loss_scale"] = opt_state.loss_scale
-        return self.call.merge(trainable, model_state), saved
+        return master_params(self.placed, self.call, params, opt_state), saved
 
     def checkpoint_target(self, params, opt_state: OptState) -> tuple[Any, dict]:
         """Restore targets for :meth:`checkpoint_state`'s form, from a fresh :meth:`init`.
