@@ -359,6 +359,7 @@ class Partitioned:
         timeout: float = 60.0,
         remat: str | Callable | None = None,
         delay: Callable | None = None,
+        asynchronous: bool = True,
     ) -> Callable:
         """``(params, batch) → (loss, grads)`` of ``loss_fn(model outputs, batch)``.
 
@@ -373,7 +374,9 @@ class Partitioned:
         ``None``). ``remat`` wraps each stage's forward (e.g. ``jax.checkpoint``);
         ``remat`` may also name a policy of :mod:`axonn_jax.runtime.remat` ("none",
         "full", "save_dots", "offload"); ``timeout`` bounds the wait for a peer stage; ``delay(stage, kind, mb)``
-        emulates slow tasks (tests, benchmarks).
+        emulates slow tasks (tests, benchmarks). Stage programs are launched
+        asynchronously, so the stages of one process compute at the same time;
+        ``asynchronous=False`` runs one task at a time (a baseline, or to debug).
 
         Example:
             >>> step = pm.value_and_grad(lambda logits, t: next_token_loss(logits, t))  # doctest: +SKIP
@@ -390,7 +393,7 @@ class Partitioned:
         if self.grid.pipeline == 1:
             return microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs or default_inputs,
                                                microbatches, remat, call)  # fmt: skip
-        options = PipelineOptions(microbatches, schedule, limit, timeout, remat, delay)
+        options = PipelineOptions(microbatches, schedule, limit, timeout, remat, delay, asynchronous)
         return PipelinedValueAndGrad(self.placed, self.program_for, loss_fn, inputs=inputs,
                                      options=options, overlap=self.overlap, call=call)  # fmt: skip
 

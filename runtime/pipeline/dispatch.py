@@ -1,19 +1,32 @@
 """The dependency-driven dispatch queue of one process (AxoNN's message-driven pipeline).
 
 Tasks are ``F(stage, mb)`` and ``B(stage, mb)`` for the stages this process
-owns. A task is ready when its input has arrived: stage 0's forwards need
+owns. A task is ready when its input has *arrived*: stage 0's forwards need
 nothing (but at most ``limit`` microbatches may be in flight between its
 forward and its backward), other forwards need the previous stage's
 activation, backwards need the next stage's gradient; the last stage runs its
 backward right after its forward (one program). The queue posts the receive
-of the next message on every link before it computes, asks its
+of the next message on every link, asks its
 :class:`~axonn_jax.runtime.pipeline.schedules.Schedule` which ready task to
 run (the message-driven schedule: whichever has its input, backward first;
-``"1f1b"`` and ``"gpipe"``: a fixed order per stage, for comparison), and hands
-outputs to the transport without waiting.
+``"1f1b"`` and ``"gpipe"``: a fixed order per stage, for comparison), and
+hands outputs to the transport without waiting.
+
+Dispatch is asynchronous: a task's program is launched and the queue moves on
+at once, so the stages of one process compute at the same time on their own
+devices. An input has arrived when its arrays are *ready* (``is_ready()``),
+not merely handed over as futures, so what runs next is still decided by what
+has arrived. The queue never waits on its own outputs: each device group
+(mesh) holds at most ``depth`` launched, unfinished tasks (the next one queued
+behind the running one), and a watcher thread per mesh notes when each task
+finishes, which wakes the queue. ``asynchronous=False`` runs one task at a
+time (each waited for before the next is picked), the baseline the overlap is
+measured against.
 
 Every task is recorded (stage, kind, microbatch, start, end, idle time before
-it) for :mod:`axonn_jax.runtime.pipeline.timeline`.
+it) for :mod:`axonn_jax.runtime.pipeline.timeline`: a task starts when it was
+launched or when the task before it on the same mesh finished, whichever is
+later, and ends when its outputs are ready.
 
 Example:
     >>> queue = DispatchQueue(programs, [0, 1], transport, schedule="message")  # doctest: +SKIP
@@ -24,7 +37,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import queue
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import jax
@@ -32,6 +48,9 @@ import jax
 from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.transport import Transport
+
+#: seconds between polls while a message is on its way (MPI receives, copies in flight)
+POLL = 0.0002
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +62,7 @@ class TaskRecord:
     microbatch: int
     start: float
     end: float
-    wait: float  # idle time of this stage just before the task
+    wait: float  # idle time of this stage's devices just before the task
 
 
 @dataclasses.dataclass
@@ -58,7 +77,8 @@ class StepResult:
 @dataclasses.dataclass
 class _StageState:
     program: StageProgram
-    forwards: int = 0
+    lane: _Lane
+    forwards: int = 0  # forwards launched (the next forward is microbatch ``forwards``)
     backwards: int = 0
     inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrays
     cotangents: dict = dataclasses.field(default_factory=dict)  # mb → arrays
@@ -66,10 +86,49 @@ class _StageState:
     expect_f: int = 0  # next microbatch whose forward message is expected
     expect_b: int = 0
     grads: list | None = None
-    idle_since: float = 0.0
     peak: int = 0
     posted: set = dataclasses.field(default_factory=set)  # message keys with receives posted
-    last_kind: str = ""  # kind of the last task this stage ran
+    last_kind: str = ""  # kind of the last task this stage launched
+
+
+@dataclasses.dataclass
+class _Task:
+    stage: int
+    kind: str
+    microbatch: int
+    launched: float  # perf_counter() when the queue picked it (before any emulated delay)
+    outputs: list  # the arrays whose readiness means the task has finished
+
+
+class _Lane:
+    """The launched, unfinished tasks of one mesh, in launch order, and the thread that
+    waits for each to finish (a device runs its programs one after another)."""
+
+    def __init__(self, finished: queue.Queue, wake: threading.Event):
+        self.pending: deque[_Task] = deque()
+        self._todo: queue.Queue = queue.Queue()
+        self._finished, self._wake = finished, wake
+        self.last_end = 0.0  # when this mesh's previous task finished (perf_counter)
+        self._thread = threading.Thread(target=self._watch, name="axonn-task-watcher", daemon=True)
+        self._thread.start()
+
+    def launch(self, task: _Task) -> None:
+        self.pending.append(task)
+        self._todo.put(task)
+
+    def stop(self) -> None:
+        """The watcher ends once the tasks before it are done (not waited for here)."""
+        self._todo.put(None)
+
+    def _watch(self) -> None:
+        while (task := self._todo.get()) is not None:
+            error = None
+            try:
+                jax.block_until_ready(task.outputs)
+            except BaseException as exc:  # surfaced on the queue's thread
+                error = exc
+            self._finished.put((self, time.perf_counter(), error))
+            self._wake.set()
 
 
 class PipelineTimeout(RuntimeError):
@@ -87,9 +146,15 @@ class DispatchQueue:
             :class:`~axonn_jax.runtime.pipeline.schedules.Schedule`.
         limit: most microbatches stage 0 keeps in flight (message schedule);
             default the number of stages.
-        timeout: seconds without any runnable task before :class:`PipelineTimeout`.
+        timeout: seconds without any runnable or running task before
+            :class:`PipelineTimeout`.
         delay: optional ``delay(stage, kind, mb) -> seconds`` slept before a task
-            (to emulate a slow stage in tests and benchmarks).
+            is launched (to emulate a slow stage in tests and benchmarks; it
+            holds the dispatching thread, so it only emulates well with one
+            stage per process).
+        asynchronous: launch tasks without waiting for them (default); ``False``
+            waits for each task before picking the next (the serial baseline).
+        depth: most launched, unfinished tasks per mesh (asynchronous only).
     """
 
     def __init__(
@@ -102,6 +167,8 @@ class DispatchQueue:
         limit: int | None = None,
         timeout: float = 60.0,
         delay: Callable[[int, str, int], float] | None = None,
+        asynchronous: bool = True,
+        depth: int = 2,
     ):
         self.programs, self.local = list(programs), list(local)
         self.transport = transport
@@ -110,6 +177,10 @@ class DispatchQueue:
             schedule = make_schedule(schedule, limit=limit, stages=self.num_stages)
         self.schedule = schedule
         self.timeout, self.delay = timeout, delay
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1 launched task per mesh, got {depth}")
+        self.depth = depth if asynchronous else 1
+        self.asynchronous = asynchronous
         self._no_backward = False  # set by run(forward_only=True)
 
     # --- the step -----------------------------------------------------------
@@ -130,55 +201,98 @@ class DispatchQueue:
         """
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
-        states = {}
         self._no_backward = forward_only
-        schedule = MessageDriven(microbatches) if forward_only else self.schedule
+        schedule = MessageDriven(None) if forward_only else self.schedule
         schedule.start(self.local, self.num_stages, microbatches)
+        finished: queue.Queue = queue.Queue()
+        wake = threading.Event()
+        lanes: dict[tuple, _Lane] = {}
+        states = {}
         for s in self.local:
-            states[s] = _StageState(self.programs[s], idle_since=t0)
+            devices = tuple(d.id for d in self.programs[s].mesh.devices.flat)
+            if devices not in lanes:
+                lanes[devices] = _Lane(finished, wake)
+                lanes[devices].last_end = t0
+            states[s] = _StageState(self.programs[s], lanes[devices])
             self._expect(states[s], s, microbatches)
 
         def has_input(s: int, kind: str, mb: int) -> bool:
-            return self._has_input(states[s], s, kind, mb)
+            st = states[s]
+            return len(st.lane.pending) < self.depth and self._has_input(st, s, kind, mb)
 
-        losses: list = []
+        losses: dict[int, object] = {}
         records: list[TaskRecord] = []
         idle_deadline = time.perf_counter() + self.timeout
-        while not all(self._finished(st, s, microbatches) for s, st in states.items()):
-            for s, st in states.items():
-                self._poll(st, s, microbatches)
-            task = schedule.pick(states, has_input, microbatches)
-            if task is None:
-                if time.perf_counter() > idle_deadline:
-                    raise PipelineTimeout(self._stuck_message(states, microbatches))
-                time.sleep(0.0002)
-                continue
-            s, kind, mb = task
-            st = states[s]
-            start = time.perf_counter()
-            if self.delay is not None:  # an emulated slow task: counted as busy time
-                time.sleep(self.delay(s, kind, mb) or 0.0)
-            if forward_only:
-                outputs = self._forward_only(st, s, mb, params[s], args)
-                if s == last:
-                    losses.append(outputs)
-            elif kind == "F" and s == last:
-                losses.append(self._forward_backward(st, s, mb, params[s], args, batch))
-            elif kind == "F":
-                self._forward(st, s, mb, params[s], args)
-            else:
-                self._backward(st, s, mb)
-            end = time.perf_counter()
-            label = "FB" if kind == "F" and s == last and not forward_only else kind
-            records.append(TaskRecord(s, label, mb, start - t0, end - t0, start - st.idle_since))
-            st.idle_since = end
-            st.last_kind = kind
-            schedule.ran(s)
-            idle_deadline = time.perf_counter() + self.timeout
+        try:
+            while True:
+                wake.clear()
+                if self._collect(finished, records, t0):
+                    idle_deadline = time.perf_counter() + self.timeout
+                done = all(self._finished(st, s, microbatches) for s, st in states.items())
+                busy = any(lane.pending for lane in lanes.values())
+                if done and not busy:
+                    break
+                for s, st in states.items():
+                    self._poll(st, s, microbatches)
+                task = None if done else schedule.pick(states, has_input, microbatches)
+                if task is None:
+                    if busy:
+                        idle_deadline = time.perf_counter() + self.timeout
+                    elif time.perf_counter() > idle_deadline:
+                        raise PipelineTimeout(self._stuck_message(states, microbatches))
+                    wake.wait(POLL if self._awaiting(states, microbatches) else 0.05)
+                    continue
+                s, kind, mb = task
+                st = states[s]
+                launched = time.perf_counter()
+                if self.delay is not None:  # an emulated slow task: counted as busy time
+                    time.sleep(self.delay(s, kind, mb) or 0.0)
+                if forward_only:
+                    outputs, result = self._forward_only(st, s, mb, params[s], args)
+                    if s == last:
+                        losses[mb] = result
+                elif kind == "F" and s == last:
+                    outputs, losses[mb] = self._forward_backward(st, s, mb, params[s], args, batch)
+                elif kind == "F":
+                    outputs = self._forward(st, s, mb, params[s], args)
+                else:
+                    outputs = self._backward(st, s, mb)
+                label = "FB" if kind == "F" and s == last and not forward_only else kind
+                st.lane.launch(_Task(s, label, mb, launched, jax.tree.leaves(outputs)))
+                st.last_kind = kind
+                schedule.ran(s)
+                idle_deadline = time.perf_counter() + self.timeout
+                if not self.asynchronous:  # the serial baseline: this task ends before the next
+                    jax.block_until_ready(outputs)
+                    while st.lane.pending:
+                        self._collect(finished, records, t0, block=True)
+        finally:
+            for lane in lanes.values():
+                lane.stop()
         self.transport.close()
         grads = {s: st.grads for s, st in states.items()}
         peak = {s: st.peak for s, st in states.items()}
-        return StepResult(losses, grads, records, peak, origin)
+        records.sort(key=lambda r: (r.start, r.stage))
+        return StepResult([losses[mb] for mb in sorted(losses)], grads, records, peak, origin)
+
+    @staticmethod
+    def _collect(finished: queue.Queue, records: list, t0: float, block: bool = False) -> bool:
+        """Record the tasks that finished; raise the error of one that failed."""
+        any_done = False
+        while True:
+            try:
+                lane, end, error = finished.get(block=block)
+            except queue.Empty:
+                return any_done
+            block = False
+            if error is not None:
+                raise error
+            task = lane.pending.popleft()
+            start = max(task.launched, lane.last_end)
+            records.append(TaskRecord(task.stage, task.kind, task.microbatch, start - t0,
+                                      end - t0, start - lane.last_end))  # fmt: skip
+            lane.last_end = end
+            any_done = True
 
     # --- readiness ------------------------------------------------------------
     def _expect(self, st: _StageState, s: int, m: int) -> None:
@@ -208,59 +322,69 @@ class DispatchQueue:
         self._expect(st, s, m)
 
     def _has_input(self, st: _StageState, s: int, kind: str, mb: int) -> bool:
-        """The task's input is here (a forward must also be the stage's next microbatch)."""
+        """The task's input has arrived, ready to use (a forward must also be the stage's
+        next microbatch; a backward's residuals are its own forward's, launched earlier)."""
         if kind == "B":
-            return mb in st.cotangents and mb in st.residuals
-        return mb == st.forwards and (s == 0 or mb in st.inbound)
+            return mb in st.residuals and _ready(st.cotangents.get(mb))
+        return mb == st.forwards and (s == 0 or _ready(st.inbound.get(mb)))
+
+    def _awaiting(self, states: dict, m: int) -> bool:
+        """Some message is on its way: handed over but not ready, or a receive is posted."""
+        for s, st in states.items():
+            if any(not _ready(x) for x in (*st.inbound.values(), *st.cotangents.values())):
+                return True
+        if not self.transport.polled:
+            return False
+        return any((s > 0 and st.expect_f < m)
+                   or (s < self.num_stages - 1 and st.expect_b < m and not self._no_backward)
+                   for s, st in states.items())  # fmt: skip
 
     def _finished(self, st: _StageState, s: int, m: int) -> bool:
         if s == self.num_stages - 1 or self._no_backward:
             return st.forwards == m
         return st.backwards == m
 
-    # --- the tasks ----------------------------------------------------------
-    def _forward(self, st, s, mb, params, args) -> None:
+    # --- the tasks (launched, not waited for) -----------------------------------
+    def _forward(self, st, s, mb, params, args) -> list:
         inbound = st.inbound.pop(mb, [])
         outs, vjp = st.program.forward(params, args(s, mb), inbound)
-        jax.block_until_ready(outs)
         st.residuals[mb] = vjp
         st.peak = max(st.peak, len(st.residuals))
         st.forwards += 1
         nxt = self.programs[s + 1]
         self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
+        return outs
 
-    def _forward_only(self, st, s, mb, params, args) -> list | None:
+    def _forward_only(self, st, s, mb, params, args) -> tuple[list, list | None]:
         """A forward without residuals: sends the activations on, or returns the model outputs.
 
         The stage's state updates (BatchNorm statistics) are summed over microbatches.
         """
         inbound = st.inbound.pop(mb, [])
         outs, updates = st.program.forward_only(params, args(s, mb), inbound)
-        jax.block_until_ready(outs)
         st.forwards += 1
         self._accumulate(st, updates)
         if s == self.num_stages - 1:
-            return outs
+            return [outs, updates], outs
         nxt = self.programs[s + 1]
         self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
-        return None
+        return [outs, updates], None
 
-    def _forward_backward(self, st, s, mb, params, args, batch):
+    def _forward_backward(self, st, s, mb, params, args, batch) -> tuple[list, object]:
         inbound = st.inbound.pop(mb, [])
         loss, g_params, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
-        jax.block_until_ready(g_in)
         st.forwards += 1
         st.backwards += 1
         self._accumulate(st, g_params)
         self._send_backward(s, mb, g_in)
-        return loss
+        return [loss, g_params, g_in], loss
 
-    def _backward(self, st, s, mb) -> None:
+    def _backward(self, st, s, mb) -> list:
         g_params, g_in = st.program.backward(st.residuals.pop(mb), st.cotangents.pop(mb))
-        jax.block_until_ready(g_in)
         st.backwards += 1
         self._accumulate(st, g_params)
         self._send_backward(s, mb, g_in)
+        return [g_params, g_in]
 
     def _send_backward(self, s, mb, g_in) -> None:
         """The inbound gradients of stage ``s`` go to stage ``s - 1`` (nothing for stage 0)."""
@@ -288,6 +412,18 @@ class DispatchQueue:
             + ". A peer process has probably failed (see its error above). Raise the "
             "limit with timeout=... if a single task legitimately takes longer."
         )
+
+
+def _ready(arrays) -> bool:
+    """``arrays`` (a message) has arrived and every array in it is computed."""
+    if arrays is None:
+        return False
+    return all(_bits(x).is_ready() for x in jax.tree.leaves(arrays))
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The array holding ``x``'s data (typed PRNG keys: their raw bits)."""
+    return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
 
 
 @jax.jit

@@ -77,6 +77,7 @@ class PipelineOptions:
     timeout: float = 60.0
     remat: Callable | None = None
     delay: Callable | None = None
+    asynchronous: bool = True  # launch stage programs without waiting (False: one at a time)
 
     def __post_init__(self) -> None:
         check_schedule(self.schedule)
@@ -182,7 +183,8 @@ class PipelinedValueAndGrad:
         if not all(programs[s].compiled for s in local):
             self._compile(programs, stage_params, stage_args, loss_batch)
         queue = DispatchQueue(programs, local, placed.transport, schedule=opts.schedule,
-                              limit=opts.limit, timeout=opts.timeout, delay=opts.delay)  # fmt: skip
+                              limit=opts.limit, timeout=opts.timeout, delay=opts.delay,
+                              asynchronous=opts.asynchronous)  # fmt: skip
         result = queue.run(stage_params, stage_args, loss_batch, m)
         self.last_result = result
         grads, updated = self._combine(result, programs, leaves, m)

@@ -45,6 +45,9 @@ Key = tuple[str, int, int]
 
 
 class Transport(Protocol):
+    #: messages may arrive from other processes at any time (the queue polls while it waits)
+    polled: bool
+
     def expect(self, key: Key, avals: Sequence[jax.ShapeDtypeStruct], source_mesh) -> None:
         """Post the receives of message ``key`` (arrays like ``avals``, from ``source_mesh``)."""
 
@@ -84,6 +87,7 @@ class Transport(Protocol):
 class InProcessTransport:
     """All stages in this process: an asynchronous device-to-device copy per message."""
 
+    polled = False  # a message is handed over by this process's own send
     def __init__(self):
         self._mailbox: dict[Key, list[jax.Array]] = {}
 
@@ -171,6 +175,8 @@ class MpiTransport:
         comm: an mpi4py communicator reserved for pipeline messages; its rank
             must equal ``jax.process_index()``.
     """
+
+    polled = True
 
     def __init__(self, meshes, comm=None):
         self.meshes = list(meshes)
