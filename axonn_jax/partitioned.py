@@ -368,8 +368,8 @@ class Partitioned:
         result is a plain jittable function (microbatches accumulate gradients
         in one program). With ``pipeline > 1`` it runs the stages through the
         dispatch queue: ``schedule`` is "message" (AxoNN's message-driven
-        queue; stage 0 keeps at most ``limit`` microbatches in flight, default
-        the number of stages), "1f1b" or "gpipe"; the loss is returned on
+        queue; stage ``s`` keeps at most ``limit - s`` microbatches in flight,
+        default the number of stages + 1), "1f1b" or "gpipe"; the loss is returned on
         every process and the gradients of this process's parameters (others
         ``None``). ``remat`` wraps each stage's forward (e.g. ``jax.checkpoint``);
         ``remat`` may also name a policy of :mod:`axonn_jax.runtime.remat` ("none",

@@ -134,6 +134,13 @@ def bubble_section(r: dict) -> str:
     return r["table"]
 
 
+def async_summary(r: dict) -> Rows:
+    return [("pipeline=2 in one process (2 CPU devices): one task at a time / asynchronous "
+             "dispatch, step time",
+             f"{r['speedup']:.2f}× (ideal {2 * r['microbatches'] / (r['microbatches'] + 1):.2f}×; "
+             f"stages computing at once {r['overlap_s'] / r['span_s']:.0%} of the step)")]  # fmt: skip
+
+
 def checkpoint_summary(r: dict) -> Rows:
     return [("checkpoint: save committed / orbax async save committed",
              f"{r['committed_vs_orbax']:.2f} (save() returns {r['returns_vs_orbax']:.2f}, "
@@ -223,6 +230,7 @@ FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
     "gspmd_compare": (gspmd_summary, gspmd_section),
     "grid_prediction": (prediction_summary, prediction_section),
     "pipeline_bubble": (bubble_summary, bubble_section),
+    "pipeline_async": (async_summary, lambda r: r["table"]),
     "checkpoint_save": (checkpoint_summary, checkpoint_section),
     "memory_offload": (offload_summary, offload_section),
     "gpu_mfu": (mfu_summary, mfu_section),

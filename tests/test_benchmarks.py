@@ -187,3 +187,17 @@ def test_jsonable_makes_results_json_safe():
     value = {("x", 2): np.float32(1.5), "t": (1, float("nan")), "o": object}
     out = run.jsonable(value)
     assert json.loads(json.dumps(out)) == {"('x', 2)": 1.5, "t": [1, None], "o": str(object)}
+
+
+def test_pipeline_async_benchmark_runs_and_reports(tmp_path):
+    """Smoke run (timings are the benchmark's business, not a test's): its own 2-device
+    process, async and serial results equal bit for bit (checked inside), the summary row."""
+    bench = next(b for b in run.BENCHMARKS if b.name == "pipeline_async")
+    outcome = run.run_benchmark(bench, ["--rounds", "1", "--layers", "4", "--rows", "8",
+                                        "--microbatches", "4"], tmp_path)  # fmt: skip
+    assert outcome.result is not None, outcome.reason
+    r = outcome.result
+    assert r["serial_overlap_s"] == 0.0 and r["overlap_s"] > 0.0
+    measure, value = FORMATTERS["pipeline_async"][0](r)[0]
+    assert "asynchronous" in measure and value.startswith(f"{r['speedup']:.2f}×")
+    assert "| asynchronous |" in FORMATTERS["pipeline_async"][1](r)

@@ -99,6 +99,27 @@ def test_trace_exports(tmp_path, gpt_two_stages):
     assert set(fractions) == {0, 1} and all(0.0 <= f < 1.0 for f in fractions.values())
 
 
+def test_stages_of_one_process_compute_at_the_same_time(gpt_two_stages):
+    """Asynchronous dispatch: tasks of the two stages overlap in the trace, and the results
+    equal, bit for bit, those of the same tasks run one at a time (``asynchronous=False``)."""
+    case, pm, params = gpt_two_stages
+    batch = case.batch(8)
+    runs = {}
+    for asynchronous in (True, False):
+        step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=8,
+                                 asynchronous=asynchronous)  # fmt: skip
+        step(params, batch)  # compile
+        loss, grads = step(params, batch)
+        runs[asynchronous] = (loss, grads, step.trace())
+    (loss_a, grads_a, rows_a), (loss_s, grads_s, rows_s) = runs[True], runs[False]
+    assert np.asarray(loss_a) == np.asarray(loss_s)
+    for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_s), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    span = max(r[5] for r in rows_a) - min(r[4] for r in rows_a)
+    assert trace.concurrent_seconds(rows_s) == 0.0  # one after another
+    assert trace.concurrent_seconds(rows_a) > 0.1 * span, trace.concurrent_seconds(rows_a) / span
+
+
 def test_remat_gives_the_same_gradients(gpt_two_stages):
     """Stage forwards under full rematerialisation: the backward recomputes, grads agree."""
     case, pm, params = gpt_two_stages

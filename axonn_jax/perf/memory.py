@@ -8,7 +8,7 @@
   keeps every gathered block for the backward pass; with recompute one
   block's weights and weight gradients — plus the offload bucket buffer;
 * activations kept for backward for the microbatches in flight (one, or up
-  to ``pipeline`` on the first stage), split over data·z and the axis of
+  to ``pipeline + 1`` on the first stage: the message-driven default limit), split over data·z and the axis of
   each :class:`~axonn_jax.perf.spec.Activation`; under recompute only block
   inputs and one block's working set.
 
@@ -32,6 +32,7 @@ import dataclasses
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.spec import ModelSpec
+from axonn_jax.runtime.pipeline.schedules import default_limit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,8 @@ def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:
 def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
     microbatches = options.microbatches
     tokens = spec.tokens / (grid.batch_shards * microbatches)
-    in_flight = min(microbatches, grid.pipeline) if grid.pipeline > 1 else 1  # first stage
+    # the first stage keeps the message-driven queue's default limit in flight
+    in_flight = min(microbatches, default_limit(grid.pipeline)) if grid.pipeline > 1 else 1
     total = 0.0
     for a in spec.activations:
         elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)

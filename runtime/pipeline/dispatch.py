@@ -2,10 +2,10 @@
 
 Tasks are ``F(stage, mb)`` and ``B(stage, mb)`` for the stages this process
 owns. A task is ready when its input has *arrived*: stage 0's forwards need
-nothing (but at most ``limit`` microbatches may be in flight between its
-forward and its backward), other forwards need the previous stage's
-activation, backwards need the next stage's gradient; the last stage runs its
-backward right after its forward (one program). The queue posts the receive
+nothing (but stage ``s`` keeps at most ``limit - s`` microbatches between
+forward and backward), other forwards need the previous stage's activation,
+backwards need the next stage's gradient; the last stage runs its backward
+right after its forward (one program). The queue posts the receive
 of the next message on every link, asks its
 :class:`~axonn_jax.runtime.pipeline.schedules.Schedule` which ready task to
 run (the message-driven schedule: whichever has its input, backward first;
@@ -144,8 +144,8 @@ class DispatchQueue:
         transport: moves messages between stages.
         schedule: "message" (default), "1f1b", "gpipe", or a
             :class:`~axonn_jax.runtime.pipeline.schedules.Schedule`.
-        limit: most microbatches stage 0 keeps in flight (message schedule);
-            default the number of stages.
+        limit: most microbatches stage 0 keeps in flight (stage ``s``:
+            ``limit - s``; message schedule); default the number of stages + 1.
         timeout: seconds without any runnable or running task before
             :class:`PipelineTimeout`.
         delay: optional ``delay(stage, kind, mb) -> seconds`` slept before a task

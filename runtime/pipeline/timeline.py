@@ -88,6 +88,23 @@ def idle_fractions(rows: Sequence[Row]) -> dict[int, float]:
     return {stage: 1.0 - b / span for stage, b in sorted(busy.items())}
 
 
+def concurrent_seconds(rows: Sequence[Row]) -> float:
+    """Seconds during which tasks of at least two different stages ran at the same time.
+
+    >>> concurrent_seconds([(0, 0, "F", 0, 0.0, 2.0, 0.0), (0, 1, "FB", 0, 1.0, 3.0, 0.0)])
+    1.0
+    """
+    events = sorted([(r[4], 1, r[1]) for r in rows] + [(r[5], -1, r[1]) for r in rows])
+    running: dict[int, int] = {}
+    both, previous = 0.0, None
+    for t, change, stage in events:
+        if previous is not None and sum(1 for n in running.values() if n > 0) >= 2:
+            both += t - previous
+        running[stage] = running.get(stage, 0) + change
+        previous = t
+    return both
+
+
 def bubble_theory(stages: int, microbatches: int) -> float:
     """The idle fraction of a balanced pipeline, (p − 1)/(m + p − 1)."""
     return (stages - 1) / (microbatches + stages - 1)
