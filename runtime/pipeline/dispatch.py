@@ -5,8 +5,9 @@ owns. A task is ready when its input has *arrived*: stage 0's forwards need
 nothing (but stage ``s`` keeps at most ``limit - s`` microbatches between
 forward and backward), other forwards need the previous stage's activation,
 backwards need the next stage's gradient; the last stage runs its backward
-right after its forward (one program). The queue posts the receive
-of the next message on every link, asks its
+right after its forward (one program). The queue posts the receives of
+the next messages on every link (as many as may be sent before one is
+consumed, so no sender waits on a receive), asks its
 :class:`~axonn_jax.runtime.pipeline.schedules.Schedule` which ready task to
 run (the message-driven schedule: whichever has its input, backward first;
 ``"1f1b"`` and ``"gpipe"``: a fixed order per stage, for comparison), and
@@ -148,10 +149,10 @@ class DispatchQueue:
             ``limit - s``; message schedule); default the number of stages + 1.
         timeout: seconds without any runnable or running task before
             :class:`PipelineTimeout`.
-        delay: optional ``delay(stage, kind, mb) -> seconds`` slept before a task
-            is launched (to emulate a slow stage in tests and benchmarks; it
-            holds the dispatching thread, so it only emulates well with one
-            stage per process).
+        delay: optional ``delay(stage, kind, mb) -> seconds`` the queue is held
+            before a task is launched (to emulate a slow stage in tests and
+            benchmarks; it receives messages meanwhile but launches nothing, so
+            it only emulates well with one stage per process).
         asynchronous: launch tasks without waiting for them (default); ``False``
             waits for each task before picking the next (the serial baseline).
         depth: most launched, unfinished tasks per mesh (asynchronous only).
@@ -182,6 +183,7 @@ class DispatchQueue:
         self.depth = depth if asynchronous else 1
         self.asynchronous = asynchronous
         self._no_backward = False  # set by run(forward_only=True)
+        self._ahead = 1  # receives posted ahead per link (set by run)
 
     # --- the step -----------------------------------------------------------
     def run(self, params: dict[int, list], args: Callable[[int, int], list],
@@ -204,6 +206,8 @@ class DispatchQueue:
         self._no_backward = forward_only
         schedule = MessageDriven(None) if forward_only else self.schedule
         schedule.start(self.local, self.num_stages, microbatches)
+        bound = getattr(schedule, "in_flight_bound", lambda stage: None)(0)
+        self._ahead = microbatches if bound is None else min(bound, microbatches)
         finished: queue.Queue = queue.Queue()
         wake = threading.Event()
         lanes: dict[tuple, _Lane] = {}
@@ -246,7 +250,7 @@ class DispatchQueue:
                 st = states[s]
                 launched = time.perf_counter()
                 if self.delay is not None:  # an emulated slow task: counted as busy time
-                    time.sleep(self.delay(s, kind, mb) or 0.0)
+                    self._emulate(self.delay(s, kind, mb) or 0.0, states, microbatches)
                 if forward_only:
                     outputs, result = self._forward_only(st, s, mb, params[s], args)
                     if s == last:
@@ -275,6 +279,17 @@ class DispatchQueue:
         records.sort(key=lambda r: (r.start, r.stage))
         return StepResult([losses[mb] for mb in sorted(losses)], grads, records, peak, origin)
 
+    def _emulate(self, seconds: float, states: dict, m: int) -> None:
+        """Hold the queue for ``seconds`` as a device busy that long would, while receiving
+        what arrives meanwhile, as a queue waiting on real device work does (a bare sleep
+        would stall the MPI progress a peer's send may need)."""
+        deadline = time.perf_counter() + seconds
+        while (left := deadline - time.perf_counter()) > 0:
+            if self.transport.polled:
+                for s, st in states.items():
+                    self._poll(st, s, m)
+            time.sleep(min(left, 0.001 if self.transport.polled else left))  # 1 ms: cheap
+
     @staticmethod
     def _collect(finished: queue.Queue, records: list, t0: float, block: bool = False) -> bool:
         """Record the tasks that finished; raise the error of one that failed."""
@@ -296,11 +311,14 @@ class DispatchQueue:
 
     # --- readiness ------------------------------------------------------------
     def _expect(self, st: _StageState, s: int, m: int) -> None:
-        """Post the receives of the next forward and backward message of stage ``s``."""
-        if s > 0 and st.expect_f < m:
-            self._post(st, ("F", s, st.expect_f), st.program.inbound_avals(), s - 1)
-        if s < self.num_stages - 1 and st.expect_b < m and not self._no_backward:
-            self._post(st, ("B", s, st.expect_b), st.program.outbound_cotangent_avals(), s + 1)
+        """Post the receives of the next ``self._ahead`` forward and backward messages of
+        stage ``s``: as many as a neighbour may send before this stage consumes one, so a
+        sender never waits for a receive to be posted (its other messages queue behind)."""
+        for mb in range(st.expect_f, min(st.expect_f + self._ahead, m) if s > 0 else 0):
+            self._post(st, ("F", s, mb), st.program.inbound_avals(), s - 1)
+        if s < self.num_stages - 1 and not self._no_backward:
+            for mb in range(st.expect_b, min(st.expect_b + self._ahead, m)):
+                self._post(st, ("B", s, mb), st.program.outbound_cotangent_avals(), s + 1)
 
     def _post(self, st, key, avals, source: int) -> None:
         if key in st.posted:

@@ -88,6 +88,7 @@ class InProcessTransport:
     """All stages in this process: an asynchronous device-to-device copy per message."""
 
     polled = False  # a message is handed over by this process's own send
+
     def __init__(self):
         self._mailbox: dict[Key, list[jax.Array]] = {}
 
