@@ -13,6 +13,7 @@ same process; absolute times appear only in parentheses.
     .venv/bin/python benchmarks/run.py            # modest defaults (≈15 min on 2 CPU cores)
     .venv/bin/python benchmarks/run.py --quick    # a few minutes
     .venv/bin/python benchmarks/run.py --only gspmd_compare,pipeline_bubble --peak-tflops 989
+    .venv/bin/python benchmarks/run.py --only pipeline_bubble --merge   # update one benchmark
 """
 
 from __future__ import annotations
@@ -284,6 +285,7 @@ def markdown(outcomes: list[Outcome], plots: list[Path], env: dict) -> str:
         f"Python {env['python']}, jax {env['jax']}. Speed comparisons are ratios of two "
         "measurements taken in the same process (absolute times in parentheses); 8 devices are "
         "simulated on the host's CPU cores unless a section says otherwise. See docs/benchmarks.md.",
+        *(["", "Since then: " + "; ".join(env["reruns"]) + "."] if env.get("reruns") else []),
         "",
         "## Summary",
         "",
@@ -334,6 +336,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=None,
                     help="peak TFLOP/s of one GPU for the MFU benchmark")  # fmt: skip
     ap.add_argument("--out", default=str(HERE / "results"), help="folder for results.md and plots")
+    ap.add_argument("--merge", action="store_true",
+                    help="with --only: keep the other benchmarks' results from --out/results.json "
+                         "and replace the ones run now")  # fmt: skip
     ap.add_argument("--render", action="store_true",
                     help="run nothing: remake results.md and plots from --out/results.json")  # fmt: skip
     args = ap.parse_args(argv)
@@ -385,9 +390,25 @@ def main(argv=None) -> str:
                 continue
             print(f"== {bench.name}: {' '.join(bench_argv)}", file=sys.stderr, flush=True)
             outcomes.append(run_benchmark(bench, bench_argv, Path(tmp)))
-    text = save(outcomes, environment(shlex.join([".venv/bin/python", "benchmarks/run.py", *given])), out)
+    env = environment(shlex.join([".venv/bin/python", "benchmarks/run.py", *given]))
+    if args.merge:
+        outcomes, env = merged(out, outcomes, env)
+    text = save(outcomes, env, out)
     print(text)
     return text
+
+
+def merged(out: Path, fresh: list[Outcome], env: dict) -> tuple[list[Outcome], dict]:
+    """The previous run's outcomes with ``fresh`` ones in their place (registry order), and
+    its environment with a note of what was re-run, by which command, when."""
+    previous, base = load(out)
+    by_name = {o.bench.name: o for o in previous} | {o.bench.name: o for o in fresh}
+    order = [b.name for b in BENCHMARKS] + [n for n in by_name if n not in {b.name for b in BENCHMARKS}]
+    names = ", ".join(o.bench.name for o in fresh)
+    base = dict(base, reruns=[*base.get("reruns", []),
+                              f"{names} re-run by `{env['command']}` (finished {env['finished']}, "
+                              f"load average {', '.join(str(x) for x in env['load']) or '?'})"])  # fmt: skip
+    return [by_name[n] for n in order if n in by_name], base
 
 
 if __name__ == "__main__":

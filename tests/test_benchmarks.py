@@ -201,3 +201,17 @@ def test_pipeline_async_benchmark_runs_and_reports(tmp_path):
     measure, value = FORMATTERS["pipeline_async"][0](r)[0]
     assert "asynchronous" in measure and value.startswith(f"{r['speedup']:.2f}×")
     assert "| asynchronous |" in FORMATTERS["pipeline_async"][1](r)
+
+
+def test_merge_replaces_the_rerun_benchmark_and_says_so(tmp_path):
+    first = [run.Outcome(run.BENCHMARKS[0], [], result={"ratio": 1.5, "plain_s": 0.01, "axonn_s": 0.015,
+                                                        "steps": 3, "params": 10}),
+             run.Outcome(run.BENCHMARKS[1], [], reason="timed out after 1 s")]  # fmt: skip
+    run.save(first, run.environment("run.py"), tmp_path)
+    again = run.Outcome(run.BENCHMARKS[0], ["--steps", "3"], result=dict(first[0].result, ratio=1.25))
+    outcomes, env = run.merged(tmp_path, [again], run.environment("run.py --only x --merge"))
+    assert [o.bench.name for o in outcomes] == [run.BENCHMARKS[0].name, run.BENCHMARKS[1].name]
+    assert outcomes[0].result["ratio"] == 1.25 and outcomes[1].reason == "timed out after 1 s"
+    text = run.markdown(outcomes, [], env)
+    assert f"Since then: {run.BENCHMARKS[0].name} re-run by `run.py --only x --merge`" in text
+    assert "| 1.250 " in text and "| 1.500 " not in text
