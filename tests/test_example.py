@@ -1,6 +1,7 @@
 """The main example runs in one process and unchanged under mpiexec, with equal losses."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mpi_util import mpiexec
+
+from axonn_jax.runtime.pipeline.timeline import concurrent_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "6", "--layers", "1", "--hidden", "64", "--sample-tokens", "8"]
@@ -31,6 +34,10 @@ def test_example_single_process_and_mpiexec_agree(tmp_path):
     stdout, single = _run([], tmp_path / "one")
     assert "Plan for Grid(x=2, y=1, z=2, data=1, pipeline=2)" in stdout and "sample:" in stdout
     assert (tmp_path / "one" / "timeline.png").stat().st_size > 0  # the default grid pipelines
+    # one process drives both stages, and they compute at the same time
+    events = json.loads((tmp_path / "one" / "trace.json").read_text())["traceEvents"]
+    rows = [(0, e["tid"], e["name"], 0, e["ts"], e["ts"] + e["dur"], 0.0) for e in events if e["ph"] == "X"]
+    assert concurrent_seconds(rows) > 0, rows
     assert len(single) == 6 and single[-1] < single[0]
     stdout_two, two = _run([mpiexec(), "-n", "2"], tmp_path / "two")
     np.testing.assert_allclose(two, single, rtol=1e-5)
