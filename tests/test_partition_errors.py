@@ -129,6 +129,31 @@ def test_bad_planner_cli_arguments(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_incomplete_machine_profile_is_named(tmp_path, capsys):
+    """A profile JSON without some keys (or with bad table entries) exits 2 naming the file and keys."""
+    import json
+
+    from axonn_jax import cli
+    from axonn_jax.perf import machines
+
+    whole = machines.BUILTIN["perlmutter"].to_json()
+    incomplete = {k: v for k, v in whole.items() if k not in ("peak_tflops", "memory_gib")}
+    bad_table = dict(whole, intra_node=[{"inner": 1, "value": 7.0}])
+    for name, profile, message in [
+        ("incomplete.json", incomplete, "misses the keys ['memory_gib', 'peak_tflops']"),
+        ("bad_table.json", bad_table, "'intra_node' must be a list of"),
+        ("list.json", [whole], "a machine profile is a JSON object, got list"),
+    ]:
+        path = tmp_path / name
+        path.write_text(json.dumps(profile))
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["plan", "--gpus", "8", "--machine", str(path), "--layers", "2", "--hidden", "64"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2, err
+        assert f"machine profile {str(path)!r}" in err and message in err and "Remedy:" in err
+        assert "Traceback" not in err
+
+
 def test_apply_refuses_a_tree_with_other_names_shapes_or_dtypes(devices):
     """Same leaf count is not enough: names, shapes and dtypes are checked on every call."""
     model = Narrow()
