@@ -205,6 +205,7 @@ def saved_references(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(960)  # the job's own 900 s timeout fires first, with its output
 @pytest.mark.parametrize("n,model,grid,options", [
     (2, "gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"]),
     (2, "hf_gpt2", "pipeline=4", []),  # two stages per process
@@ -222,6 +223,7 @@ def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, s
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(660)
 def test_message_driven_queue_reorders_around_a_slow_stage():
     """Stage 1 stalls on microbatch 0: the queue keeps stage 0 busy and beats static 1F1B."""
     result = run_mpi(2, "pipeline_schedules.py", timeout=600)
