@@ -11,6 +11,9 @@ equation of the forward pass and, given a loss, of the backward pass.
   nearest to it in the data flow) and its pipeline stage; ``None`` when
   everything is finite.
 * :func:`check_finite` raises ``FloatingPointError`` with that description.
+* :func:`check_replicas` (from :mod:`axonn_jax.runtime.replicas`) raises when the
+  copies of a parameter shard held by data-parallel replicas (any rank, any
+  device) stopped being bitwise equal, naming the parameter, shard and ranks.
 * :func:`diagnose_step` takes the arguments of ``pm.value_and_grad``'s step
   (``loss_fn(outputs, batch)``, ``inputs(batch)``): call it when a training
   step returned a non-finite loss or gradient.
@@ -38,6 +41,7 @@ from axonn_jax.runtime.executor import Executor
 from axonn_jax.partitioner.flows import is_float
 from axonn_jax.runtime.pipeline.runner import default_inputs
 from axonn_jax.runtime.probe import NAN, ProbedStage, _is_drop, badness
+from axonn_jax.runtime.replicas import check_replicas  # noqa: F401  (replicas that drifted)
 from axonn_jax.runtime.sharded import place
 
 #: where a non-finite value was first seen, in the order the checks run

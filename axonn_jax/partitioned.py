@@ -386,8 +386,9 @@ class Partitioned:
                                                        default_inputs, microbatched_value_and_grad)  # fmt: skip
         from axonn_jax.runtime.remat import resolve_remat
 
-        from axonn_jax.runtime.model_call import ModelCall
+        from axonn_jax.runtime.model_call import ModelCall, check_differentiable
 
+        check_differentiable(self.plan.params)
         remat = resolve_remat(remat)
         call = ModelCall.of(self.program.traced)
         if self.grid.pipeline == 1:

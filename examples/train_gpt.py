@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="print every parameter's layout (default: the plan's summary)")
     p.add_argument("--all-ranks", action="store_true",
                    help="under MPI, let every rank print (default: rank 0 only)")
+    p.add_argument("--check-replicas-every", type=int, default=50,
+                   help="every N steps, check that data-parallel replicas hold bitwise equal "
+                        "parameters (0: never)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (default OUT/ckpt)")
     p.add_argument("--ckpt-every", type=int, default=100, help="save every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true",
@@ -90,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    for name in ("ckpt_every", "eval_every", "log_every"):
+    for name in ("ckpt_every", "eval_every", "log_every", "check_replicas_every"):
         if getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     try:
@@ -140,12 +143,14 @@ def main(argv=None) -> int:
 
     import axonn_jax
     from axonn_jax.corpus import load_corpus, split
+    from axonn_jax.health import check_replicas
     from axonn_jax.loader import Loader
     from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
 
     info = axonn_jax.init()
     if info.distributed and not args.all_ranks:  # rank 0 speaks for the job; errors reach stderr
         _quiet_stdout(silence=not info.is_main)
+    check_run_config(args)
     grid = axonn_jax.Grid.parse(args.grid)
     out = Path(args.out or f"runs/gpt-{args.grid.replace(',', '_').replace('=', '')}")
     try:
@@ -250,6 +255,8 @@ def main(argv=None) -> int:
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
             ckpt.save_train_state(step + 1, train_step, params, opt_state,
                                   extra={"next_step": step + 1, "loader": loader.state()})  # fmt: skip
+        if args.check_replicas_every and (step + 1) % args.check_replicas_every == 0:
+            check_replicas(params, step=step + 1)  # collective: every rank, the same steps
         progress.step(row, seconds=time.perf_counter() - t0)
     progress.close()
     elapsed = time.perf_counter() - start
@@ -285,6 +292,27 @@ def main(argv=None) -> int:
               "continue with --resume)")  # fmt: skip
         print("sample:", repr(sample))
     return 0
+
+
+#: flags that only change what a rank prints: they may differ between ranks
+PER_RANK_FLAGS = ("all_ranks", "log_every", "plan_table")
+
+
+def check_run_config(args: argparse.Namespace) -> None:
+    """Under MPI, every rank must run the same configuration (steps, seed, sizes, ...).
+
+    Ranks with another ``--steps`` (or ``--seed``, ``--batch``, ...) issue different
+    collectives and would end in a collective mismatch deep inside Gloo; this check
+    (collective, before the first step) raises on every rank naming both values, e.g.
+    ``the ranks of this job run different configurations: rank 1 has --steps 4 but rank
+    0 has 3``. Does nothing in one process.
+    """
+    from axonn_jax.runtime.consistency import check_consistent
+
+    config = {f"--{k.replace('_', '-')}": v for k, v in sorted(vars(args).items()) if k not in PER_RANK_FLAGS}
+    check_consistent(config, what="run different configurations", remedy=(
+        " Remedy: launch every rank with the same arguments (mpiexec -n N python "
+        "examples/train_gpt.py ARGS), e.g. no rank-dependent values in a wrapper script."))  # fmt: skip
 
 
 def compute_dtype(precision: str, backend: str) -> tuple[str, str | None]:

@@ -102,11 +102,18 @@ def digests(print_: dict[str, Any]) -> dict[str, str]:
 
 
 def check_consistent(mine: dict[str, Any], comm: Comm | None = None, *,
-                     remedy: str | None = None) -> None:  # fmt: skip
+                     remedy: str | None = None, what: str | None = None) -> None:  # fmt: skip
     """Raise ``ValueError`` on every rank unless all ranks have the same :func:`fingerprint`.
 
     ``comm``: anything with ``allgather`` (default: :func:`~axonn_jax.runtime.launch.world`;
-    nothing to check in a single process). Collective: every rank must call it.
+    nothing to check in a single process). Collective: every rank must call it. Any
+    dict of plain values can be compared; ``what`` words the error (default: from
+    the fields). A script's run configuration, before its first step::
+
+        check_consistent({"--steps": args.steps, "--seed": args.seed}, what="run different
+                         configurations", remedy=" Remedy: the same arguments on every rank.")
+        # ValueError: the ranks of this job run different configurations: rank 1 has --steps 4
+        # but rank 0 has 3. Remedy: ...
     """
     comm = comm if comm is not None else world()
     if comm is None:
@@ -115,7 +122,7 @@ def check_consistent(mine: dict[str, Any], comm: Comm | None = None, *,
     if all(d == every[0] for d in every):
         return
     details = comm.allgather(mine)  # every rank sees the mismatch, so every rank gets here
-    raise ValueError(describe(details) + (_REMEDY if remedy is None else remedy))
+    raise ValueError(describe(details, what) + (_REMEDY if remedy is None else remedy))
 
 
 _REMEDY = (
@@ -125,7 +132,7 @@ _REMEDY = (
 )
 
 
-def describe(prints: list[dict[str, Any]]) -> str:
+def describe(prints: list[dict[str, Any]], what: str | None = None) -> str:
     """Which ranks differ from rank 0, and in what (ranks with equal fingerprints grouped)."""
     ref = prints[0]
     groups: dict[str, list[int]] = {}
@@ -141,7 +148,8 @@ def describe(prints: list[dict[str, Any]]) -> str:
         if fields != ["plan"]:  # the plan follows from the rest: report it alone only
             fields = [f for f in fields if f != "plan"]
         lines += [f"{who} {_difference(f, other[f], ref[f])}" for f in fields]
-    what = "partition different things" if "grid" in ref else "run different train steps"
+    if what is None:
+        what = "partition different things" if "grid" in ref else "run different train steps"
     return f"the ranks of this job {what}: " + "; ".join(lines) + "."
 
 

@@ -17,7 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -76,6 +76,31 @@ class ModelCall:
     def outputs(self, result) -> tuple[Any, dict | None]:
         """``(model outputs, state updates)`` of one call."""
         return result if self.stateful else (result, None)
+
+
+def check_differentiable(params: Sequence) -> None:
+    """Refuse trainable parameters that ``jax.grad`` cannot differentiate (integer, bool).
+
+    ``params`` are the plan's ``ParamPlan`` entries. Plain Flax + optax fail on such a
+    leaf too (``grad requires real-valued inputs``), and quietly freezing it could hide
+    a parameter loaded with the wrong dtype, so the step refuses it by name:
+
+        >>> check_differentiable(pm.plan.params)  # doctest: +SKIP
+        TypeError: parameter 'count' is int32[] but gradients need floating-point parameters ...
+    """
+    bad = [p for p in params if p.trainable and not jnp.issubdtype(p.dtype, jnp.inexact)]
+    if not bad:
+        return
+    named = ", ".join(f"{p.path!r} {p.dtype}{list(p.shape)}" for p in bad[:5])
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    raise TypeError(
+        f"parameter {named}{more} is not floating-point, but gradients (jax.grad, and so "
+        "pm.value_and_grad / pm.train_step) need floating-point trainable parameters. Remedy: "
+        "keep integer values out of the 'params' collection so that they are carried as model "
+        "state and not trained - in linen self.variable('state', name, init) instead of "
+        "self.param, in nnx an nnx.Variable instead of nnx.Param - or make the parameter a "
+        "float (e.g. .astype(jnp.float32)) if it should be trained."
+    )
 
 
 def microbatch_rngs(rngs: Mapping[str, jax.Array], microbatch, microbatches: int) -> Mapping:

@@ -82,6 +82,39 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     )  # fmt: skip
 
 
+def check_offloadable(optimizer: optax.GradientTransformation) -> None:
+    """Refuse, before anything compiles, an optimizer whose state cannot live in host memory.
+
+    ``optax.MultiSteps`` (alone or inside a chain) chooses between "accumulate" and
+    "update" with ``lax.cond``; with the state in host memory the two branches return
+    arrays in different memory spaces and XLA cannot compile the update, on the host or
+    streamed through the device. The train step's own ``microbatches=k`` accumulates the
+    mean gradient of k slices of the batch and updates once: the update of
+    ``MultiSteps(optimizer, k)`` fed those k slices one call at a time.
+
+        >>> check_offloadable(optax.MultiSteps(optax.adam(1e-3), 4))  # doctest: +SKIP
+        ValueError: offload=True cannot keep the state of optax.MultiSteps ... Remedy: ...
+    """
+    found = isinstance(optimizer, optax.MultiSteps)
+    if not found:
+        try:  # a chain holding MultiSteps: its state says so (abstract, nothing allocated)
+            state = jax.eval_shape(optimizer.init, {"p": jax.ShapeDtypeStruct((1,), jnp.float32)})
+        except Exception:  # noqa: BLE001 - an init that needs the real params: nothing to say
+            return
+        is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
+        found = any(is_multi(x) for x in jax.tree.leaves(state, is_leaf=is_multi))
+    if found:
+        raise ValueError(
+            "offload=True cannot keep the state of optax.MultiSteps in host memory: its "
+            "lax.cond between accumulating and updating returns arrays in different memory "
+            "spaces, which XLA cannot compile (update_on='host' or 'device' alike). Remedy: "
+            "accumulate gradients in the step itself - pm.train_step(loss_fn, inner_optimizer, "
+            "offload=True, microbatches=k) on batches k times larger gives the update of "
+            "MultiSteps(inner_optimizer, every_k_schedule=k) fed the k slices - or keep "
+            "MultiSteps with offload=False."
+        )
+
+
 class MasterState(NamedTuple):
     """State of :class:`MasterOptimizer` (a pytree).
 
@@ -132,6 +165,8 @@ class MasterOptimizer:
             raise ValueError(f"update_on must be one of {UPDATE_ON}, got {update_on!r}")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if offload:
+            check_offloadable(optimizer)
         self.optimizer = optimizer
         self.precision = Precision.of(precision)
         self.offload = bool(offload)

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
 from axonn_jax.runtime.model_call import ModelCall
-from axonn_jax.runtime.offload import MasterOptimizer, MasterState
+from axonn_jax.runtime.offload import MasterOptimizer, MasterState, check_offloadable
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.stage_update import StageUpdate, describe
@@ -97,6 +97,8 @@ class TrainStep:
                 f"({placed.grid}) do not support yet. Remedy: precision='bf16' (no loss scale "
                 "needed), or a grid with pipeline=1."
             )
+        if offload:
+            check_offloadable(optimizer)
         self.value_and_grad = value_and_grad(loss_fn, **options)
         self._programs: dict = {}  # stage (or None) → (MasterOptimizer, jitted step/update)
         self._across_stages: StageUpdate | None | bool = False  # False: not analysed yet

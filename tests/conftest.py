@@ -32,3 +32,24 @@ def devices():
     devs = jax.devices()
     assert len(devs) == 8, "tests expect 8 simulated CPU devices"
     return devs
+
+
+def _pytest_timeout(item) -> float | None:
+    """pytest-timeout's limit for ``item``: its marker, else --timeout, else the ini value."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        return float(marker.args[0] if marker.args else marker.kwargs.get("timeout", 0)) or None
+    value = item.config.getoption("timeout", None)
+    if value is None:
+        value = item.config.getini("timeout")
+    return float(value) if value else None
+
+
+@pytest.fixture(autouse=True)
+def _subprocess_budget(request):
+    """Child processes of this test (mpi_util.run_mpi) must end before pytest-timeout fires."""
+    import mpi_util
+
+    mpi_util.PYTEST_TIMEOUT = _pytest_timeout(request.node)
+    yield
+    mpi_util.PYTEST_TIMEOUT = None

@@ -12,6 +12,35 @@ from xla_flags import xla_flags
 
 TESTS = Path(__file__).resolve().parent
 SCRIPTS = TESTS / "mpi_scripts"
+# pytest's timeout of the test now running (set by conftest.py); None outside pytest
+PYTEST_TIMEOUT: float | None = None
+# what a subprocess must leave to pytest-timeout so that its own timeout fires first
+MARGIN_S = 30.0
+
+
+def subprocess_timeout(requested: float | None, *, default: float = 300) -> float:
+    """The timeout of a child process started by the test now running.
+
+    It must end before pytest-timeout kills the test (which loses the child's
+    output and names no cause), so a request that does not fit is refused. In a
+    test under the default 600 s pytest timeout::
+
+        subprocess_timeout(None)   # 300
+        subprocess_timeout(900)    # ValueError: ... Remedy: @pytest.mark.timeout(930) ...
+
+    ``None`` gives ``default``, capped to the test's budget.
+    """
+    budget = None if not PYTEST_TIMEOUT else PYTEST_TIMEOUT - MARGIN_S
+    if requested is None:
+        return default if budget is None else min(default, budget)
+    if budget is not None and requested > budget:
+        raise ValueError(
+            f"a subprocess timeout of {requested:g} s does not fit in this test's pytest timeout of "
+            f"{PYTEST_TIMEOUT:g} s: pytest-timeout would kill the test first, without the child's "
+            f"output. Remedy: @pytest.mark.timeout({int(requested + MARGIN_S)}) on the test, or a "
+            f"subprocess timeout of at most {budget:g} s"
+        )
+    return requested
 
 
 def mpiexec() -> str:
@@ -28,10 +57,16 @@ def run_mpi(
     script: str,
     *args: str,
     devices_per_process: int = 1,
-    timeout: float = 300,
+    timeout: float | None = None,
     env: dict | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run ``mpi_scripts/<script>`` on ``n`` ranks; returns the finished process."""
+    """Run ``mpi_scripts/<script>`` on ``n`` ranks; returns the finished process.
+
+    ``timeout`` (default 300 s, capped by the test's pytest timeout) must fit in the
+    test's pytest timeout (see ``subprocess_timeout``); a job that runs past it fails
+    the test with its own message and the tail of what the ranks printed.
+    """
+    timeout = subprocess_timeout(timeout)
     full_env = dict(os.environ)
     full_env.update(
         XLA_FLAGS=xla_flags(devices_per_process),
@@ -45,6 +80,19 @@ def run_mpi(
     if "Open MPI" in version.stdout + version.stderr:
         command += ["--allow-run-as-root", "--oversubscribe"]
     command += [sys.executable, str(SCRIPTS / script), *args]
-    return subprocess.run(
-        command, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    try:
+        return subprocess.run(
+            command, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        printed = "".join(_text(part) for part in (exc.stdout, exc.stderr))
+        raise AssertionError(
+            f"mpiexec -n {n} {script} {' '.join(args)} ran past its timeout of {timeout:g} s "
+            f"(killed); the last output:\n{printed[-3000:]}"
+        ) from None
+
+
+def _text(part: bytes | str | None) -> str:
+    if isinstance(part, bytes):
+        return part.decode(errors="replace")
+    return part or ""

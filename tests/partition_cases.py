@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import flax.linen as nn
 from flax import nnx
 
 import axonn_jax
@@ -56,6 +57,29 @@ def _mse(out, target):
 
 def _ce(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class BatchMixing(nn.Module):
+    """Dense → an op that mixes the rows of the batch → Dense.
+
+    Each row's output depends on other rows, so a batch split over data and z that is
+    put back together in another order (the executor's relayout of a replicated value)
+    changes the result.
+    """
+
+    mix: str  # "cumsum", "sort" or "normalise" over the batch dim
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="up")(x)
+        if self.mix == "cumsum":
+            mixed = jnp.cumsum(h, axis=0) / h.shape[0]
+        elif self.mix == "sort":
+            mixed = jnp.sort(h, axis=0)
+        else:
+            mixed = (h - h.mean(axis=0)) / jnp.sqrt(h.var(axis=0) + 1e-5)
+        # the mixed rows (whole batch) meet the row-split h: split again, block by block
+        return nn.Dense(8, name="down")(nn.tanh(mixed) * h)
 
 
 @dataclasses.dataclass
@@ -144,9 +168,19 @@ def build(name: str) -> Case:
                               hidden=32, num_heads=4, max_seq_len=SEQ)  # fmt: skip
         src, tgt = _tokens(2), _tokens(3)
         return Case(EncoderDecoder(config), (src, tgt), lambda out, s, t: next_token_loss(out, t))
+    if name in BATCH_MIXING:
+        x = rng.standard_normal((BATCH, 12)).astype(np.float32)
+        target = rng.standard_normal((BATCH, 8)).astype(np.float32)
+        return Case(BatchMixing(name.removeprefix("batch_")), (x,), lambda out, _: _mse(out, target))
     if name in THIRD_PARTY:
         return third_party(name)
     raise KeyError(name)
+
+
+#: models whose rows depend on other rows of the batch (run on the grids that split it twice)
+BATCH_MIXING = ["batch_cumsum", "batch_sort", "batch_normalise"]
+#: every grid of 8 devices whose batch is split over both data and z
+DATA_Z_GRIDS = [dict(x=2, z=2, data=2), dict(z=4, data=2), dict(z=2, data=4), dict(y=2, z=2, data=2)]
 
 
 #: published models nobody here wrote, used exactly as their package ships them

@@ -126,13 +126,24 @@ def _leaves(tree) -> dict:
     return {path_string(k): v for k, v in flat if v is not None}
 
 
+def _missing_or_unexpected(got_l: dict, ref_l: dict, what: str, kind: str) -> list[str]:
+    """Every reference leaf must be there (``pm.gather`` returns all on every process)."""
+    failures = [f"{what} {kind} {path}: missing (None or absent)" for path in ref_l if path not in got_l]
+    return failures + [f"{what} {kind} {path}: not in the reference" for path in got_l if path not in ref_l]
+
+
 def compare_grads(got, ref, what: str) -> list[str]:
-    """Held leaves of ``got`` against the reference; returns failure messages."""
+    """Every leaf of the reference against ``got``; returns failure messages.
+
+    A leaf that ``got`` lacks (or holds as ``None``) is a failure, not skipped.
+    """
     ref_l, got_l = _leaves(ref), _leaves(got)
     scale = max(np.max(np.abs(g)) for g in ref_l.values())
-    failures = []
-    for path, value in got_l.items():
-        r = ref_l[path]
+    failures = _missing_or_unexpected(got_l, ref_l, what, "grad")
+    for path, r in ref_l.items():
+        if path not in got_l:
+            continue
+        value = got_l[path]
         err = float(np.max(np.abs(np.asarray(value) - r)))
         bound = 1e-5 * np.max(np.abs(r)) + 1e-6 * scale
         if err > bound:
@@ -141,11 +152,14 @@ def compare_grads(got, ref, what: str) -> list[str]:
 
 
 def compare_params(got, ref, init, ref_grads, what: str) -> list[str]:
+    """Every reference parameter after the steps against ``got`` (a missing leaf fails)."""
     ref_l, got_l, init_l, g_l = _leaves(ref), _leaves(got), _leaves(init), _leaves(ref_grads)
     scale = max(np.max(np.abs(g)) for g in g_l.values())
-    failures = []
-    for path, value in got_l.items():
-        value = np.asarray(value)
+    failures = _missing_or_unexpected(got_l, ref_l, what, "param")
+    for path in ref_l:
+        if path not in got_l:
+            continue
+        value = np.asarray(got_l[path])
         if np.max(np.abs(g_l[path])) <= 1e-6 * scale:
             err, bound = float(np.max(np.abs(value - ref_l[path]))), 2 * STEPS * LR
         else:

@@ -15,6 +15,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from mpi_util import subprocess_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 LINT = Path(sys.executable).with_name("lint-imports")
@@ -108,7 +109,8 @@ from jax._src import xla_bridge
 assert not any(m.startswith("axonn_jax.runtime") for m in sys.modules)
 print(plan.grid.size, round(plan.total_param_bytes / 4 / 1e9, 1), plan.param_bytes_per_device)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         timeout=subprocess_timeout(None, default=540))  # fmt: skip
     assert out.returncode == 0, out.stderr
     gpus, billions, per_device = out.stdout.split()
     assert gpus == "1024" and float(billions) > 80

@@ -81,3 +81,61 @@ def test_uncaught_mismatch_ends_the_job():
     assert result.returncode != 0, output[-3000:]
     assert "uncaught exception" in output and "rank 1 has grid Grid(" in output
     assert "unexpectedly finished" not in output
+
+
+SMALL = ["--grid", "data=2", "--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16",
+         "--batch", "4", "--sample-tokens", "1", "--eval-every", "0"]  # fmt: skip
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flag,first,last", [("--steps", "3", "4"), ("--seed", "0", "1")])
+def test_example_ranks_with_other_arguments_fail_before_the_first_step(tmp_path, flag, first, last):
+    """A different --steps per rank used to end only in Gloo's "collective mismatch"; the
+    example compares its run configuration on every rank first and names both values."""
+    result = run_mpi(2, "example_rank_args.py", str(tmp_path), flag, first, last, *SMALL, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    for rank in (0, 1):
+        assert f"RAISED {rank}: the ranks of this job run different configurations: rank 1 has " \
+               f"{flag} {last} but rank 0 has {first}. Remedy: launch every rank with the same " \
+               "arguments" in output, output[-3000:]  # fmt: skip
+    assert "mismatch" not in output and "compiling the train step" not in output
+
+
+@pytest.mark.mpi
+def test_replicas_that_drift_are_named_on_every_rank():
+    """data=2 over two processes: equal replicas pass (after a step too); rank 1's bias moved
+    by 1e-6 in one entry: both ranks raise naming the parameter, the shard and the ranks."""
+    result = run_mpi(2, "replica_drift.py", timeout=240)
+    output = result.stdout + result.stderr
+    assert "EQUAL 0" in output and "EQUAL 1" in output, output[-3000:]
+    for rank in (0, 1):
+        assert f"RAISED {rank}: data-parallel replicas differ after step 1: 'dense_1/bias' shard " \
+               "[0:16] is 0x" in output, output[-3000:]  # fmt: skip
+    assert "on rank 0 (" in output and "on rank 1 (" in output and "Remedy:" in output
+    assert "NOT RAISED" not in output and result.returncode != 0
+
+
+def test_replica_check_in_one_process_compares_the_copies_on_every_device(devices):
+    """x=2,z=2,data=2 on 8 devices: each shard has copies on several devices; one copy moved."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import axonn_jax
+    from axonn_jax.health import check_replicas
+    from axonn_jax.models import MLP
+
+    x = np.zeros((8, 16), np.float32)
+    pm = axonn_jax.partition(MLP((32, 16)), axonn_jax.Grid(x=2, z=2, data=2), x)
+    params = pm.init(jax.random.key(0))
+    check_replicas(params, step=7)
+    bias = params["dense_0"]["bias"]
+    shards = [jnp.asarray(s.data) for s in bias.addressable_shards]
+    devices_ = [s.device for s in bias.addressable_shards]
+    shards[-1] = shards[-1].at[0].add(1.0)
+    params["dense_0"]["bias"] = jax.make_array_from_single_device_arrays(
+        bias.shape, bias.sharding, [jax.device_put(a, d) for a, d in zip(shards, devices_)])
+    with pytest.raises(ValueError, match=r"replicas differ after step 7: 'dense_0/bias' shard \[\d+:\d+\] "
+                                         r"is 0x[0-9a-f]+ on rank 0 \(.*\) but 0x[0-9a-f]+ on rank 0"):  # fmt: skip
+        check_replicas(params, step=7)

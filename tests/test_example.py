@@ -62,6 +62,14 @@ def test_bad_cli_arguments():
     assert result.returncode != 0 and "expected AXIS=SIZE" in result.stderr
 
 
+@pytest.mark.parametrize("flag", ["--batch", "--seq", "--microbatches", "--layers", "--hidden", "--heads"])
+def test_sizes_below_one_are_refused_at_parsing(flag, capsys):
+    """``--batch 0`` used to reach the loader ("need at least one array to stack")."""
+    with pytest.raises(SystemExit) as exit_:
+        _example_module().parse_args([flag, "0"])
+    assert exit_.value.code == 2 and f"{flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
 def _example_module():
     import importlib.util
 

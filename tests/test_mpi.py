@@ -21,12 +21,14 @@ def _check(result, grids, cases=("block", "mlp")):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(660)  # the job's own 600 s timeout fires first
 def test_kernels_two_processes_all_grids():
     grids = _grid_args(grids_of(8))
     result = run_mpi(2, "kernel_equivalence.py", *grids, devices_per_process=4, timeout=600)
     _check(result, grids)
 
 
+@pytest.mark.timeout(660)
 def test_kernels_four_processes():
     grids = ["x=2,y=2,z=2", "x=4,z=2", "y=2,z=2,data=2", "z=8", "data=8"]
     result = run_mpi(4, "kernel_equivalence.py", *grids, devices_per_process=2, timeout=600)

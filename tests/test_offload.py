@@ -266,3 +266,53 @@ def test_one_optimizer_per_pipeline_stage():
         assert {x.sharding.memory_kind for x in jax.tree.leaves(new_state)} == {HOST}
         devices = {d for x in jax.tree.leaves(new_params) for d in x.sharding.device_set}
         assert len(devices) == 4 and devices <= set(opt.param_shardings[next(iter(params))].mesh.devices.flat)
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_multisteps_with_offload_is_refused_at_construction_with_a_remedy_that_works(update_on):
+    """optax.MultiSteps' lax.cond cannot compile with its state in host memory (it used to fail
+    at the first step with "cond branches must have equal output types"; update_on='device'
+    recommended 'host'). train_step refuses it when built; the remedy it names, microbatches=k,
+    equals plain MultiSteps(adam, k) on one device fed the k slices of each batch."""
+    model, pm, initial = _partitioned((("data", 2), ("x", 2), ("z", 2)))
+    loss_fn = lambda logits, t: next_token_loss(logits, t)  # noqa: E731
+    remedy = r"Remedy: .*microbatches=k.*MultiSteps\(inner_optimizer, every_k_schedule=k\)"
+    for optimizer in (optax.MultiSteps(optax.adam(LR), 2),
+                      optax.chain(optax.MultiSteps(optax.adam(LR), 2))):  # fmt: skip
+        with pytest.raises(ValueError, match=r"offload=True cannot keep the state of optax.MultiSteps.*" + remedy):
+            pm.train_step(loss_fn, optimizer, offload=True, update_on=update_on)
+        with pytest.raises(ValueError, match=r"optax.MultiSteps"):
+            MasterOptimizer(optimizer, pm.param_shardings, offload=True, update_on=update_on)
+    # the remedy, against plain single-device optax.MultiSteps over the half batches
+    plain = optax.MultiSteps(optax.adam(LR), 2)
+    params = jax.device_put(pm.gather(initial), jax.devices()[0])
+    state = plain.init(params)
+
+    @jax.jit
+    def plain_step(params, state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model.apply({"params": p}, batch), batch))(params)
+        updates, state = plain.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    step = pm.train_step(loss_fn, optax.adam(LR), offload=True, update_on=update_on, microbatches=2)
+    got, opt_state = step.init(jax.tree.map(jnp.copy, initial))
+    batches = _batches(3)
+    first_grads = jax.grad(lambda p: loss_fn(model.apply({"params": p}, batches[0]), batches[0]))(params)
+    for batch in batches:
+        params, state, first = plain_step(params, state, batch[: BATCH // 2])
+        params, state, second = plain_step(params, state, batch[BATCH // 2 :])
+        got, opt_state, loss = step(got, opt_state, batch)
+        np.testing.assert_allclose(float(loss), (float(first) + float(second)) / 2, rtol=1e-5)
+    # the bounds of pipeline_cases (AdamW trajectories): ‖Δ‖₂ ≤ 1e-3·‖p_ref − p₀‖₂ per leaf;
+    # leaves whose true gradient is 0 (attention key biases) move by Adam's normalised
+    # rounding noise: max|Δ| ≤ 2·steps·lr
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(first_grads))
+    for (path, g), w, w0, grad in zip(jax.tree_util.tree_leaves_with_path(pm.gather(got)),
+                                      jax.tree.leaves(params), jax.tree.leaves(pm.gather(initial)),
+                                      jax.tree.leaves(first_grads)):  # fmt: skip
+        g, w = np.asarray(g), np.asarray(w)
+        if float(np.abs(grad).max()) <= 1e-6 * scale:
+            err, bound = float(np.abs(g - w).max()), 2 * len(batches) * LR
+        else:
+            err, bound = float(np.linalg.norm(g - w)), 1e-3 * float(np.linalg.norm(w - w0))
+        assert err <= bound, f"{update_on}: {jax.tree_util.keystr(path)} differs by {err:.3g} > {bound:.3g}"

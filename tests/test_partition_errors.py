@@ -129,6 +129,31 @@ def test_bad_planner_cli_arguments(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_incomplete_machine_profile_is_named(tmp_path, capsys):
+    """A profile JSON without some keys (or with bad table entries) exits 2 naming the file and keys."""
+    import json
+
+    from axonn_jax import cli
+    from axonn_jax.perf import machines
+
+    whole = machines.BUILTIN["perlmutter"].to_json()
+    incomplete = {k: v for k, v in whole.items() if k not in ("peak_tflops", "memory_gib")}
+    bad_table = dict(whole, intra_node=[{"inner": 1, "value": 7.0}])
+    for name, profile, message in [
+        ("incomplete.json", incomplete, "misses the keys ['memory_gib', 'peak_tflops']"),
+        ("bad_table.json", bad_table, "'intra_node' must be a list of"),
+        ("list.json", [whole], "a machine profile is a JSON object, got list"),
+    ]:
+        path = tmp_path / name
+        path.write_text(json.dumps(profile))
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["plan", "--gpus", "8", "--machine", str(path), "--layers", "2", "--hidden", "64"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2, err
+        assert f"machine profile {str(path)!r}" in err and message in err and "Remedy:" in err
+        assert "Traceback" not in err
+
+
 def test_apply_refuses_a_tree_with_other_names_shapes_or_dtypes(devices):
     """Same leaf count is not enough: names, shapes and dtypes are checked on every call."""
     model = Narrow()
@@ -207,3 +232,67 @@ def test_fallback_warnings_name_the_model_line_once(devices):
     (warning,) = [w for w in pm.plan.warnings if "fft" in w]
     line = next(n for n, text in enumerate(open(__file__), 1) if "h = jnp.fft.fft(h).real  #" in text)
     assert f"test_partition_errors.py:{line}" in warning and warning.endswith("(3 times)"), warning
+
+
+class IntegerParam(nn.Module):
+    """A counter declared with ``self.param``: an int32 leaf in the trainable tree."""
+
+    @nn.compact
+    def __call__(self, x):
+        count = self.param("count", lambda key: jnp.zeros((), jnp.int32))
+        return nn.Dense(8, name="out")(x) * (count + 1).astype(jnp.float32)
+
+
+class IntegerState(nn.Module):
+    """The remedy: the counter as model state (carried and updated, not trained)."""
+
+    @nn.compact
+    def __call__(self, x):
+        count = self.variable("state", "count", lambda: jnp.zeros((), jnp.int32))
+        count.value = count.value + 1
+        return nn.Dense(8, name="out")(x) * (1.0 + count.value.astype(jnp.float32) / 10)
+
+
+def test_integer_parameter_is_named_with_the_remedy_that_works(devices):
+    """jax.grad refuses an int32 leaf deep in the step ("grad requires real-valued inputs"):
+    value_and_grad and train_step name it when built; the remedy trains like plain optax."""
+    import optax
+
+    grid = Grid(x=2, z=2, data=2)
+    loss = lambda out, batch: jnp.mean(out**2)  # noqa: E731
+    pm = axonn_jax.partition(IntegerParam(), grid, X)
+    plain_params = IntegerParam().init(jax.random.key(0), X)["params"]
+    np.testing.assert_allclose(np.asarray(jax.jit(pm.apply)(pm.shard(plain_params), X)),
+                               IntegerParam().apply({"params": plain_params}, X), rtol=1e-6)  # fmt: skip
+    for build in (lambda: pm.value_and_grad(loss), lambda: pm.train_step(loss, optax.adam(1e-2))):
+        with pytest.raises(TypeError, match=r"parameter 'count' int32\[\] is not floating-point.*"
+                                            r"Remedy: .*self.variable\('state'"):  # fmt: skip
+            build()
+    # the remedy: 3 Adam steps equal plain Flax + optax on one device, the counter included
+    model = IntegerState()
+    variables = model.init(jax.random.key(0), X)
+    optimizer = optax.adam(1e-2)
+
+    @jax.jit
+    def plain(params, state, opt_state):
+        def f(p):
+            out, updates = model.apply({"params": p, **state}, X, mutable=["state"])
+            return loss(out, X), updates
+
+        (value, updates), grads = jax.value_and_grad(f, has_aux=True)(params)
+        changes, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, changes), updates, opt_state, value
+
+    params, state, opt_state = variables["params"], {"state": variables["state"]}, optimizer.init(variables["params"])
+    pm = axonn_jax.partition(model, grid, X, mutable=["state"])
+    step = pm.train_step(loss, optimizer)
+    got, got_opt = step.init(pm.shard(variables))
+    for _ in range(3):
+        params, state, opt_state, want_loss = plain(params, state, opt_state)
+        got, got_opt, got_loss = step(got, got_opt, X)
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    final = pm.gather(got)
+    assert final["state"]["count"].dtype == np.int32 and int(final["state"]["count"]) == 4
+    assert int(state["state"]["count"]) == 4
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final["params"])):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

@@ -117,6 +117,7 @@ def test_fp16_overflow_on_one_shard_skips_the_step_everywhere(fp16_gpt):
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(660)  # the job's own 600 s timeout fires first
 def test_fp16_overflow_on_rank_1_skips_on_both_ranks_under_mpiexec():
     result = run_mpi(2, "loss_scale_overflow.py", devices_per_process=4, timeout=600)
     output = result.stdout + result.stderr

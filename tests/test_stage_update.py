@@ -72,6 +72,7 @@ def test_offload_refuses_a_cross_stage_optimizer(gpt_two_stages):
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(660)  # the job's own 600 s timeout fires first
 @pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged"])
 def test_cross_stage_optimizer_under_mpiexec(name):
     result = run_mpi(2, "stage_update_equivalence.py", "pipeline=2", name, timeout=600)

@@ -122,13 +122,31 @@ class Machine:
 
     @classmethod
     def from_json(cls, data: Mapping) -> Machine:
+        """The profile ``to_json`` wrote; missing or unknown keys are named.
+
+        >>> Machine.from_json({"name": "m"})
+        Traceback (most recent call last):
+        ValueError: machine profile misses the keys ['efficiency', ...]; ...
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a machine profile is a JSON object, got {type(data).__name__}")
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - fields
+        required = {f.name for f in dataclasses.fields(cls)
+                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}  # fmt: skip
+        unknown, missing = set(data) - fields, required - set(data)
+        if missing:
+            raise ValueError(f"machine profile misses the keys {sorted(missing)}; "
+                             f"every profile has {sorted(required)}")  # fmt: skip
         if unknown:
             raise ValueError(f"machine profile has unknown keys {sorted(unknown)}; known: {sorted(fields)}")
         data = dict(data)
         for key in ("intra_node", "latency_us"):
-            data[key] = {(int(e["inner"]), int(e["size"])): float(e["value"]) for e in data.get(key, [])}
+            entries = data.get(key, [])
+            bad = [e for e in entries if not (isinstance(e, Mapping) and {"inner", "size", "value"} <= set(e))]
+            if not isinstance(entries, list) or bad:
+                raise ValueError(f"machine profile {key!r} must be a list of {{'inner', 'size', 'value'}} "
+                                 f"entries, got {bad[0] if bad else entries!r}")  # fmt: skip
+            data[key] = {(int(e["inner"]), int(e["size"])): float(e["value"]) for e in entries}
         return cls(**data)
 
 
@@ -220,6 +238,11 @@ def get(name_or_path: str) -> Machine:
 
 
 def load(path: str) -> Machine:
+    """A profile JSON written by ``axonn-jax profile``; a bad file raises ``ValueError`` naming it.
+
+    >>> load("this-machine.json").name  # doctest: +SKIP
+    'measured-cpu-8'
+    """
     try:
         with open(path) as f:
             data = json.load(f)
@@ -230,7 +253,14 @@ def load(path: str) -> Machine:
         ) from None
     except json.JSONDecodeError as e:
         raise ValueError(f"machine profile {path!r} is not valid JSON: {e}") from None
-    return Machine.from_json(data)
+    try:
+        return Machine.from_json(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"machine profile {path!r}: {e}. Remedy: write it again with "
+            f"`axonn-jax profile --out {path}`, or start from `axonn-jax machines` / a built-in "
+            f"profile ({', '.join(sorted(BUILTIN))})"
+        ) from None
 
 
 def save(machine: Machine, path: str) -> None:
