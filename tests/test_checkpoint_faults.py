@@ -52,6 +52,16 @@ def test_a_failed_save_exits_1_naming_the_step_and_the_previous_step_restores(tm
     assert _latest_w(tmp_path) == (1, 1.0)
 
 
+def test_a_read_only_target_exits_1_naming_the_step_and_the_previous_step_restores(tmp_path):
+    result = _run("read-only", tmp_path)
+    assert "end of script" in result.stdout
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "caught: saving step 2 to" in result.stdout and "Read-only file system" in result.stdout
+    assert "the latest complete step is 1 (untouched)" in result.stdout
+    assert "exiting with status 1 because a save failed" in result.stderr
+    assert _latest_w(tmp_path) == (1, 1.0)
+
+
 def test_a_failed_save_made_good_by_a_later_step_exits_0(tmp_path):
     result = _run("full-then-ok", tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

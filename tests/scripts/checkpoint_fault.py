@@ -2,7 +2,9 @@
 
 Modes: "no-close" (the script ends with a save pending), "disk-full" (the
 second save's writes fail), "full-then-ok" (a failed save, then a good one),
-"donated" (saving arrays a jitted step donated). Each saves step 1 first and
+"donated" (saving arrays a jitted step donated), "read-only" (the directory
+becomes read-only after step 1: its mode bits, and since they do not bind
+root, every directory created under it fails as on a read-only mount). Each saves step 1 first and
 prints "end of script" when it reaches its end; the test checks the exit
 status, the messages and what restores afterwards.
 """
@@ -47,6 +49,26 @@ elif mode == "donated":
         ckpt.save(2, params)
     except ValueError as err:
         print(f"caught: {err}", flush=True)
+elif mode == "read-only":
+    import os
+    from pathlib import Path
+
+    os.chmod(directory, 0o555)
+    inside, mkdir = str(Path(directory).resolve()), os.mkdir
+
+    def read_only_mkdir(path, *args, **kwargs):
+        if str(Path(path).resolve()).startswith(inside):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return mkdir(path, *args, **kwargs)
+
+    os.mkdir = read_only_mkdir
+    try:
+        ckpt.save(2, {"w": jnp.full((64, 64), 2.0)})
+        ckpt.wait()
+    except CheckpointError as err:
+        print(f"caught: {err}", flush=True)
+    finally:
+        os.chmod(directory, 0o755)
 else:
     raise SystemExit(f"unknown mode {mode}")
 print("end of script", flush=True)
