@@ -187,3 +187,61 @@ def test_interleaving_shrinks_the_bubble():
     assert simulate("gpipe", 4, 2, 16).idle < bubble_theory(4, 16)
     assert simulate("1f1b", 2, 2, 8).idle < bubble_theory(2, 8)
 
+
+# --- the performance model and `axonn-jax plan` -------------------------------------------
+def test_perf_model_prices_virtual_stages():
+    import dataclasses
+
+    from axonn_jax.perf import machines
+    from axonn_jax.perf.comm import collectives
+    from axonn_jax.perf.memory import in_flight, memory
+    from axonn_jax.perf.options import Options
+    from axonn_jax.perf.spec import gpt_spec
+    from axonn_jax.perf.step import predict
+
+    spec = gpt_spec(layers=8, hidden=512, heads=8, seq=256, batch=64, vocab=4096)
+    machine = machines.get("frontier")
+    plain = axonn_jax.Grid(z=2, pipeline=4)
+    virtual = dataclasses.replace(plain, virtual=2)
+    opts = Options(microbatches=16)
+    a, b = predict(spec, plain, machine, opts), predict(spec, virtual, machine, opts)
+    assert (a.bubble, b.bubble) == (pytest.approx(3 / 19), pytest.approx(3 / 35))
+    assert a.compute_seconds == b.compute_seconds and b.step_seconds < a.step_seconds
+    for mb in (1, 4, 16):  # the microbatch shortcut stays exact
+        exact = predict(spec, virtual, machine, Options(microbatches=mb)).step_seconds
+        assert b.step_seconds_with(mb) == pytest.approx(exact, rel=1e-12)
+    # each microbatch crosses each rank boundary v times
+    sends = {grid: [c for c in collectives(spec, grid, recompute=True, microbatches=16) if c.kind == "send"]
+             for grid in (plain, virtual)}  # fmt: skip
+    for x, y in zip(sends[plain], sends[virtual]):
+        assert (y.elements, y.calls) == (2 * x.elements, 2 * x.calls)
+    # activations in flight on the first rank: Σ_c min(m, p·(v − c)) / v stage-microbatches
+    assert in_flight(16, 4) == 4 and in_flight(16, 4, 2) == 6 and in_flight(3, 4, 2) == 3
+    assert in_flight(1, 1) == 1
+    ma, mb_ = memory(spec, plain, opts), memory(spec, virtual, opts)
+    assert mb_.activations == pytest.approx(ma.activations * 6 / 4)
+    assert (mb_.params, mb_.grads, mb_.optimizer) == (ma.params, ma.grads, ma.optimizer)
+    assert spec.problems(axonn_jax.Grid(pipeline=4, virtual=4, z=2)) == [
+        "pipeline=4 × virtual=4 stages exceed the 8 blocks"]
+
+
+def test_cli_plan_with_virtual_stages(capsys):
+    from axonn_jax.cli import main
+
+    argv = ["plan", "--gpus", "8", "--machine", "frontier", "--layers", "8", "--hidden", "64",
+            "--heads", "4", "--seq", "32", "--batch", "8", "--vocab", "256", "--top", "50"]
+    assert main([*argv, "--virtual", "2", "--json"]) == 0
+    configs = __import__("json").loads(capsys.readouterr().out)
+    piped = [c for c in configs if c["pipeline"] > 1]
+    assert piped and all(c["virtual"] == 2 and "virtual=2" in c["grid_flag"] for c in piped)
+    assert all(c["virtual"] == 1 for c in configs if c["pipeline"] == 1)
+    for c in piped:
+        grid = axonn_jax.Grid.parse(c["grid_flag"])
+        assert (grid.pipeline, grid.virtual) == (c["pipeline"], 2)
+        assert c["bubble"] == pytest.approx(bubble_theory(grid.pipeline, c["microbatches"], 2))
+    assert main([*argv, "--virtual", "2"]) == 0  # the table: pipe column "p×v"
+    pipes = [line.split()[5] for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert {f"{c['pipeline']}×2" for c in piped} <= set(pipes)
+    with pytest.raises(SystemExit):
+        main([*argv, "--virtual", "0"])
+    assert "--virtual must be >= 1" in capsys.readouterr().err

@@ -8,7 +8,8 @@
   keeps every gathered block for the backward pass; with recompute one
   block's weights and weight gradients — plus the offload bucket buffer;
 * activations kept for backward for the microbatches in flight (one, or up
-  to ``pipeline`` on the first stage), split over data·z and the axis of
+  to ``pipeline`` on the first stage; with ``virtual`` stages per rank see
+  :func:`in_flight`), split over data·z and the axis of
   each :class:`~axonn_jax.perf.spec.Activation`; under recompute only block
   inputs and one block's working set.
 
@@ -90,10 +91,29 @@ def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:
     return options.bytes.param * (outside + per_block * (kept_blocks + 1))
 
 
+def in_flight(microbatches: int, pipeline: int, virtual: int = 1) -> float:
+    """Microbatches whose activations the first pipeline rank holds at once, in units of
+    one microbatch through all of that rank's layers.
+
+    The schedule keeps at most ``p·v − s`` microbatches between stage ``s``'s
+    forward and backward (1F1B's bound over the ``p·v`` stages); rank 0 holds
+    stages ``0, p, 2p, …``, each ``1/v`` of its layers, so it holds
+    ``Σ_c min(m, p·(v − c)) / v`` — ``min(m, p)`` without virtual stages,
+    about ``p·(v + 1)/2`` for many microbatches (interleaving costs memory).
+
+    Example:
+        >>> in_flight(16, 4), in_flight(16, 4, virtual=2), in_flight(2, 4, virtual=2)
+        (4.0, 6.0, 2.0)
+    """
+    if pipeline == 1:
+        return 1.0
+    return sum(min(microbatches, pipeline * (virtual - c)) for c in range(virtual)) / virtual
+
+
 def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
     microbatches = options.microbatches
     tokens = spec.tokens / (grid.batch_shards * microbatches)
-    in_flight = min(microbatches, grid.pipeline) if grid.pipeline > 1 else 1  # first stage
+    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual)  # first rank
     total = 0.0
     for a in spec.activations:
         elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
@@ -102,4 +122,4 @@ def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
         elif a.kind == "block":
             elements /= spec.layers if options.recompute else grid.pipeline
         total += elements * (a.itemsize or options.bytes.activation)
-    return total * tokens * in_flight
+    return total * tokens * in_flight_
