@@ -112,6 +112,17 @@ def test_stage_s_runs_on_the_devices_of_rank_s_mod_p(virtual_gpt, devices):
                                for r in records], pipeline=2)) == {0, 1}  # fmt: skip
 
 
+
+def test_forward_only_on_virtual_stages(virtual_gpt):
+    """pm.apply / pm.forward (forward tasks only) equal the plain model on gathered params."""
+    from forward_cases import ATOL, RTOL
+
+    case, pm, params = virtual_gpt
+    tokens = case.batch(2)
+    want = case.model.apply({"params": pm.gather(params)}, tokens)
+    np.testing.assert_allclose(pm.apply(params, tokens), want, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(pm.forward(params, tokens, microbatches=2), want, rtol=RTOL, atol=ATOL)
+
 # (grid, microbatch counts, schedules): pipeline 2 and 4, virtual 1, 2 and 4
 EQUIVALENCE = [
     ("pipeline=2,virtual=2,x=2,z=2", (1, 4, 8), ("message", "1f1b", "gpipe")),
