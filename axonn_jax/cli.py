@@ -57,6 +57,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                       help="optimizer state in host memory (auto: whichever is faster and fits)")  # fmt: skip
     plan.add_argument("--no-pipeline", action="store_true", help="only grids with pipeline = 1")
     plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
+    plan.add_argument("--virtual", type=int, default=1,
+                      help="pipeline stages per rank (interleaved) for grids with a pipeline (default 1)")
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
 
@@ -96,6 +98,8 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--top must be >= 1, got {args.top}")
     if args.microbatches is not None and args.microbatches < 1:
         parser.error(f"--microbatches must be >= 1, got {args.microbatches}")
+    if args.virtual < 1:
+        parser.error(f"--virtual must be >= 1 (stages per pipeline rank), got {args.virtual}")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
     try:
@@ -109,7 +113,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     t0 = time.perf_counter()
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
-                    microbatches=args.microbatches)  # fmt: skip
+                    microbatches=args.microbatches, virtual=args.virtual)  # fmt: skip
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps([{**p.as_dict(), "grid_flag": _grid_flag(p.grid)} for p in result.ranked],
@@ -184,7 +188,8 @@ def _spec_from_factory(parser, target: str):
 
 def _grid_flag(grid) -> str:
     """``z=4,data=2``: the axes larger than 1, as ``--grid`` and ``Grid.parse`` take them."""
-    sizes = {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data, "pipeline": grid.pipeline}
+    sizes = {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data, "pipeline": grid.pipeline,
+             "virtual": grid.virtual}
     return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "x=1"
 
 
@@ -219,7 +224,8 @@ def _table(spec, machine, options, gpus, result, seconds) -> str:
     rows = [cols]
     for i, p in enumerate(result.ranked, 1):
         g, m = p.grid, p.memory
-        rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
+        pipe = f"{g.pipeline}×{g.virtual}" if g.virtual > 1 else str(g.pipeline)
+        rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), pipe,
                      str(p.options.microbatches), "yes" if p.options.offload else "no",
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
                      f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),

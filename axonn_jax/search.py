@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.machines import Machine
-from axonn_jax.perf.memory import memory
+from axonn_jax.perf.memory import in_flight, memory
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.spec import ModelSpec
 from axonn_jax.perf.step import Prediction, predict
@@ -71,6 +71,7 @@ def search(
     offload: str = "auto",
     pipeline: bool = True,
     microbatches: int | None = None,
+    virtual: int = 1,
 ) -> SearchResult:
     """Rank the grids of ``devices`` devices for ``spec`` on ``machine`` (module docstring).
 
@@ -79,6 +80,7 @@ def search(
         offload: ``"auto"`` tries both, ``"on"``/``"off"`` forces it.
         pipeline: also search pipeline sizes > 1.
         microbatches: fix the number of microbatches instead of searching it.
+        virtual: stages per pipeline rank (interleaved) for the grids with a pipeline.
     """
     if offload not in OFFLOAD_CHOICES:
         raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
@@ -90,7 +92,11 @@ def search(
     rejected: collections.Counter = collections.Counter()
     best: list[Prediction] = []
     considered = 0
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual must be a positive int (stages per pipeline rank), got {virtual!r}")
     for grid in grids(devices, pipeline=pipeline):
+        if grid.pipeline > 1 and virtual > 1:
+            grid = dataclasses.replace(grid, virtual=virtual)
         considered += 1
         if spec.problems(grid):
             rejected["do not divide the model"] += 1
@@ -109,7 +115,7 @@ def search(
             fixed = base.device - base.activations
             fitting = [
                 mb for mb in counts
-                if fixed + base.activations * _in_flight(mb, grid.pipeline) / mb <= device_bytes
+                if fixed + base.activations * in_flight(mb, grid.pipeline, grid.virtual) / mb <= device_bytes
             ]  # fmt: skip
             if not fitting:
                 continue
@@ -128,9 +134,6 @@ def search(
     return SearchResult(tuple(best[:top]), considered, len(best), dict(rejected))
 
 
-def _in_flight(microbatches: int, pipeline: int) -> int:
-    """Microbatches whose activations the first stage holds at once."""
-    return min(microbatches, pipeline) if pipeline > 1 else 1
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,19 +1,23 @@
 """Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven vs theory.
 
-Launches itself under ``mpiexec -n P`` (one stage per process, pipeline=P)
+Launches itself under ``mpiexec -n P`` (one stage per process, pipeline=P;
+with ``--virtual V`` each process runs V interleaved stages, P·V in all)
 and, for each microbatch count, runs one step per schedule after a compile
-step; the idle fraction of each stage comes from the dispatch queue's trace
-(first task start → last task end). Theory: (p − 1)/(m + p − 1).
+step; the idle fraction of each pipeline rank comes from the dispatch queue's
+trace (first task start → last task end). Theory: (p − 1)/(v·m + p − 1).
 
 Two modes, both reported:
 * ``uniform``: every task is padded with a fixed sleep (``--task-ms``) that
   dwarfs the tiny model's compute, so each stage's work is equal and the
   measurement isolates the schedule (what the formula assumes, with
-  forward = backward = one unit and the last stage's fused task = two units);
+  forward = backward = one unit and the last stage's fused task = two units;
+  with virtual stages each stage's task is 1/V of that, so a rank's work per
+  microbatch stays the same);
 * ``compute``: the model's own compute only (on a shared 2-core machine with
   several processes this is dominated by noise; reported as measured).
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 4,8,16]
+    .venv/bin/python benchmarks/pipeline_bubble.py --stages 4 --virtual 2 --microbatches 16
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes)")
+    p.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--task-ms", type=float, default=40.0)
     p.add_argument("--modes", default="uniform,compute")
@@ -49,10 +54,10 @@ def worker(args) -> None:
     from pipeline_cases import build
 
     case = build("gpt")
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=args.stages),
-                             *case.inputs(case.batch(1)))  # fmt: skip
+    grid = axonn_jax.Grid(pipeline=args.stages, virtual=args.virtual)
+    pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
     params = pm.init(jax.random.key(0))
-    task = args.task_ms / 1e3
+    task = args.task_ms / 1e3 / args.virtual  # one stage's share of its rank's work
     results = []
     for mode in args.modes.split(","):
         for m in map(int, args.microbatches.split(",")):
@@ -61,7 +66,7 @@ def worker(args) -> None:
                 def delay(stage, kind, mb):
                     if mode != "uniform":
                         return 0.0
-                    return 2 * task if stage == args.stages - 1 else task
+                    return 2 * task if stage == grid.stages - 1 else task
 
                 step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
                                          schedule=schedule, delay=delay)  # fmt: skip
@@ -69,19 +74,20 @@ def worker(args) -> None:
                 step(params, case.batch(m))
                 rows = step.trace()
                 if info.is_main:
-                    idle = trace.idle_fractions(rows)
+                    idle = trace.idle_fractions(rows, pipeline=args.stages)  # per rank
                     results.append({"mode": mode, "m": m, "schedule": schedule,
                                     "idle_mean": sum(idle.values()) / len(idle),
                                     "idle": idle,
-                                    "theory": trace.bubble_theory(args.stages, m)})  # fmt: skip
+                                    "theory": trace.bubble_theory(args.stages, m, args.virtual)})  # fmt: skip
     if info.is_main:
         print("RESULTS " + json.dumps(results), flush=True)
 
 
-def table(results, stages: int) -> str:
-    lines = [f"Pipeline bubble, pipeline={stages} (one process per stage), idle fraction "
-             "per stage averaged over stages, from the dispatch-queue trace:", "",
-             "| mode | microbatches | GPipe | 1F1B | message-driven | theory (p−1)/(m+p−1) |",
+def table(results, stages: int, virtual: int = 1) -> str:
+    per = "one stage" if virtual == 1 else f"virtual={virtual} stages"
+    lines = [f"Pipeline bubble, pipeline={stages} ({per} per process), idle fraction "
+             "per rank averaged over ranks, from the dispatch-queue trace:", "",
+             "| mode | microbatches | GPipe | 1F1B | message-driven | theory (p−1)/(v·m+p−1) |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     keyed = {(r["mode"], r["m"], r["schedule"]): r for r in results}
     for mode, m in sorted({(r["mode"], r["m"]) for r in results}, key=lambda t: (t[0] != "uniform", t[1])):
@@ -107,7 +113,7 @@ def main(argv=None) -> dict:
     if done.returncode != 0 or line is None:
         raise SystemExit(f"benchmark failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     results = json.loads(line[len("RESULTS "):])
-    text = table(results, args.stages)
+    text = table(results, args.stages, args.virtual)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -16,6 +16,17 @@ Example:
     (8, 8)
     >>> Grid.parse("pipeline=2,x=2,z=2")
     Grid(x=2, y=1, z=2, data=1, pipeline=2)
+
+Virtual (interleaved) pipeline stages: ``virtual=v`` cuts the model into
+``pipeline·v`` stages and gives pipeline rank ``r`` the stages ``r, r+p,
+r+2p, …`` (:meth:`Grid.pipeline_rank`). It is part of the grid, not of the
+partition call, because it is a property of the layout that everything keyed by
+stage reads (the plan, the meshes, the perf model, the CLI); it uses no extra
+devices:
+
+    >>> grid = Grid.parse("pipeline=2,virtual=2")
+    >>> grid.size, grid.stages, [grid.pipeline_rank(s) for s in range(grid.stages)]
+    (2, 4, [0, 1, 0, 1])
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import math
 from collections.abc import Mapping
 
 PIPELINE = "pipeline"
+VIRTUAL = "virtual"
 DATA = "data"
 Z = "z"
 Y = "y"
@@ -44,7 +56,9 @@ TENSOR_AXES: tuple[str, ...] = (Z, Y, X)
 class Grid:
     """Sizes of the tensor (``x``, ``y``, ``z``), ``data`` and ``pipeline`` axes.
 
-    All sizes are positive integers; ``Grid()`` is a single device.
+    All sizes are positive integers; ``Grid()`` is a single device. ``virtual``
+    is the number of pipeline stages each pipeline rank runs (interleaved
+    stages; 1 = one stage per rank); it needs ``pipeline > 1`` and no devices.
     """
 
     x: int = 1
@@ -52,14 +66,21 @@ class Grid:
     z: int = 1
     data: int = 1
     pipeline: int = 1
+    virtual: int = 1
 
     def __post_init__(self) -> None:
-        for name in (X, Y, Z, DATA, PIPELINE):
+        for name in (X, Y, Z, DATA, PIPELINE, VIRTUAL):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(
                     f"Grid.{name} must be a positive int, got {value!r} "
                     f"({type(value).__name__}). Remedy: pass e.g. Grid({name}=2)."
+                )
+            if value < 1 and name == VIRTUAL:
+                raise ValueError(
+                    f"Grid.virtual must be >= 1, got {value}: it is the number of pipeline "
+                    f"stages each pipeline rank runs. Remedy: virtual=1 (one stage per rank) "
+                    f"or e.g. Grid(pipeline=2, virtual=2) for interleaved stages."
                 )
             if value < 1:
                 raise ValueError(
@@ -67,12 +88,33 @@ class Grid:
                     f"needs at least one device; use 1 to switch that kind of "
                     f"parallelism off."
                 )
+        if self.virtual > 1 and self.pipeline == 1:
+            raise ValueError(
+                f"Grid(virtual={self.virtual}) needs a pipeline: virtual is the number of "
+                f"stages per pipeline rank, and pipeline=1 runs the model as one program. "
+                f"Remedy: Grid(pipeline=2, virtual={self.virtual}) (or more ranks), or virtual=1."
+            )
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"{n}={getattr(self, n)}" for n in (X, Y, Z, DATA, PIPELINE))
+        return f"Grid({sizes}{f', virtual={self.virtual}' if self.virtual > 1 else ''})"
 
     # --- sizes -------------------------------------------------------------
     @property
     def size(self) -> int:
         """Total number of devices: x·y·z·data·pipeline."""
         return self.x * self.y * self.z * self.data * self.pipeline
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages the model is cut into: pipeline·virtual."""
+        return self.pipeline * self.virtual
+
+    def pipeline_rank(self, stage: int) -> int:
+        """The pipeline rank (stage mesh) that runs ``stage``: ``stage mod pipeline``."""
+        if not 0 <= stage < self.stages:
+            raise ValueError(f"stage {stage} is not one of the {self.stages} stages of {self}")
+        return stage % self.pipeline
 
     @property
     def stage_size(self) -> int:
@@ -108,17 +150,21 @@ class Grid:
     # --- construction helpers ---------------------------------------------
     @classmethod
     def parse(cls, text: str | Mapping[str, int]) -> Grid:
-        """Build a grid from ``"pipeline=2,x=2,z=2"`` (the CLI form) or a mapping."""
+        """Build a grid from ``"pipeline=2,x=2,z=2"`` (the CLI form) or a mapping.
+
+        ``virtual=V`` (stages per pipeline rank) is accepted like an axis.
+        """
         if isinstance(text, Mapping):
             return cls(**dict(text))
         sizes: dict[str, int] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
-            if not sep or key not in MESH_AXES:
+            if not sep or key not in (*MESH_AXES, VIRTUAL):
                 raise ValueError(
                     f"bad grid item {part!r} in {text!r}: expected AXIS=SIZE with AXIS "
-                    f"one of {', '.join(MESH_AXES)}, e.g. 'pipeline=2,x=2,z=2'."
+                    f"one of {', '.join(MESH_AXES)} (or virtual=V, stages per pipeline rank), "
+                    f"e.g. 'pipeline=2,x=2,z=2'."
                 )
             if key in sizes:
                 raise ValueError(f"grid axis {key!r} given twice in {text!r}")

@@ -138,10 +138,18 @@ class Plan:
         )
         if len(self.stages) > 1:
             total = sum(st.flops for st in self.stages) or 1.0
-            lines.append(f"pipeline stages ({len(self.stages)}, balanced by FLOPs):")
-            for st in self.stages:
+            if g.virtual > 1:
                 lines.append(
-                    f"  stage {st.index}: {len(st.params)} params ({st.param_bytes:,} B), "
+                    f"pipeline stages ({len(self.stages)} = pipeline {g.pipeline} × virtual "
+                    f"{g.virtual}, balanced by FLOPs; stage s runs on pipeline rank s mod "
+                    f"{g.pipeline}):"
+                )
+            else:
+                lines.append(f"pipeline stages ({len(self.stages)}, balanced by FLOPs):")
+            for st in self.stages:
+                rank = f" (rank {g.pipeline_rank(st.index)})" if g.virtual > 1 else ""
+                lines.append(
+                    f"  stage {st.index}{rank}: {len(st.params)} params ({st.param_bytes:,} B), "
                     f"{st.flops / total:.1%} of FLOPs, sends {st.send_bytes:,} B/batch; "
                     f"{_span(st.params)}"
                 )

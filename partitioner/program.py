@@ -100,7 +100,8 @@ def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOpti
     traced = trace_model(model, *example_args, **example_kwargs)
     closed = inline_calls(traced.jaxpr)
     layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
-    stages = plan_stages(traced, closed.jaxpr, grid.pipeline, boundaries=options.stages)
+    stages = plan_stages(traced, closed.jaxpr, grid.stages, boundaries=options.stages,
+                         where=f"{type(model).__name__} on {grid}")  # fmt: skip
     plan = Plan.build(traced, grid, layouts, stages)
     return plan, _program(traced, closed, grid, plan, layouts)
 

@@ -5,7 +5,9 @@ A stage boundary may only fall where few activation bytes cross it (within
 the middle of an attention), so stages send one compact message per
 microbatch. Among those boundaries, dynamic programming picks the split that
 minimises the most expensive stage (FLOPs; ties broken by the largest
-message), not a uniform split by layer count.
+message), not a uniform split by layer count. With virtual (interleaved)
+stages the same DP cuts ``pipeline·virtual`` stages; which rank runs each is
+the grid's business (:meth:`~axonn_jax.partitioner.grid.Grid.pipeline_rank`).
 
 Example:
     >>> stages = plan_stages(traced, jaxpr, 2)                 # doctest: +SKIP
@@ -134,6 +136,7 @@ def plan_stages(
     num_stages: int,
     *,
     boundaries: Sequence[str] | None = None,
+    where: str = "",
 ) -> tuple[Stage, ...]:
     """Split the inlined ``jaxpr`` of ``traced`` into ``num_stages`` stages.
 
@@ -141,6 +144,8 @@ def plan_stages(
         boundaries: optional ``num_stages - 1`` parameter-path regexes; stage
             k+1 starts at the last candidate boundary before the first use of a
             parameter matching ``boundaries[k]``.
+        where: what is being split, for error messages (e.g. ``"GPT on
+            Grid(..., pipeline=2, virtual=2)"``).
     """
     n_params = traced.num_params
     eqns = jaxpr.eqns
@@ -152,9 +157,9 @@ def plan_stages(
     else:
         candidates = _candidates(crossing, users)
         if boundaries is not None:
-            cuts = _explicit_cuts(traced, users, candidates, boundaries, num_stages)
+            cuts = _explicit_cuts(traced, users, candidates, boundaries, num_stages, where)
         else:
-            cuts = _balanced_cuts(flops, crossing, candidates, num_stages)
+            cuts = _balanced_cuts(flops, crossing, candidates, num_stages, where)
     return _stages(traced, eqns, flops, users, crossing, cuts)
 
 
@@ -177,12 +182,14 @@ def _candidates(crossing: np.ndarray, users) -> list[int]:
     return chosen
 
 
-def _balanced_cuts(flops, crossing, candidates: list[int], num_stages: int) -> list[int]:
+def _balanced_cuts(flops, crossing, candidates: list[int], num_stages: int,
+                   where: str = "") -> list[int]:  # fmt: skip
     if len(candidates) < num_stages - 1:
         raise ValueError(
-            f"the model has {len(candidates)} layer boundaries where it can be cut, fewer "
-            f"than the {num_stages - 1} needed for pipeline={num_stages}. Remedy: a smaller "
-            "pipeline size, or a deeper model."
+            f"{where + ': ' if where else ''}the model has {len(candidates)} layer boundaries "
+            f"where it can be cut, fewer than the {num_stages - 1} needed for {num_stages} "
+            f"pipeline stages (pipeline × virtual). Remedy: at most {len(candidates) + 1} "
+            "stages (fewer virtual stages per rank, or a smaller pipeline), or a deeper model."
         )
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     ends = candidates + [len(flops) - 1]  # stage j ends after equation ends[j]
@@ -212,11 +219,12 @@ def _balanced_cuts(flops, crossing, candidates: list[int], num_stages: int) -> l
     return sorted(cuts)
 
 
-def _explicit_cuts(traced, users, candidates, boundaries, num_stages) -> list[int]:
+def _explicit_cuts(traced, users, candidates, boundaries, num_stages, where="") -> list[int]:
     if len(boundaries) != num_stages - 1:
         raise ValueError(
-            f"stages= gives {len(boundaries)} boundaries for pipeline={num_stages}; it needs "
-            f"{num_stages - 1} (one parameter-path pattern per stage after the first)."
+            f"{where + ': ' if where else ''}stages= gives {len(boundaries)} boundaries for "
+            f"{num_stages} pipeline stages (pipeline × virtual); it needs {num_stages - 1} "
+            "(one parameter-path pattern per stage after the first)."
         )
     cuts = []
     for pattern in boundaries:

@@ -48,9 +48,18 @@ def build_mesh(grid: Grid, devices: Sequence[jax.Device] | None = None) -> Mesh:
 
 
 def stage_meshes(grid: Grid, devices: Sequence[jax.Device] | None = None) -> list[Mesh]:
-    """One 4D mesh ``(data, z, y, x)`` per pipeline stage, stage 0 first."""
+    """One 4D mesh ``(data, z, y, x)`` per pipeline stage, stage 0 first.
+
+    With virtual stages (``grid.virtual = v``) there are ``pipeline·v`` stages
+    and stage ``s`` runs on the mesh of pipeline rank ``s mod pipeline``: the
+    same :class:`Mesh` object for stages ``s, s+p, s+2p, …``, so their
+    parameters, messages and tasks share its devices (and its dispatch lane).
+
+    Example: ``stage_meshes(Grid(pipeline=2, virtual=2))`` is ``[m0, m1, m0, m1]``.
+    """
     array = device_array(grid, devices)
-    return [Mesh(array[s], STAGE_AXES) for s in range(grid.pipeline)]
+    ranks = [Mesh(array[r], STAGE_AXES) for r in range(grid.pipeline)]
+    return [ranks[grid.pipeline_rank(s)] for s in range(grid.stages)]
 
 
 def local_stages(meshes: Sequence[Mesh]) -> list[int]:

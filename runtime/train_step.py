@@ -264,8 +264,12 @@ class TrainStep:
         states = ({None: opt_state.optimizer} if self.placed.grid.pipeline == 1
                   else dict(opt_state.optimizer))  # fmt: skip
         for s, state in states.items():
+            # a copy per stage: with virtual stages several stages share one mesh, and a saved
+            # array already on it (a step count) must not become one buffer that each stage's
+            # update donates
             inner = jax.tree.map(
-                lambda like, value: None if like is None else jax.device_put(value, like.sharding),
+                lambda like, value: None if like is None
+                else jax.device_put(value, like.sharding, may_alias=False),
                 state.inner, saved["inner"], is_leaf=_none,
             )  # fmt: skip
             states[s] = state._replace(inner=inner)

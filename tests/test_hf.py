@@ -6,6 +6,7 @@ itself (``FlaxXxx.from_pretrained`` of the exported directory) and against the
 saved weights, bitwise where no arithmetic happens (loading, exporting).
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -86,23 +87,26 @@ def test_bf16_export_writes_the_fp32_masters(tmp_path, devices):
     assert_bf16_of_masters(written, by_path(pm.gather(params)), saved(source))
 
 
-def test_pipeline_export_has_every_stage(tmp_path, devices):
-    """pipeline=2 in one process: masters live as {stage: ...}; the export holds both stages'."""
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_pipeline_export_has_every_stage(tmp_path, devices, virtual):
+    """pipeline=2 in one process: masters live as {stage: ...}; the export holds every stage's
+    (virtual=2: four stages, two per rank)."""
     source = save_gpt2(tmp_path / "gpt2")
     batch = gpt2_batch()
-    pm = axonn_jax.partition(hf.module(source), Grid(pipeline=2, x=2, z=2), *batch)
+    pm = axonn_jax.partition(hf.module(source), Grid(pipeline=2, virtual=virtual, x=2, z=2), *batch)
     params = hf.load(pm, source)
     assert_same(by_path(pm.gather(params)), saved(source))
     step = pm.train_step(lm_loss, optax.adamw(1e-2), precision="bf16")
     params, opt_state = step.init(params)
     params, opt_state, _ = step(params, opt_state, batch)
-    assert sorted(opt_state.optimizer) == [0, 1]
-    with pytest.raises(ValueError, match=r"holds the stages \[0\].*stages \[0, 1\]"):
+    stages = list(range(2 * virtual))
+    assert sorted(opt_state.optimizer) == stages
+    with pytest.raises(ValueError, match=r"holds the stages \[0\].*stages " + re.escape(str(stages))):
         pm.gather(params, {0: opt_state.optimizer[0]})
 
     hf.save_pretrained(pm, tmp_path / "tuned", params, opt_state)
     written = saved(tmp_path / "tuned")
-    first, last = (set(stage.params) for stage in pm.plan.stages)
+    first, last = (set(stage.params) for stage in (pm.plan.stages[0], pm.plan.stages[-1]))
     assert first - last and last - first and set(written) >= first | last
     assert_same(written, by_path(pm.gather(params, opt_state)))
     assert_bf16_of_masters(written, by_path(pm.gather(params)), saved(source))

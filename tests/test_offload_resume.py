@@ -93,7 +93,8 @@ def test_three_plus_three_steps_equal_six(saved_run):
 
 
 @pytest.mark.parametrize("grid,offload", [(dict(pipeline=2, x=2, z=2), True), (dict(z=4, data=2), False),
-                                          (dict(pipeline=2, z=2, data=2), False)])  # fmt: skip
+                                          (dict(pipeline=2, z=2, data=2), False),
+                                          (dict(pipeline=2, virtual=2, x=2, z=2), True)])  # fmt: skip
 def test_restore_onto_another_grid_and_mode_holds_the_saved_values(saved_run, grid, offload):
     """Saved offloaded on x=2,z=2,data=2; restored with or without a pipeline and offload."""
     pm, step, params, opt_state = _step(grid, saved_run["precision"], offload=offload, seed=1)

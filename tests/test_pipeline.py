@@ -246,6 +246,7 @@ def saved_references(tmp_path_factory):
 @pytest.mark.parametrize("n,model,grid,options", [
     (2, "gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"]),
     (2, "hf_gpt2", "pipeline=4", []),  # two stages per process
+    (2, "gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b"]),  # interleaved: 0,2 | 1,3
     (4, "gpt", "pipeline=2,data=2", []),  # data parallel across processes in a stage
     (4, "hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"]),
 ])  # fmt: skip

@@ -44,7 +44,8 @@ def test_too_many_stages():
     one_layer = MLP(features=(16,))  # kernel and bias: one possible cut between them
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)
     assert len(axonn_jax.partition(one_layer, Grid(pipeline=2), x).plan.stages) == 2
-    with pytest.raises(ValueError, match="fewer than the 2 needed for pipeline=3.*Remedy"):
+    with pytest.raises(ValueError, match=r"MLP on Grid\(.*pipeline=3\): .*fewer than the 2 needed "
+                                         r"for 3 pipeline stages.*Remedy: at most 2 stages"):
         axonn_jax.partition(one_layer, Grid(pipeline=3), x)
 
 

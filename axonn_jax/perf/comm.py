@@ -164,10 +164,10 @@ def collectives(
         add("norm statistics", "all-reduce", (Y,), "forward", wire * again, norms * mb * again)
         add("norm statistics", "all-reduce", (Y,), "backward", wire, norms * mb)
 
-    if grid.pipeline > 1:
-        message = rows * spec.hidden / grid.y
-        add("stage activations", "send", (PIPELINE,), "forward", message, mb)
-        add("stage gradients", "send", (PIPELINE,), "backward", message, mb)
+    if grid.pipeline > 1:  # with virtual stages a microbatch crosses each rank boundary v times
+        message = rows * spec.hidden / grid.y * grid.virtual
+        add("stage activations", "send", (PIPELINE,), "forward", message, mb * grid.virtual)
+        add("stage gradients", "send", (PIPELINE,), "backward", message, mb * grid.virtual)
     groups = {axes: group_of(axes, grid) for (_, _, axes, *_rest) in acc}
     # gradients are all-reduced in buckets: one call per group and step (XLA combines them too)
     return tuple(

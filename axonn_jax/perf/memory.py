@@ -8,7 +8,9 @@
   keeps every gathered block for the backward pass; with recompute one
   block's weights and weight gradients — plus the offload bucket buffer;
 * activations kept for backward for the microbatches in flight (one, or up
-  to ``pipeline + 1`` on the first stage: the message-driven default limit), split over data·z and the axis of
+  to ``pipeline + 1`` on the first stage, the message-driven queue's default
+  limit; with ``virtual`` stages per rank see :func:`in_flight`), split over
+  data·z and the axis of
   each :class:`~axonn_jax.perf.spec.Activation`; under recompute only block
   inputs and one block's working set.
 
@@ -91,11 +93,30 @@ def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:
     return options.bytes.param * (outside + per_block * (kept_blocks + 1))
 
 
+def in_flight(microbatches: int, pipeline: int, virtual: int = 1) -> float:
+    """Microbatches whose activations the first pipeline rank holds at once, in units of
+    one microbatch through all of that rank's layers.
+
+    The message-driven queue keeps at most ``limit − s`` microbatches between
+    stage ``s``'s forward and backward, ``limit`` = :func:`default_limit` of
+    the ``p·v`` stages; rank 0 holds stages ``0, p, 2p, …``, each ``1/v`` of
+    its layers, so it holds ``Σ_c min(m, limit − c·p) / v`` — ``min(m, p + 1)``
+    without virtual stages (interleaving costs memory).
+
+    Example:
+        >>> in_flight(16, 4), in_flight(16, 4, virtual=2), in_flight(2, 4, virtual=2)
+        (5.0, 7.0, 2.0)
+    """
+    if pipeline == 1:
+        return 1.0
+    limit = default_limit(pipeline * virtual)
+    return sum(min(microbatches, limit - c * pipeline) for c in range(virtual)) / virtual
+
+
 def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
     microbatches = options.microbatches
     tokens = spec.tokens / (grid.batch_shards * microbatches)
-    # the first stage keeps the message-driven queue's default limit in flight
-    in_flight = min(microbatches, default_limit(grid.pipeline)) if grid.pipeline > 1 else 1
+    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual)  # first rank
     total = 0.0
     for a in spec.activations:
         elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
@@ -104,4 +125,4 @@ def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
         elif a.kind == "block":
             elements /= spec.layers if options.recompute else grid.pipeline
         total += elements * (a.itemsize or options.bytes.activation)
-    return total * tokens * in_flight
+    return total * tokens * in_flight_

@@ -185,8 +185,9 @@ class ModelSpec:
         out = []
         if self.batch % grid.batch_shards:
             out.append(f"batch {self.batch} is not divisible by data·z = {grid.batch_shards}")
-        if grid.pipeline > self.layers:
-            out.append(f"pipeline={grid.pipeline} exceeds the {self.layers} blocks")
+        if grid.stages > self.layers:
+            stages = f"pipeline={grid.pipeline}" + (f" × virtual={grid.virtual}" if grid.virtual > 1 else "")
+            out.append(f"{stages} stages exceed the {self.layers} blocks")
         for p in self.params:
             if not p.divides(grid):
                 out.append(f"parameter {p.name} {p.shape} split {p.axes} (+z) does not divide {grid}")

@@ -3,9 +3,12 @@
 No overlap of communication with compute is modelled::
 
     t_mb   = (compute + elementwise + per-microbatch collectives) / microbatches
-    step   = (microbatches + pipeline − 1) · t_mb
+    step   = (microbatches + (pipeline − 1)/virtual) · t_mb
              + gradient all-reduces + optimizer update + offload copies
-    bubble = (pipeline − 1) / (microbatches + pipeline − 1)
+    bubble = (pipeline − 1) / (virtual · microbatches + pipeline − 1)
+
+(``virtual`` stages per pipeline rank, 1 without interleaving: the fill and
+drain shrink v-fold, and each microbatch crosses each rank boundary v times.)
 
 * compute: FLOPs per device at ``machine.peak_tflops × machine.efficiency``,
   counting what the kernels really compute: a layer's matmul is split over
@@ -81,18 +84,19 @@ class Prediction:
         Exact: collective calls and weight gathers grow linearly with the
         microbatches, activation bytes do not, compute does not.
         """
-        mb, p = microbatches, self.grid.pipeline
+        mb, p, v = microbatches, self.grid.pipeline, self.grid.virtual
         per_mb = self.per_microbatch_fixed + mb * self.per_microbatch_linear
         once = self.comm_seconds - self.per_microbatch_fixed - (
             self.options.microbatches * self.per_microbatch_linear)
         work = self.compute_seconds + self.elementwise_seconds
-        return (mb + p - 1) / mb * (work + per_mb) + once + self.optimizer_seconds + (
+        return (v * mb + p - 1) / (v * mb) * (work + per_mb) + once + self.optimizer_seconds + (
             self.offload_seconds)
 
     def as_dict(self) -> dict:
         g = self.grid
         return {
             "x": g.x, "y": g.y, "z": g.z, "data": g.data, "pipeline": g.pipeline,
+            "virtual": g.virtual,
             "microbatches": self.options.microbatches,
             "offload": self.options.offload,
             "comm_seconds": self.comm_seconds,
@@ -141,7 +145,7 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
 
 def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Options()) -> Prediction:
     """Time and memory of one training step of ``spec`` on ``grid`` (see module docstring)."""
-    mb, p = options.microbatches, grid.pipeline
+    mb, p, v = options.microbatches, grid.pipeline, grid.virtual
     cs = collectives(spec, grid, recompute=options.recompute, microbatches=mb)
     itemsize = options.itemsize
     seconds, once, fixed, linear = [], 0.0, 0.0, 0.0
@@ -168,7 +172,7 @@ def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Op
         offload = n_local * (options.bytes.param + options.bytes.grad) / (machine.host_link_gbps * 1e9)
     update_gbps = machine.host_memory_gbps if options.offload else machine.memory_gbps
     optimizer = n_local * OPTIMIZER_BYTES_PER_PARAM / (update_gbps * 1e9)
-    step = (mb + p - 1) / mb * (compute + elementwise + per_mb) + once + optimizer + offload
+    step = (v * mb + p - 1) / (v * mb) * (compute + elementwise + per_mb) + once + optimizer + offload
     return Prediction(
         grid=grid,
         options=options,
@@ -177,7 +181,7 @@ def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Op
         optimizer_seconds=optimizer,
         comm_seconds=per_mb + once,
         offload_seconds=offload,
-        bubble=(p - 1) / (mb + p - 1),
+        bubble=(p - 1) / (v * mb + p - 1),
         step_seconds=step,
         comm_bytes=sum(c.elements for c in cs) * itemsize,
         flops=flops,

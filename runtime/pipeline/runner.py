@@ -1,7 +1,7 @@
 """Pipelined training steps: ``pm.value_and_grad(loss_fn)`` when ``grid.pipeline > 1``.
 
-Each process runs the stages it owns (one per process under ``mpiexec``, all of
-them in a single process) through the dispatch queue
+Each process runs the stages it owns (one per process under ``mpiexec``, or
+``virtual`` of them with virtual stages; all of them in a single process) through the dispatch queue
 (:mod:`axonn_jax.runtime.pipeline.dispatch`); activations and gradients move through
 a transport (in-process device copies, or MPI between processes).
 
@@ -214,8 +214,10 @@ class PipelinedValueAndGrad:
         if rows is not None:
             if json_path is not None:
                 timeline.write_chrome_trace(json_path, rows)
-            if png_path is not None:
-                timeline.plot_timeline(png_path, rows, title)
+            if png_path is not None:  # virtual stages: one row per pipeline rank (its devices)
+                grid = self.placed.grid
+                timeline.plot_timeline(png_path, rows, title,
+                                       grid.pipeline if grid.virtual > 1 else None)  # fmt: skip
         return rows
 
     def _combine(self, result: StepResult, programs, leaves, m: int) -> tuple[list, list]:

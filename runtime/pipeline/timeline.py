@@ -76,16 +76,23 @@ def write_chrome_trace(path: str | Path, rows: Sequence[Row]) -> Path:
     return path
 
 
-def idle_fractions(rows: Sequence[Row]) -> dict[int, float]:
-    """Per stage: the fraction of the step's span (first start → last end) it was idle."""
+def idle_fractions(rows: Sequence[Row], pipeline: int | None = None) -> dict[int, float]:
+    """Per stage: the fraction of the step's span (first start → last end) it was idle.
+
+    With ``pipeline`` (the grid's pipeline size): per pipeline rank instead,
+    stage ``s`` counting for rank ``s mod pipeline`` — with virtual stages
+    several stages share one rank's devices, and it is the devices that idle.
+    Without virtual stages both are the same.
+    """
     if not rows:
         return {}
     begin, finish = _zero(rows), max(r[5] for r in rows)
     span = max(finish - begin, 1e-12)
     busy: dict[int, float] = {}
     for _, stage, _, _, start, end, _ in rows:
-        busy[stage] = busy.get(stage, 0.0) + (end - start)
-    return {stage: 1.0 - b / span for stage, b in sorted(busy.items())}
+        key = stage if pipeline is None else stage % pipeline
+        busy[key] = busy.get(key, 0.0) + (end - start)
+    return {key: 1.0 - b / span for key, b in sorted(busy.items())}
 
 
 def concurrent_seconds(rows: Sequence[Row]) -> float:
@@ -105,17 +112,30 @@ def concurrent_seconds(rows: Sequence[Row]) -> float:
     return both
 
 
-def bubble_theory(stages: int, microbatches: int) -> float:
-    """The idle fraction of a balanced pipeline, (p − 1)/(m + p − 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_theory(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of a balanced pipeline of ``stages`` ranks, (p − 1)/(v·m + p − 1).
+
+    ``virtual`` stages per rank shorten each stage v-fold, so the fill and drain
+    take (p − 1)/v of a microbatch's time instead of p − 1.
+
+    Example:
+        >>> bubble_theory(4, 16), bubble_theory(4, 16, virtual=2)
+        (0.15789473684210525, 0.08571428571428572)
+    """
+    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
-def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline") -> Path:
+def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline",
+                  pipeline: int | None = None) -> Path:  # fmt: skip
     """A PNG with one row per stage: forward, backward and (last stage) forward+loss+backward
-    tasks in three colours, labelled by microbatch; the legend sits below the axes."""
+    tasks in three colours, labelled by microbatch; the legend sits below the axes.
+
+    With ``pipeline``: one row per pipeline rank (virtual stages share a row,
+    each task labelled ``stage:microbatch``).
+    """
     import matplotlib.pyplot as plt
 
-    fig = timeline_figure(rows, title)
+    fig = timeline_figure(rows, title, pipeline)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -123,7 +143,8 @@ def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline 
     return path
 
 
-def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline"):
+def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline",
+                    pipeline: int | None = None):  # fmt: skip
     """The matplotlib figure of :func:`plot_timeline` (the caller closes it)."""
     import matplotlib
 
@@ -132,20 +153,23 @@ def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline"):
     from matplotlib.patches import Patch
 
     zero = _zero(rows)
-    stages = sorted({r[1] for r in rows})
-    fig, ax = plt.subplots(figsize=(10, 0.6 * len(stages) + 1.8), layout="constrained")
+    row_of = (lambda s: s) if pipeline is None else (lambda s: s % pipeline)  # noqa: E731
+    lanes = sorted({row_of(r[1]) for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(lanes) + 1.8), layout="constrained")
     colours = {"F": "#4c78a8", "B": "#f58518", "FB": "#54a24b"}
     for rank, stage, kind, mb, start, end, _ in rows:
-        y = stages.index(stage)
+        y = lanes.index(row_of(stage))
         ax.broken_barh([((start - zero) * 1e3, (end - start) * 1e3)], (y - 0.4, 0.8),
                        facecolors=colours[kind], edgecolors="white", linewidth=0.5)  # fmt: skip
-        ax.text((start + end - 2 * zero) * 500, y, str(mb), ha="center", va="center",
+        label = str(mb) if pipeline is None else f"{stage}:{mb}"
+        ax.text((start + end - 2 * zero) * 500, y, label, ha="center", va="center",
                 fontsize=7, color="white")  # fmt: skip
-    ax.set_yticks(range(len(stages)), [f"stage {s}" for s in stages])
+    name = "stage" if pipeline is None else "rank"
+    ax.set_yticks(range(len(lanes)), [f"{name} {s}" for s in lanes])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
-    idle = idle_fractions(rows)
-    ax.set_title(f"{title} — idle " + ", ".join(f"s{s} {f:.0%}" for s, f in idle.items()))
+    idle = idle_fractions(rows, pipeline)
+    ax.set_title(f"{title} — idle " + ", ".join(f"{name[0]}{s} {f:.0%}" for s, f in idle.items()))
     labels = {"F": "forward", "B": "backward", "FB": "forward+loss+backward"}
     fig.legend(handles=[Patch(color=c, label=labels[k]) for k, c in colours.items()],
                loc="outside lower center", ncol=3, fontsize=7, frameon=False)  # fmt: skip

@@ -190,6 +190,14 @@ class MpiTransport:
                 "initialise with axonn_jax.init() so JAX processes follow MPI ranks."
             )
         self._slots = self.meshes[0].devices.size
+        # virtual stages: several stages share a mesh, so two links can join the same pair of
+        # processes; a stage's rank among the stages on its mesh keeps their tags apart
+        seen: dict[tuple, int] = {}
+        self._chunk = []
+        for mesh in self.meshes:
+            ids = tuple(d.id for d in mesh.devices.flat)
+            self._chunk.append(seen.get(ids, 0))
+            seen[ids] = seen.get(ids, 0) + 1
         self._pending: dict[Key, list] = {}  # key → [(array index, device, buffer, request)]
         self._local: dict[tuple, jax.Array] = {}  # (key, array, position) → shard
         self._sends: queue.Queue = queue.Queue()
@@ -201,8 +209,10 @@ class MpiTransport:
         self._thread.start()
 
     def _tag(self, key: Key, array: int, position: int) -> int:
+        """Distinct per link between two processes: kind, the destination stage's place
+        among the stages on its mesh (0 without virtual stages), array, mesh position."""
         kind = 0 if key[0] == "F" else 1
-        return (kind * 1024 + array) * self._slots + position
+        return ((self._chunk[key[1]] * 2 + kind) * 1024 + array) * self._slots + position
 
     # --- receiving --------------------------------------------------------
     def expect(self, key, avals, source_mesh) -> None:
