@@ -1,29 +1,30 @@
-"""A deterministic simulation of one pipelined step, driven by the real schedules.
+"""A discrete-event simulation of the pipeline schedules, virtual (interleaved) stages too.
 
-One device per stage (the ``mpiexec`` deployment: one process per stage, each
-with its own :class:`~axonn_jax.runtime.pipeline.schedules.Schedule`), task
-durations in abstract units (forward ``forward``, backward ``backward``, the
-last stage's fused forward+loss+backward both), and a message that leaves a
-stage when its task ends and arrives ``latency`` later. A free device asks its
-schedule for a task among those whose input has arrived, exactly as the
-dispatch queue does; nothing here uses JAX, so schedules can be compared in
-milliseconds and without timing noise.
+Runs the real :mod:`axonn_jax.runtime.pipeline.schedules` objects (one per
+pipeline rank, over the stages ``r, r+p, …`` that rank owns, as the dispatch
+queue does) on idealised devices: a rank runs one task at a time, a forward and
+a backward of one stage take ``1/v`` of a time unit (the last stage's fused
+forward+loss+backward ``2/v``), a message arrives ``latency`` after its task
+ends. No JAX, no devices: it checks the schedules' logic (no deadlock, the
+bubble, the residuals kept) in milliseconds.
 
 Example:
-    >>> round(simulate("1f1b", stages=4, microbatches=16).idle, 3)
-    0.158
+    >>> sim = simulate("message", pipeline=2, virtual=2, microbatches=4)
+    >>> round(sim.idle, 3), sim.makespan                     # doctest: +SKIP
+    (0.111, 9.0)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from axonn_jax.runtime.pipeline.schedules import make_schedule
 
 
 @dataclasses.dataclass
 class _Stage:
-    """What a schedule reads of a stage (the :class:`StageView` protocol) plus the sim's own."""
+    """What a schedule reads of a stage (the dispatch queue's ``_StageState`` fields)."""
 
     forwards: int = 0
     backwards: int = 0
@@ -31,82 +32,106 @@ class _Stage:
     last_kind: str = ""
     inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrival time
     residuals: set = dataclasses.field(default_factory=set)
-    free_at: float = 0.0
-    busy: float = 0.0
     peak: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
-class Simulated:
-    idle: float  # mean over stages of the idle fraction of the step's span
-    idle_per_stage: tuple[float, ...]
-    span: float
-    peak_in_flight: tuple[int, ...]  # per stage: most microbatches between forward and backward
-    tasks: tuple[tuple[int, str, int, float, float], ...]  # (stage, kind, mb, start, end)
+class Simulation:
+    makespan: float
+    idle: float  # mean over ranks of the idle fraction of the makespan
+    peak: dict[int, int]  # stage → most microbatches holding residuals at once
+    order: dict[int, list[tuple[int, str, int, float]]]  # rank → (stage, kind, mb, start)
 
 
-def simulate(schedule: str, stages: int, microbatches: int, *, latency: float = 0.0,
-             forward: float = 1.0, backward: float = 1.0, limit: int | None = None) -> Simulated:  # fmt: skip
-    """Run one step of ``schedule`` on ``stages`` stages and ``microbatches`` microbatches."""
-    last = stages - 1
-    sched = {s: make_schedule(schedule, limit=limit, stages=stages) for s in range(stages)}
-    for s, sc in sched.items():
-        sc.start([s], stages, microbatches)
-    st = {s: _Stage() for s in range(stages)}
-    tasks: list[tuple[int, str, int, float, float]] = []
+def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
+             latency: float = 0.0, limit: int | None = None) -> Simulation:  # fmt: skip
+    """Simulate one step; raises ``RuntimeError`` on a deadlock."""
+    p, m = pipeline, microbatches
+    n = p * virtual
+    last = n - 1
+    unit = 1.0 / virtual
+    stages = {s: _Stage() for s in range(n)}
+    owned = {r: [s for s in range(n) if s % p == r] for r in range(p)}
+    plans = {}
+    for r in range(p):
+        plans[r] = make_schedule(schedule, limit=limit, stages=n, pipeline=p)
+        plans[r].start(owned[r], n, m)
+    free = {r: 0.0 for r in range(p)}  # when each rank's device is next free
+    busy = {r: 0.0 for r in range(p)}
+    order: dict[int, list] = {r: [] for r in range(p)}
+    events: list = []  # (time, seq, kind, payload)
+    seq = 0
     now = 0.0
 
-    def has_input(s: int, kind: str, mb: int) -> bool:
-        x = st[s]
-        if kind == "B":
-            return mb in x.residuals and x.cotangents.get(mb, float("inf")) <= now
-        return mb == x.forwards and (s == 0 or x.inbound.get(mb, float("inf")) <= now)
+    def done() -> bool:
+        return all((st.forwards if s == last else st.backwards) == m for s, st in stages.items())
 
-    def done(s: int) -> bool:
-        return st[s].forwards == microbatches if s == last else st[s].backwards == microbatches
-
-    while not all(done(s) for s in range(stages)):
-        for s in range(stages):
-            x = st[s]
-            if x.free_at > now or done(s):
+    while not done():
+        progressed = False
+        for r in range(p):
+            if free[r] > now:
                 continue
-            task = sched[s].pick({s: x}, has_input, microbatches)
+            views = {s: stages[s] for s in owned[r]}
+
+            def has_input(s, kind, mb):
+                st = stages[s]
+                if kind == "B":
+                    return mb in st.residuals and st.cotangents.get(mb, float("inf")) <= now
+                return mb == st.forwards and (s == 0 or st.inbound.get(mb, float("inf")) <= now)
+
+            # cotangents the schedule sees: those arrived by now
+            visible = {s: dataclasses.replace(st, cotangents={k: t for k, t in st.cotangents.items()
+                                                              if t <= now})
+                       for s, st in views.items()}  # fmt: skip
+            task = plans[r].pick(visible, has_input, m)
             if task is None:
                 continue
-            _, kind, mb = task
-            if kind == "F" and s == last:
-                duration, label = forward + backward, "FB"
-                x.forwards += 1
-                x.backwards += 1
-                if s > 0:
-                    st[s - 1].cotangents[mb] = now + duration + latency
-            elif kind == "F":
-                duration, label = forward, "F"
-                x.forwards += 1
-                x.residuals.add(mb)
-                x.peak = max(x.peak, len(x.residuals))
-                st[s + 1].inbound[mb] = now + duration + latency
+            s, kind, mb = task
+            st = stages[s]
+            length = (2 * unit if s == last else unit)
+            end = now + length
+            if kind == "F":
+                st.inbound.pop(mb, None)
+                st.forwards += 1
+                if s == last:
+                    st.backwards += 1
+                    if s > 0:
+                        heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
+                else:
+                    st.residuals.add(mb)
+                    st.peak = max(st.peak, len(st.residuals))
+                    heapq.heappush(events, (end + latency, seq, "F", (s + 1, mb)))
             else:
-                duration, label = backward, "B"
-                x.backwards += 1
-                x.residuals.discard(mb)
-                del x.cotangents[mb]
+                st.cotangents.pop(mb)
+                st.residuals.discard(mb)
+                st.backwards += 1
                 if s > 0:
-                    st[s - 1].cotangents[mb] = now + duration + latency
-            x.last_kind = kind
-            sched[s].ran(s)
-            x.free_at = now + duration
-            x.busy += duration
-            tasks.append((s, label, mb, now, now + duration))
-        upcoming = [x.free_at for x in st.values() if x.free_at > now]
-        upcoming += [t for x in st.values() for t in (*x.inbound.values(), *x.cotangents.values())
-                     if t > now]  # fmt: skip
-        if not upcoming:
-            if all(done(s) for s in range(stages)):
-                break
-            raise RuntimeError(f"{schedule}: no task can run at t={now} (deadlock)")
-        now = min(upcoming)
-    span = max(end for *_, end in tasks) - min(start for *_, start, _ in tasks)
-    idle = tuple(1.0 - st[s].busy / span for s in range(stages))
-    return Simulated(sum(idle) / stages, idle, span, tuple(st[s].peak for s in range(stages)),
-                     tuple(tasks))  # fmt: skip
+                    heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
+            seq += 1
+            st.last_kind = kind
+            plans[r].ran(s)
+            order[r].append((s, "FB" if kind == "F" and s == last else kind, mb, now))
+            free[r] = end
+            busy[r] += length
+            heapq.heappush(events, (end, seq, "free", r))
+            seq += 1
+            progressed = True
+        if progressed:
+            continue
+        if not events:
+            raise RuntimeError(f"deadlock at t={now}: " + ", ".join(
+                f"s{s} F{st.forwards} B{st.backwards}" for s, st in stages.items()))
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "F":
+            stages[payload[0]].inbound[payload[1]] = now
+        elif kind == "B":
+            stages[payload[0]].cotangents[payload[1]] = now
+        while events and events[0][0] <= now:  # everything due at this instant
+            _, _, kind, payload = heapq.heappop(events)
+            if kind == "F":
+                stages[payload[0]].inbound[payload[1]] = now
+            elif kind == "B":
+                stages[payload[0]].cotangents[payload[1]] = now
+    makespan = max(free.values())
+    idle = sum(1.0 - b / makespan for b in busy.values()) / p
+    return Simulation(makespan, idle, {s: st.peak for s, st in stages.items()}, order)

@@ -175,7 +175,8 @@ class DispatchQueue:
         self.transport = transport
         self.num_stages = len(self.programs)
         if isinstance(schedule, str):
-            schedule = make_schedule(schedule, limit=limit, stages=self.num_stages)
+            ranks = len({tuple(d.id for d in p.mesh.devices.flat) for p in self.programs})
+            schedule = make_schedule(schedule, limit=limit, stages=self.num_stages, pipeline=ranks)
         self.schedule = schedule
         self.timeout, self.delay = timeout, delay
         if depth < 1:
