@@ -57,6 +57,14 @@ class Transport(Protocol):
     def send(self, key: Key, arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> None:
         """Hand ``arrays`` to the destination stage, laid out as ``shardings``."""
 
+    def wait(self, wake: threading.Event, timeout: float) -> None:
+        """Return when ``wake`` is set, a message may have arrived, or after ``timeout`` s.
+
+        The dispatch queue's idle wait (``wake`` is set when one of its tasks
+        finishes). Default: ``wake.wait(timeout)``.
+        """
+        wake.wait(timeout)
+
     def close(self) -> None:
         """Wait until every send has completed."""
 
@@ -100,6 +108,9 @@ class InProcessTransport:
 
     def send(self, key, arrays, shardings) -> None:
         self._mailbox[key] = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
+
+    def wait(self, wake, timeout) -> None:
+        wake.wait(timeout)
 
     def close(self) -> None:
         self._mailbox.clear()
@@ -315,6 +326,9 @@ class MpiTransport:
                 lambda x: mpi4jax.send(x, dest=dest, tag=tag, comm=comm)
             )
         return self._send_programs[key]
+
+    def wait(self, wake, timeout) -> None:
+        wake.wait(timeout)
 
     def _raise_sender_error(self) -> None:
         if self._errors:
