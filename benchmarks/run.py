@@ -80,6 +80,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               ("--microbatches", "4,8", "--modes", "uniform"), devices=1, timeout_s=900),  # fmt: skip
     Benchmark("pipeline_async", "Pipeline stages overlapping in one process",
               ("--rounds", "10"), ("--rounds", "4"), devices=2, timeout_s=600),  # fmt: skip
+    Benchmark("pipeline_hop", "One pipeline hop: MpiTransport vs raw mpi4py",
+              ("--rounds", "6", "--trips", "20"), ("--rounds", "2", "--trips", "10"),
+              devices=1, timeout_s=600),  # fmt: skip
     Benchmark("grid_prediction", "Predicted vs measured step time over 8-device grids",
               ("--rounds", "2", "--per-round", "2"), None, timeout_s=1200,
               markdown_flag="--out"),  # fmt: skip

@@ -141,6 +141,22 @@ def async_summary(r: dict) -> Rows:
              f"stages computing at once {r['overlap_s'] / r['span_s']:.0%} of the step)")]  # fmt: skip
 
 
+def hop_summary(r: dict) -> Rows:
+    from pipeline_hop import label
+
+    return [(f"pipeline hop of {label(x['bytes'])}, one way: MpiTransport / raw mpi4py Send/Recv",
+             f"{x['ratio']:.2f} ({x['transport_s'] * 1e3:.3f} vs {x['raw_s'] * 1e3:.3f} ms)")
+            for x in r["results"]]  # fmt: skip
+
+
+def hop_section(r: dict) -> str:
+    return ("Ping-pong between 2 processes (one CPU device each), float32 arrays; raw: "
+            "`np.asarray` + `comm.Send`, `comm.Recv` + `jax.device_put` (waited for); transport: "
+            "`expect` ahead, `send`, `arrived` / `wait` as the dispatch queue calls them, until "
+            "the arrays are ready. Methods alternate within each round; medians of the one-way "
+            "times (half a round trip):\n\n" + r["table"])
+
+
 def checkpoint_summary(r: dict) -> Rows:
     return [("checkpoint: save committed / orbax async save committed",
              f"{r['committed_vs_orbax']:.2f} (save() returns {r['returns_vs_orbax']:.2f}, "
@@ -231,6 +247,7 @@ FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
     "grid_prediction": (prediction_summary, prediction_section),
     "pipeline_bubble": (bubble_summary, bubble_section),
     "pipeline_async": (async_summary, lambda r: r["table"]),
+    "pipeline_hop": (hop_summary, hop_section),
     "checkpoint_save": (checkpoint_summary, checkpoint_section),
     "memory_offload": (offload_summary, offload_section),
     "gpu_mfu": (mfu_summary, mfu_section),

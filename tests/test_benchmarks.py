@@ -160,6 +160,21 @@ def test_child_env_sets_device_count_once(monkeypatch):
     assert env["JAX_PLATFORMS"] == "cpu"
 
 
+@pytest.mark.mpi
+def test_pipeline_hop_runs_both_methods_under_mpiexec():
+    import pipeline_hop
+
+    r = pipeline_hop.main(["--sizes", "4K,64K", "--rounds", "2", "--trips", "3"])
+    assert [x["bytes"] for x in r["results"]] == [4096, 65536]
+    for x in r["results"]:
+        assert x["trips"] == 6 and x["raw_s"] > 0 and x["transport_s"] > 0
+        assert x["ratio"] == pytest.approx(x["transport_s"] / x["raw_s"])
+    assert "| 64 KiB |" in r["table"]
+    summary = FORMATTERS["pipeline_hop"][0](r)
+    assert summary[0][0].startswith("pipeline hop of 4 KiB")
+    assert r["table"] in FORMATTERS["pipeline_hop"][1](r)
+
+
 def test_gpu_mfu_skips_without_a_gpu():
     import gpu_mfu
 

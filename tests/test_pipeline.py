@@ -226,6 +226,15 @@ def test_bad_pipeline_inputs(gpt_two_stages):
         pm.value_and_grad(case.loss, inputs=case.inputs)(broken, case.batch(1))
 
 
+@pytest.mark.mpi
+def test_mpi_transport_delivers_sharded_messages_in_flight_together():
+    """Six messages each way in flight at once (sharded fp32, bf16, typed keys), some
+    handed over while still computing, polled out of order: all arrive intact."""
+    result = run_mpi(2, "transport_messages.py", devices_per_process=2, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert sorted(result.stdout.split()) == sorted("OK transport 0 OK transport 1".split())
+
+
 @pytest.fixture(scope="session")
 def saved_references(tmp_path_factory):
     """Path of the plain Flax/optax results for a model, computed once in this process."""

@@ -245,7 +245,7 @@ class DispatchQueue:
                         idle_deadline = time.perf_counter() + self.timeout
                     elif time.perf_counter() > idle_deadline:
                         raise PipelineTimeout(self._stuck_message(states, microbatches))
-                    wake.wait(POLL if self._awaiting(states, microbatches) else 0.05)
+                    self.transport.wait(wake, POLL if self._awaiting(states, microbatches) else 0.05)
                     continue
                 s, kind, mb = task
                 st = states[s]

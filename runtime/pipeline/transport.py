@@ -13,12 +13,15 @@ parameters that several stages share (:meth:`~Transport.sum_shared`).
 
 - :class:`InProcessTransport`: stage meshes on different devices of one
   process; an asynchronous ``jax.device_put`` per message.
-- :class:`MpiTransport`: between processes. Device arrays leave through
-  ``mpi4jax.send`` on a sender thread (mpi4jax's send runs synchronously, so a
-  thread keeps it off the queue; the thread holds each buffer until its send
-  completes); receives are non-blocking ``MPI_Irecv`` posted ahead on a
-  communicator of the pipeline's own (a ``Dup`` of ``COMM_WORLD``), so a send
-  never waits on the receiver's compute and probing never touches other traffic.
+- :class:`MpiTransport`: between processes, non-blocking MPI point-to-point
+  (``MPI_Isend`` / ``MPI_Irecv`` through mpi4py) on a communicator of the
+  pipeline's own (a ``Dup`` of ``COMM_WORLD``), so probing never touches
+  other traffic. A ready shard on a CPU device is sent from its own buffer at
+  once; one still being computed is posted by a sender thread when it is, so
+  a send never waits on compute (the sender's or the receiver's). Receives
+  are posted ahead into aligned host buffers that a CPU device adopts
+  without a copy. :meth:`~Transport.wait` is the queue's idle wait: it spins
+  on ``MPI_Test`` for a moment after each send or arrival, then sleeps.
 
 Example:
     >>> transport = InProcessTransport()                      # doctest: +SKIP
@@ -28,10 +31,12 @@ Example:
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -49,13 +54,25 @@ class Transport(Protocol):
     polled: bool
 
     def expect(self, key: Key, avals: Sequence[jax.ShapeDtypeStruct], source_mesh) -> None:
-        """Post the receives of message ``key`` (arrays like ``avals``, from ``source_mesh``)."""
+        """Post the receives of message ``key`` (arrays like ``avals``, from ``source_mesh``).
+
+        The messages of one link (kind and destination stage) are expected, and
+        sent, in microbatch order, as the dispatch queue does.
+        """
 
     def arrived(self, key: Key) -> list[jax.Array] | None:
         """The message's arrays if all of it has arrived (once), else ``None``."""
 
     def send(self, key: Key, arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> None:
         """Hand ``arrays`` to the destination stage, laid out as ``shardings``."""
+
+    def wait(self, wake: threading.Event, timeout: float) -> None:
+        """Return when ``wake`` is set, a message may have arrived, or after ``timeout`` s.
+
+        The dispatch queue's idle wait (``wake`` is set when one of its tasks
+        finishes). Default: ``wake.wait(timeout)``.
+        """
+        wake.wait(timeout)
 
     def close(self) -> None:
         """Wait until every send has completed."""
@@ -100,6 +117,9 @@ class InProcessTransport:
 
     def send(self, key, arrays, shardings) -> None:
         self._mailbox[key] = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
+
+    def wait(self, wake, timeout) -> None:
+        wake.wait(timeout)
 
     def close(self) -> None:
         self._mailbox.clear()
@@ -168,8 +188,58 @@ def _position(mesh, device) -> int:
     return flat.index(device)
 
 
+#: bytes of alignment of a receive buffer (XLA's CPU client aliases aligned host memory)
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised host array whose data starts at a multiple of :data:`ALIGN` bytes.
+
+    A CPU device can then take it over without a copy
+    (``jax.device_put(a, device, may_alias=True)``).
+
+    >>> a = aligned_empty((3, 5), np.float32)
+    >>> a.shape, a.dtype, a.ctypes.data % ALIGN
+    ((3, 5), dtype('float32'), 0)
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    offset = -raw.ctypes.data % ALIGN
+    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
+
+
+class _Piece(NamedTuple):
+    """Where one shard of an expected message comes from (a receive plan entry)."""
+
+    array: int
+    device: Any  # the destination device
+    position: int  # its flat index in the destination mesh
+    source: int | None  # sending process; None: this process (handed over in memory)
+    shape: tuple  # of the shard on the wire (a key's bits: one more dim)
+    dtype: Any  # of the shard (what the wire bits are viewed as)
+
+
+class _Expected(NamedTuple):
+    """A message whose receives are posted."""
+
+    avals: list
+    pieces: tuple[_Piece, ...]
+    buffers: list  # per remote piece, in order
+    requests: list
+
+
 class MpiTransport:
-    """Stages on different processes: mpi4jax sends, pre-posted MPI receives.
+    """Stages on different processes: non-blocking MPI point-to-point of host buffers.
+
+    Sends are ``MPI_Isend`` of the shard's host view (on a CPU device,
+    ``np.asarray`` of a ready array is the device buffer itself; elsewhere a
+    device → host copy): posted at once when the array is ready and no earlier
+    send is queued, otherwise by a sender thread once it is, so the queue never
+    waits for a task to finish. Receives are ``MPI_Irecv`` posted ahead
+    (:meth:`expect`) into aligned host buffers that a CPU device takes over
+    without a copy. Messages with the same (destination, array, position) are
+    matched in the order they were sent (MPI's non-overtaking rule).
 
     Args:
         meshes: the stage meshes (all stages, same shape), stage 0 first.
@@ -178,6 +248,10 @@ class MpiTransport:
     """
 
     polled = True
+    #: seconds between MPI progress calls while the queue is idle and messages are under way
+    PROGRESS = 0.0002
+    #: seconds after the last send or arrival during which :meth:`wait` spins (0: never)
+    SPIN = 0.001
 
     def __init__(self, meshes, comm=None):
         self.meshes = list(meshes)
@@ -198,12 +272,18 @@ class MpiTransport:
             ids = tuple(d.id for d in mesh.devices.flat)
             self._chunk.append(seen.get(ids, 0))
             seen[ids] = seen.get(ids, 0) + 1
-        self._pending: dict[Key, list] = {}  # key → [(array index, device, buffer, request)]
+        self._flat = [list(m.devices.flat) for m in self.meshes]
+        self._positions: dict = {}  # (mesh, device) → flat index
+        self._plans: dict = {}  # (kind, stage, avals, source mesh) → tuple[_Piece]
+        self._pending: dict[Key, _Expected] = {}
+        self._complete: set[Key] = set()  # pending keys whose receives completed
         self._local: dict[tuple, jax.Array] = {}  # (key, array, position) → shard
-        self._sends: queue.Queue = queue.Queue()
-        self._send_programs: dict = {}  # (dest, tag) → jitted mpi4jax send
+        self._landing: list[jax.Array] = []  # returned by arrived(), not ready yet
+        self._outgoing: list = []  # (request, host buffer, device array) until sent
+        self._sends: queue.Queue = queue.Queue()  # not-yet-ready shards for the sender thread
+        self._queued = 0  # shards handed to the sender thread and not yet posted
         self._errors: list[BaseException] = []
-        self._inflight = 0
+        self._active = 0.0  # perf_counter() of the last send or arrival
         self._lock = threading.Condition()
         self._thread = threading.Thread(target=self._sender, name="axonn-mpi-send", daemon=True)
         self._thread.start()
@@ -214,118 +294,189 @@ class MpiTransport:
         kind = 0 if key[0] == "F" else 1
         return ((self._chunk[key[1]] * 2 + kind) * 1024 + array) * self._slots + position
 
+    def _position(self, mesh, device) -> int:
+        found = self._positions.get((mesh, device))
+        if found is None:
+            found = self._positions[(mesh, device)] = _position(mesh, device)
+        return found
+
     # --- receiving --------------------------------------------------------
-    def expect(self, key, avals, source_mesh) -> None:
-        dst_mesh = self.meshes[key[1]]
-        posted = []
+    def _plan(self, key: Key, avals, source_mesh) -> tuple[_Piece, ...]:
+        """Every local shard of the message and where it comes from (computed once per shape)."""
+        signature = (key[0], key[1], tuple((a.shape, a.dtype, a.sharding) for a in avals), source_mesh)
+        plan = self._plans.get(signature)
+        if plan is not None:
+            return plan
+        dst_mesh, pieces = self.meshes[key[1]], []
+        source_flat = list(source_mesh.devices.flat)
         for i, aval in enumerate(avals):
-            sharding = aval.sharding
-            for device, index in sharding.addressable_devices_indices_map(aval.shape).items():
-                pos = _position(dst_mesh, device)
-                source = list(source_mesh.devices.flat)[pos]
-                if source.process_index == self.me:
-                    continue  # arrives through _local
-                bits = _bits_aval(tuple(len(range(*s.indices(n))) for s, n in zip(index, aval.shape)),
-                                  aval.dtype)  # fmt: skip
-                wire, mpi_type = _wire(bits.dtype)
-                buffer = np.empty(bits.shape, wire)
-                request = self.comm.Irecv([buffer, mpi_type], source=source.process_index,
-                                          tag=self._tag(key, i, pos))  # fmt: skip
-                posted.append((i, device, buffer, request))
-        self._pending[key] = (list(avals), posted)
+            for device, index in aval.sharding.addressable_devices_indices_map(aval.shape).items():
+                pos = self._position(dst_mesh, device)
+                source = source_flat[pos].process_index
+                shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, aval.shape))
+                bits = _bits_aval(shape, aval.dtype)
+                pieces.append(_Piece(i, device, pos, None if source == self.me else source,
+                                     bits.shape, bits.dtype))  # fmt: skip
+        plan = self._plans[signature] = tuple(pieces)
+        return plan
+
+    def expect(self, key, avals, source_mesh) -> None:
+        avals = list(avals)
+        pieces = self._plan(key, avals, source_mesh)
+        buffers, requests = [], []
+        for piece in pieces:
+            if piece.source is None:
+                continue  # arrives through _local
+            wire, mpi_type = _wire(piece.dtype)
+            buffer = aligned_empty(piece.shape, wire)
+            requests.append(self.comm.Irecv([buffer, mpi_type], source=piece.source,
+                                            tag=self._tag(key, piece.array, piece.position)))  # fmt: skip
+            buffers.append(buffer)
+        self._pending[key] = _Expected(avals, pieces, buffers, requests)
 
     def arrived(self, key):
-        self._raise_sender_error()
+        self._progress()
         entry = self._pending.get(key)
         if entry is None:
             return None
-        avals, posted = entry
         from mpi4py import MPI
 
-        if posted and not MPI.Request.Testall([r for *_, r in posted]):
+        if entry.requests and not MPI.Request.Testall(entry.requests):
             return None
-        dst_mesh = self.meshes[key[1]]
-        shards: dict[int, list] = {i: [] for i in range(len(avals))}
-        remote = {(i, device): buffer for i, device, buffer, _ in posted}
-        for i, aval in enumerate(avals):
-            for device in aval.sharding.addressable_devices_indices_map(aval.shape):
-                if (i, device) in remote:
-                    data = remote[(i, device)].view(_bits_aval((), aval.dtype).dtype)
-                    shards[i].append(_from_bits(jax.device_put(data, device), aval.dtype))
-                else:
-                    local = self._local.pop((key, i, _position(dst_mesh, device)), None)
-                    if local is None:
-                        return None  # the local half has not been handed over yet
-                    shards[i].append(local)
+        local = [(key, p.array, p.position) for p in entry.pieces if p.source is None]
+        if any(k not in self._local for k in local):
+            return None  # the local half has not been handed over yet
         del self._pending[key]
+        self._complete.discard(key)
+        self._active = time.perf_counter()
+        shards: list[list] = [[] for _ in entry.avals]
+        remote = iter(entry.buffers)
+        for piece in entry.pieces:
+            if piece.source is None:
+                shards[piece.array].append(self._local.pop((key, piece.array, piece.position)))
+                continue
+            data = next(remote).view(piece.dtype)
+            # the buffer is never written again: a CPU device may use it in place
+            data = jax.device_put(data, piece.device, may_alias=True)
+            if not data.is_ready():
+                self._landing.append(data)
+            shards[piece.array].append(_from_bits(data, entry.avals[piece.array].dtype))
         return [
             jax.make_array_from_single_device_arrays(aval.shape, aval.sharding, shards[i])
-            for i, aval in enumerate(avals)
+            for i, aval in enumerate(entry.avals)
         ]
+
+    def wait(self, wake, timeout) -> None:
+        """Returns when ``wake`` is set, a posted receive has completed, or after ``timeout``.
+
+        Within :attr:`SPIN` seconds of this transport's last activity (a send
+        posted, a message taken) it spins on ``MPI_Test`` (yielding the CPU
+        between tests): a reply to a short hop is caught as it lands rather
+        than at the next sleep's end. Afterwards it sleeps on ``wake`` in
+        steps of at most :attr:`PROGRESS` while sends are outstanding (MPI
+        moves a large message only while both sides call into it).
+        """
+        now = time.perf_counter()
+        deadline, spin_until = now + timeout, self._active + self.SPIN
+        while True:
+            self._progress()
+            if self._any_arrived():
+                return
+            now = time.perf_counter()
+            if now >= deadline or wake.is_set():
+                return
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            step = deadline - now
+            if self._outgoing or self._queued or self._pending or self._landing:
+                step = min(step, self.PROGRESS)
+            if wake.wait(step):
+                return
+
+    def _any_arrived(self) -> bool:
+        """A posted receive completed, or an array :meth:`arrived` returned became ready."""
+        from mpi4py import MPI
+
+        if self._landing:
+            before = len(self._landing)
+            self._landing = [a for a in self._landing if not a.is_ready()]
+            if len(self._landing) < before:
+                return True
+        news = [k for k, e in self._pending.items()
+                if k not in self._complete and e.requests and MPI.Request.Testall(e.requests)]  # fmt: skip
+        self._complete.update(news)  # reported once (a local half may still be missing)
+        return bool(news)
 
     # --- sending ----------------------------------------------------------
     def send(self, key, arrays, shardings) -> None:
-        dst_mesh = self.meshes[key[1]]
-        for i, (array, sharding) in enumerate(zip(arrays, shardings)):
+        del shardings  # each shard goes to the same mesh position of the destination stage
+        self._active = time.perf_counter()
+        dst_flat = self._flat[key[1]]
+        for i, array in enumerate(arrays):
             src_mesh = array.sharding.mesh
             for shard in array.addressable_shards:
-                pos = _position(src_mesh, shard.device)
-                target = list(dst_mesh.devices.flat)[pos]
+                pos = self._position(src_mesh, shard.device)
+                target = dst_flat[pos]
                 if target.process_index == self.me:
                     self._local[(key, i, pos)] = jax.device_put(shard.data, target)
-                else:
-                    with self._lock:
-                        self._inflight += 1
-                    self._sends.put((shard.data, target.process_index, self._tag(key, i, pos)))
+                    continue
+                data, dest, tag = shard.data, target.process_index, self._tag(key, i, pos)
+                if _is_key(data.dtype):  # typed keys travel as their bits
+                    data = jax.random.key_data(data)
+                on_host = shard.device.platform == "cpu"
+                if not on_host:
+                    data.copy_to_host_async()  # starts as soon as the array is computed
+                with self._lock:
+                    # a ready array of a CPU device is sent from its own buffer at once;
+                    # otherwise (or behind earlier ones: MPI matches same-tag sends in the
+                    # order posted) the sender thread posts it when it is computed
+                    direct = on_host and not self._queued and data.is_ready()
+                    if not direct:
+                        self._queued += 1
+                        self._sends.put((data, dest, tag))
+                if direct:
+                    self._isend(data, dest, tag)
+
+    def _isend(self, data: jax.Array, dest: int, tag: int) -> None:
+        """Posts the send of a ready shard; its buffers are kept until it completes."""
+        host = np.ascontiguousarray(np.asarray(data))  # on a CPU device: the buffer itself
+        wire, mpi_type = _wire(host.dtype)
+        request = self.comm.Isend([host.view(wire), mpi_type], dest=dest, tag=tag)
+        with self._lock:
+            self._outgoing.append((request, host, data))
 
     def _sender(self) -> None:
-        import mpi4jax
-
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
+        while (item := self._sends.get()) is not None:
             data, dest, tag = item
             try:
-                if _is_key(data.dtype):
-                    data = jax.random.key_data(data)
-                wire, _ = _wire(data.dtype)
-                if wire != data.dtype:
-                    data = jax.lax.bitcast_convert_type(data, jnp.dtype(wire))
-                self._send_program(mpi4jax, dest, tag)(data)
+                data.block_until_ready()  # without the GIL
+                self._isend(data, dest, tag)
             except BaseException as exc:  # surfaced on the queue's thread
                 self._errors.append(exc)
             finally:
-                del data
+                del data, item
                 with self._lock:
-                    self._inflight -= 1
+                    self._queued -= 1
                     self._lock.notify_all()
 
-    def _send_program(self, mpi4jax, dest: int, tag: int):
-        """A jitted send per (destination, tag), compiled once.
-
-        Eager ``mpi4jax.send`` calls keep ~1.4 MiB of host memory each (measured
-        with mpi4jax 0.9.1: RSS grew ~3 MiB per training step); a cached jitted
-        send does not (benchmarks/soak.py).
-        """
-        key = (dest, tag)
-        if key not in self._send_programs:
-            comm = self.comm
-            self._send_programs[key] = jax.jit(
-                lambda x: mpi4jax.send(x, dest=dest, tag=tag, comm=comm)
-            )
-        return self._send_programs[key]
-
-    def _raise_sender_error(self) -> None:
+    def _progress(self) -> None:
+        """Completes finished sends (dropping their buffers); raises a sender error."""
         if self._errors:
             raise RuntimeError(f"pipeline send failed: {self._errors[0]!r}") from self._errors[0]
+        if not self._outgoing:
+            return
+        with self._lock:
+            self._outgoing = [entry for entry in self._outgoing if not entry[0].Test()]
 
     def close(self) -> None:
-        with self._lock:
-            while self._inflight:
-                self._lock.wait(timeout=0.1)
-                self._raise_sender_error()
-        self._raise_sender_error()
+        """Returns once every send has been posted and has completed."""
+        while True:
+            self._progress()
+            with self._lock:
+                if not self._queued and not self._outgoing:
+                    return
+                self._lock.wait(self.PROGRESS)
 
     # --- host values and shared gradients --------------------------------------
     def allgather(self, obj):
