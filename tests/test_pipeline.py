@@ -227,10 +227,13 @@ def test_bad_pipeline_inputs(gpt_two_stages):
 
 
 @pytest.mark.mpi
-def test_mpi_transport_delivers_sharded_messages_in_flight_together():
+@pytest.mark.parametrize("sends", ["auto", "mpi4jax"])  # auto on CPU: host buffers
+def test_mpi_transport_delivers_sharded_messages_in_flight_together(sends):
     """Six messages each way in flight at once (sharded fp32, bf16, typed keys), some
-    handed over while still computing, polled out of order: all arrive intact."""
-    result = run_mpi(2, "transport_messages.py", devices_per_process=2, timeout=300)
+    handed over while still computing, polled out of order: all arrive intact, sent
+    from host buffers or by mpi4jax from the device buffers."""
+    result = run_mpi(2, "transport_messages.py", devices_per_process=2, timeout=300,
+                     env={"AXONN_PIPELINE_SENDS": sends})  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert sorted(result.stdout.split()) == sorted("OK transport 0 OK transport 1".split())
 
@@ -266,6 +269,19 @@ def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, s
                      devices_per_process=per_process, timeout=900)  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert result.stdout.count("OK rank") == n, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(960)
+def test_mpi4jax_sends_equal_unpartitioned(saved_references):
+    """The mpi4jax device-buffer sends (the default for GPUs with a CUDA-aware bridge),
+    forced on CPU: pipelined training still equals the plain run."""
+    result = run_mpi(2, "pipeline_equivalence.py", "gpt", "pipeline=2", "--schedules=message,1f1b",
+                     f"--references={saved_references('gpt')}", timeout=900,
+                     env={"AXONN_PIPELINE_SENDS": "mpi4jax"})  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert result.stdout.count("OK rank") == 2, result.stdout
 
 
 @pytest.mark.slow

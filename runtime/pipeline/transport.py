@@ -241,19 +241,35 @@ class MpiTransport:
     without a copy. Messages with the same (destination, array, position) are
     matched in the order they were sent (MPI's non-overtaking rule).
 
+    With ``sends="mpi4jax"`` a shard is sent instead by a jitted
+    ``mpi4jax.send`` of the device buffer itself (on a GPU with a CUDA-aware
+    MPI and mpi4jax's CUDA bridge: no copy to host on the sending side), on
+    the sender thread, one after another. ``"auto"`` (the default) uses it for
+    GPU shards when ``mpi4jax.has_cuda_support()``, host buffers otherwise
+    (on a CPU device they are the device buffer already, and a blocking
+    ``mpi4jax.send`` would hold later messages behind one whose receiver is
+    busy). ``AXONN_PIPELINE_SENDS=host|mpi4jax|auto`` overrides the default.
+
     Args:
         meshes: the stage meshes (all stages, same shape), stage 0 first.
         comm: an mpi4py communicator reserved for pipeline messages; its rank
             must equal ``jax.process_index()``.
+        sends: "auto", "host" (``MPI_Isend`` of host buffers) or "mpi4jax".
     """
 
     polled = True
+    SENDS = ("auto", "host", "mpi4jax")
     #: seconds between MPI progress calls while the queue is idle and messages are under way
     PROGRESS = 0.0002
     #: seconds after the last send or arrival during which :meth:`wait` spins (0: never)
     SPIN = 0.001
 
-    def __init__(self, meshes, comm=None):
+    def __init__(self, meshes, comm=None, sends: str | None = None):
+        sends = sends or os.environ.get("AXONN_PIPELINE_SENDS", "auto")
+        if sends not in self.SENDS:
+            raise ValueError(f"sends (or AXONN_PIPELINE_SENDS) must be one of {self.SENDS}, got {sends!r}")
+        self.sends = sends
+        self._send_programs: dict = {}  # (dest, tag) → jitted mpi4jax send
         self.meshes = list(meshes)
         self.host = HostComm(comm) if comm is not None else HostComm.duplicate_world()
         self.comm = self.host.comm
@@ -424,19 +440,48 @@ class MpiTransport:
                 data, dest, tag = shard.data, target.process_index, self._tag(key, i, pos)
                 if _is_key(data.dtype):  # typed keys travel as their bits
                     data = jax.random.key_data(data)
+                bridge = self._bridge(shard.device)
                 on_host = shard.device.platform == "cpu"
-                if not on_host:
+                if not on_host and not bridge:
                     data.copy_to_host_async()  # starts as soon as the array is computed
                 with self._lock:
                     # a ready array of a CPU device is sent from its own buffer at once;
                     # otherwise (or behind earlier ones: MPI matches same-tag sends in the
                     # order posted) the sender thread posts it when it is computed
-                    direct = on_host and not self._queued and data.is_ready()
+                    direct = on_host and not bridge and not self._queued and data.is_ready()
                     if not direct:
                         self._queued += 1
-                        self._sends.put((data, dest, tag))
+                        self._sends.put((data, dest, tag, bridge))
                 if direct:
                     self._isend(data, dest, tag)
+
+    def _bridge(self, device) -> bool:
+        """Whether shards of ``device`` go through ``mpi4jax.send`` (see the class doc)."""
+        if self.sends != "auto":
+            return self.sends == "mpi4jax"
+        if device.platform != "gpu":
+            return False
+        import mpi4jax
+
+        return bool(mpi4jax.has_cuda_support())
+
+    def _bridge_send(self, data: jax.Array, dest: int, tag: int) -> None:
+        """Sends the device buffer through mpi4jax (blocking until MPI has taken it).
+
+        One jitted send per (destination, tag), compiled once per shape: eager
+        ``mpi4jax.send`` calls keep ~1.4 MiB of host memory each (mpi4jax 0.9.1).
+        """
+        import mpi4jax
+
+        program = self._send_programs.get((dest, tag))
+        if program is None:
+            comm = self.comm
+            program = self._send_programs[(dest, tag)] = jax.jit(
+                lambda x: mpi4jax.send(x, dest=dest, tag=tag, comm=comm))  # fmt: skip
+        wire, _ = _wire(data.dtype)
+        if wire != data.dtype:  # 16-bit floats travel as uint16, as the receive expects
+            data = jax.lax.bitcast_convert_type(data, jnp.dtype(wire))
+        jax.block_until_ready(program(data))
 
     def _isend(self, data: jax.Array, dest: int, tag: int) -> None:
         """Posts the send of a ready shard; its buffers are kept until it completes."""
@@ -448,10 +493,13 @@ class MpiTransport:
 
     def _sender(self) -> None:
         while (item := self._sends.get()) is not None:
-            data, dest, tag = item
+            data, dest, tag, bridge = item
             try:
                 data.block_until_ready()  # without the GIL
-                self._isend(data, dest, tag)
+                if bridge:
+                    self._bridge_send(data, dest, tag)
+                else:
+                    self._isend(data, dest, tag)
             except BaseException as exc:  # surfaced on the queue's thread
                 self._errors.append(exc)
             finally:
