@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=16, help="dense layers (half per stage)")
     p.add_argument("--width", type=int, default=128)
-    p.add_argument("--rows", type=int, default=64, help="rows per microbatch")
+    p.add_argument("--rows", type=int, default=512, help="rows per microbatch")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--timeline", default=None, help="write the async step's timeline PNG here")

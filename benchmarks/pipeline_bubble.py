@@ -1,7 +1,7 @@
 """Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven vs theory.
 
-Launches itself under ``mpiexec -n P`` (one stage per process, pipeline=P;
-with ``--virtual V`` each process runs V interleaved stages, P·V in all)
+Launches itself under ``mpiexec -n P`` (pipeline=P; for each ``--virtual``
+value V each process runs V interleaved stages, P·V in all, V=1: one stage)
 and, for each microbatch count, runs one step per schedule after a compile
 step; the idle fraction of each pipeline rank comes from the dispatch queue's
 trace (first task start → last task end). Theory: (p − 1)/(v·m + p − 1).
@@ -17,7 +17,7 @@ Two modes, both reported:
   several processes this is dominated by noise; reported as measured).
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 4,8,16]
-    .venv/bin/python benchmarks/pipeline_bubble.py --stages 4 --virtual 2 --microbatches 16
+    .venv/bin/python benchmarks/pipeline_bubble.py --stages 4 --virtual 1,2 --microbatches 16 --modes uniform
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes)")
-    p.add_argument("--virtual", type=int, default=1, help="stages per rank (interleaved)")
+    p.add_argument("--virtual", default="1,2", help="stages per rank (interleaved), a list")
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--task-ms", type=float, default=40.0)
     p.add_argument("--modes", default="uniform,compute")
@@ -54,46 +54,47 @@ def worker(args) -> None:
     from pipeline_cases import build
 
     case = build("gpt")
-    grid = axonn_jax.Grid(pipeline=args.stages, virtual=args.virtual)
-    pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
-    params = pm.init(jax.random.key(0))
-    task = args.task_ms / 1e3 / args.virtual  # one stage's share of its rank's work
     results = []
-    for mode in args.modes.split(","):
-        for m in map(int, args.microbatches.split(",")):
-            for schedule in ("gpipe", "1f1b", "message"):
+    for virtual in map(int, args.virtual.split(",")):
+        grid = axonn_jax.Grid(pipeline=args.stages, virtual=virtual)
+        pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
+        params = pm.init(jax.random.key(0))
+        task = args.task_ms / 1e3 / virtual  # one stage's share of its rank's work
+        for mode in args.modes.split(","):
+            for m in map(int, args.microbatches.split(",")):
+                for schedule in ("gpipe", "1f1b", "message"):
 
-                def delay(stage, kind, mb):
-                    if mode != "uniform":
-                        return 0.0
-                    return 2 * task if stage == grid.stages - 1 else task
+                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode):
+                        if mode != "uniform":
+                            return 0.0
+                        return 2 * task if stage == last else task
 
-                step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
-                                         schedule=schedule, delay=delay)  # fmt: skip
-                step(params, case.batch(m))  # compile and warm up
-                step(params, case.batch(m))
-                rows = step.trace()
-                if info.is_main:
-                    idle = trace.idle_fractions(rows, pipeline=args.stages)  # per rank
-                    results.append({"mode": mode, "m": m, "schedule": schedule,
-                                    "idle_mean": sum(idle.values()) / len(idle),
-                                    "idle": idle,
-                                    "theory": trace.bubble_theory(args.stages, m, args.virtual)})  # fmt: skip
+                    step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
+                                             schedule=schedule, delay=delay)  # fmt: skip
+                    step(params, case.batch(m))  # compile and warm up
+                    step(params, case.batch(m))
+                    rows = step.trace()
+                    if info.is_main:
+                        idle = trace.idle_fractions(rows, pipeline=args.stages)  # per rank
+                        results.append({"mode": mode, "m": m, "v": virtual, "schedule": schedule,
+                                        "idle_mean": sum(idle.values()) / len(idle), "idle": idle,
+                                        "theory": trace.bubble_theory(args.stages, m, virtual),
+                                        "theory_v1": trace.bubble_theory(args.stages, m)})  # fmt: skip
     if info.is_main:
         print("RESULTS " + json.dumps(results), flush=True)
 
 
-def table(results, stages: int, virtual: int = 1) -> str:
-    per = "one stage" if virtual == 1 else f"virtual={virtual} stages"
-    lines = [f"Pipeline bubble, pipeline={stages} ({per} per process), idle fraction "
-             "per rank averaged over ranks, from the dispatch-queue trace:", "",
-             "| mode | microbatches | GPipe | 1F1B | message-driven | theory (p−1)/(v·m+p−1) |",
-             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    keyed = {(r["mode"], r["m"], r["schedule"]): r for r in results}
-    for mode, m in sorted({(r["mode"], r["m"]) for r in results}, key=lambda t: (t[0] != "uniform", t[1])):
-        cells = [f"{keyed[(mode, m, s)]['idle_mean']:.3f}" for s in ("gpipe", "1f1b", "message")]
-        lines.append(f"| {mode} | {m} | " + " | ".join(cells)
-                     + f" | {keyed[(mode, m, 'gpipe')]['theory']:.3f} |")  # fmt: skip
+def table(results, stages: int) -> str:
+    lines = [f"Pipeline bubble, pipeline={stages} (one process per rank; `virtual` stages per "
+             "rank), idle fraction per rank averaged over ranks, from the dispatch-queue trace:", "",
+             "| mode | virtual | microbatches | GPipe | 1F1B | message-driven | theory (p−1)/(v·m+p−1) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    keyed = {(r["mode"], r.get("v", 1), r["m"], r["schedule"]): r for r in results}
+    for mode, v, m in sorted({(r["mode"], r.get("v", 1), r["m"]) for r in results},
+                             key=lambda t: (t[0] != "uniform", t[1], t[2])):  # fmt: skip
+        cells = [f"{keyed[(mode, v, m, s)]['idle_mean']:.3f}" for s in ("gpipe", "1f1b", "message")]
+        lines.append(f"| {mode} | {v} | {m} | " + " | ".join(cells)
+                     + f" | {keyed[(mode, v, m, 'gpipe')]['theory']:.3f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
     if done.returncode != 0 or line is None:
         raise SystemExit(f"benchmark failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     results = json.loads(line[len("RESULTS "):])
-    text = table(results, args.stages, args.virtual)
+    text = table(results, args.stages)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -89,25 +89,30 @@ def gspmd_step_time(result: dict, out: Path) -> Path:
 
 
 def pipeline_bubble(result: dict, out: Path) -> Path | None:
-    """Idle fraction vs microbatches per schedule (uniform tasks), with the theory curve."""
+    """Idle fraction vs microbatches per schedule (uniform tasks), with the theory curve;
+    one line style per virtual-stage count."""
     runs = [r for r in result["results"] if r["mode"] == "uniform"]
     if not runs:
         return None
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ms = sorted({r["m"] for r in runs})
-    for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("message", "message-driven")):
-        by_m = {r["m"]: r["idle_mean"] for r in runs if r["schedule"] == schedule}
-        ax.plot(ms, [by_m[m] for m in ms], marker="o", label=label)
-    theory = {r["m"]: r["theory"] for r in runs}
-    ax.plot(ms, [theory[m] for m in ms], "k--", label="theory (p−1)/(m+p−1)")
+    for v, style in zip(sorted({r.get("v", 1) for r in runs}), ("-", ":", "-.")):
+        mine = [r for r in runs if r.get("v", 1) == v]
+        tag = "" if v == 1 else f", virtual={v}"
+        for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("message", "message-driven")):
+            by_m = {r["m"]: r["idle_mean"] for r in mine if r["schedule"] == schedule}
+            ax.plot(ms, [by_m.get(m) for m in ms], marker="o", linestyle=style, label=label + tag)
+        theory = {r["m"]: r["theory"] for r in mine}
+        ax.plot(ms, [theory.get(m) for m in ms], "k", linestyle="--" if v == 1 else style,
+                label="theory (p−1)/(v·m+p−1)" + tag)  # fmt: skip
     ax.set_xlabel("microbatches m")
-    ax.set_ylabel("idle fraction (mean over stages)")
+    ax.set_ylabel("idle fraction (mean over ranks)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(ms, [str(m) for m in ms])
     ax.set_ylim(0, 1)
     ax.set_title("Pipeline bubble, uniform tasks")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return _save(fig, out / "pipeline_bubble.png")
 
 

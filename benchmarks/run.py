@@ -76,10 +76,11 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                "--megatron", "8x1", "--rounds", "3", "--per-round", "1"),
               timeout_s=1500),  # fmt: skip
     Benchmark("pipeline_bubble", "Pipeline bubble vs theory",
-              ("--microbatches", "4,8,16", "--modes", "uniform,compute"),
-              ("--microbatches", "4,8", "--modes", "uniform"), devices=1, timeout_s=900),  # fmt: skip
+              ("--microbatches", "4,8,16", "--modes", "uniform,compute", "--task-ms", "100"),
+              ("--microbatches", "4,8", "--modes", "uniform", "--virtual", "1"), devices=1,
+              timeout_s=1200),  # fmt: skip
     Benchmark("pipeline_async", "Pipeline stages overlapping in one process",
-              ("--rounds", "10"), ("--rounds", "4"), devices=2, timeout_s=600),  # fmt: skip
+              ("--rounds", "20"), ("--rounds", "4"), devices=2, timeout_s=600),  # fmt: skip
     Benchmark("pipeline_hop", "One pipeline hop: MpiTransport vs raw mpi4py",
               ("--rounds", "6", "--trips", "20"), ("--rounds", "2", "--trips", "10"),
               devices=1, timeout_s=600),  # fmt: skip

@@ -50,10 +50,6 @@ from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_s
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.transport import Transport
 
-#: seconds between polls while a message is on its way (MPI receives, copies in flight)
-POLL = 0.0002
-
-
 @dataclasses.dataclass(frozen=True)
 class TaskRecord:
     """One executed task (times in seconds since the step started)."""
@@ -245,7 +241,7 @@ class DispatchQueue:
                         idle_deadline = time.perf_counter() + self.timeout
                     elif time.perf_counter() > idle_deadline:
                         raise PipelineTimeout(self._stuck_message(states, microbatches))
-                    self.transport.wait(wake, POLL if self._awaiting(states, microbatches) else 0.05)
+                    self.transport.wait(wake, 0.05)  # returns early on a task end or a message
                     continue
                 s, kind, mb = task
                 st = states[s]
@@ -346,17 +342,6 @@ class DispatchQueue:
         if kind == "B":
             return mb in st.residuals and _ready(st.cotangents.get(mb))
         return mb == st.forwards and (s == 0 or _ready(st.inbound.get(mb)))
-
-    def _awaiting(self, states: dict, m: int) -> bool:
-        """Some message is on its way: handed over but not ready, or a receive is posted."""
-        for s, st in states.items():
-            if any(not _ready(x) for x in (*st.inbound.values(), *st.cotangents.values())):
-                return True
-        if not self.transport.polled:
-            return False
-        return any((s > 0 and st.expect_f < m)
-                   or (s < self.num_stages - 1 and st.expect_b < m and not self._no_backward)
-                   for s, st in states.items())  # fmt: skip
 
     def _finished(self, st: _StageState, s: int, m: int) -> bool:
         if s == self.num_stages - 1 or self._no_backward:

@@ -67,12 +67,12 @@ class Transport(Protocol):
         """Hand ``arrays`` to the destination stage, laid out as ``shardings``."""
 
     def wait(self, wake: threading.Event, timeout: float) -> None:
-        """Return when ``wake`` is set, a message may have arrived, or after ``timeout`` s.
+        """Return when ``wake`` is set, a message may have arrived or become ready (its
+        arrays computed), or after ``timeout`` s.
 
         The dispatch queue's idle wait (``wake`` is set when one of its tasks
-        finishes). Default: ``wake.wait(timeout)``.
+        finishes); the queue polls nothing else while it waits.
         """
-        wake.wait(timeout)
 
     def close(self) -> None:
         """Wait until every send has completed."""
@@ -108,6 +108,10 @@ class InProcessTransport:
 
     def __init__(self):
         self._mailbox: dict[Key, list[jax.Array]] = {}
+        self._watchers: dict[int, queue.Queue] = {}  # destination stage → copies to watch
+        self._lock = threading.Lock()
+        self._wake: threading.Event | None = None  # the waiting queue's event
+        self._ready, self._seen = 0, 0  # messages found ready, and as of the last wait
 
     def expect(self, key, avals, source_mesh) -> None:
         del key, avals, source_mesh
@@ -116,13 +120,48 @@ class InProcessTransport:
         return self._mailbox.pop(key, None)
 
     def send(self, key, arrays, shardings) -> None:
-        self._mailbox[key] = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
+        copies = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
+        self._mailbox[key] = copies
+        self._watcher(key[1]).put(copies)
 
     def wait(self, wake, timeout) -> None:
+        with self._lock:
+            self._wake = wake
+            if self._ready != self._seen:  # a message became ready since the last wait
+                self._seen = self._ready
+                return
         wake.wait(timeout)
+        with self._lock:
+            self._seen = self._ready
+
+    def _watcher(self, stage: int) -> queue.Queue:
+        """The queue of a thread that wakes the waiting queue as each message to ``stage``
+        is computed (one thread per destination: its messages are ready in order)."""
+        if stage not in self._watchers:
+            todo = self._watchers[stage] = queue.Queue()
+            threading.Thread(target=self._watch, args=(todo,), daemon=True,
+                             name=f"axonn-ready-{stage}").start()  # fmt: skip
+        return self._watchers[stage]
+
+    def _watch(self, todo: queue.Queue) -> None:
+        while (copies := todo.get()) is not None:
+            try:
+                jax.block_until_ready(copies)
+            except BaseException:  # noqa: BLE001 — the task that made them reports the error
+                pass
+            del copies
+            with self._lock:
+                self._ready += 1
+                wake = self._wake
+            if wake is not None:
+                wake.set()
 
     def close(self) -> None:
         self._mailbox.clear()
+
+    def __del__(self):
+        for todo in self._watchers.values():
+            todo.put(None)
 
     # one process: host values are already everywhere, local stages already summed
     def allgather(self, obj):
