@@ -96,9 +96,9 @@ def _receive(transport, key, wake: threading.Event):
     from axonn_jax.runtime.pipeline import dispatch
 
     while (arrays := transport.arrived(key)) is None:
-        transport.wait(wake, dispatch.POLL)
+        transport.wait(wake, dispatch.IDLE_WAIT)
     while not all(a.is_ready() for a in arrays):
-        transport.wait(wake, dispatch.POLL)
+        transport.wait(wake, dispatch.IDLE_WAIT)
     return arrays
 
 

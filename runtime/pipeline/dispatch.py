@@ -50,6 +50,11 @@ from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_s
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.transport import Transport
 
+#: longest idle wait of the queue: the transport returns sooner when a task ends or a message
+#: arrives or is computed (this only bounds how late a timeout is noticed)
+IDLE_WAIT = 0.05
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskRecord:
     """One executed task (times in seconds since the step started)."""
@@ -241,7 +246,7 @@ class DispatchQueue:
                         idle_deadline = time.perf_counter() + self.timeout
                     elif time.perf_counter() > idle_deadline:
                         raise PipelineTimeout(self._stuck_message(states, microbatches))
-                    self.transport.wait(wake, 0.05)  # returns early on a task end or a message
+                    self.transport.wait(wake, IDLE_WAIT)  # returns early on a task end or a message
                     continue
                 s, kind, mb = task
                 st = states[s]
