@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from mpi_launch import PREFIX, is_worker, relaunch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +84,7 @@ def worker(args) -> None:
                                         "theory": trace.bubble_theory(args.stages, m, virtual),
                                         "theory_v1": trace.bubble_theory(args.stages, m)})  # fmt: skip
     if info.is_main:
-        print("RESULTS " + json.dumps(results), flush=True)
+        print(PREFIX + json.dumps(results), flush=True)
 
 
 def table(results, stages: int) -> str:
@@ -100,20 +103,11 @@ def table(results, stages: int) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if os.environ.get("AXONN_BUBBLE_WORKER"):
+    if is_worker("AXONN_BUBBLE_WORKER"):
         worker(args)
         return {}
-    sys.path.insert(0, str(ROOT / "tests"))
-    from mpi_util import mpiexec
-
-    env = dict(os.environ, AXONN_BUBBLE_WORKER="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
-    command = [mpiexec(), "-n", str(args.stages), sys.executable, __file__, *(argv or sys.argv[1:])]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=3000)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULTS ")), None)
-    if done.returncode != 0 or line is None:
-        raise SystemExit(f"benchmark failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    results = json.loads(line[len("RESULTS "):])
+    given = argv if argv is not None else sys.argv[1:]
+    results = relaunch(__file__, args.stages, given, "AXONN_BUBBLE_WORKER", timeout=3000)
     text = table(results, args.stages)
     print(text)
     if args.out:

@@ -26,11 +26,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+from mpi_launch import PREFIX, is_worker, relaunch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -187,7 +191,7 @@ def worker(args) -> None:
     transport.close()
     raw_comm.Barrier()
     if first:
-        print("RESULTS " + json.dumps(results), flush=True)
+        print(PREFIX + json.dumps(results), flush=True)
 
 
 # --------------------------------------------------------------------- launcher side
@@ -205,20 +209,12 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if os.environ.get("AXONN_HOP_WORKER"):
+    if is_worker("AXONN_HOP_WORKER"):
         worker(args)
         return {}
-    sys.path.insert(0, str(ROOT / "tests"))
-    from mpi_util import mpiexec
-
-    env = dict(os.environ, AXONN_HOP_WORKER="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")  # fmt: skip
-    command = [mpiexec(), "-n", "2", sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1200)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULTS ")), None)
-    if done.returncode != 0 or line is None:
-        raise SystemExit(f"benchmark failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    result = {"results": json.loads(line[len("RESULTS "):]), "load": os.getloadavg()}
+    given = argv if argv is not None else sys.argv[1:]
+    results = relaunch(__file__, 2, given, "AXONN_HOP_WORKER", timeout=1200)
+    result = {"results": results, "load": os.getloadavg()}
     result["table"] = table(result)
     print(result["table"])
     print(f"load average at the end: {result['load'][0]:.2f}")

@@ -209,3 +209,29 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
         failures.append(f"{what} losses {losses} != {ref.losses}")
     failures += compare_params(pm.gather(params), ref.final, ref.init, ref.grads, what)
     return failures
+
+
+def assert_compiles_once(case: Case, pm, params, caplog) -> None:
+    """A recompilation guard: after a pipelined AdamW step's first call, two more steps
+    compile nothing at all, and every local stage program is an AOT ``Compiled``."""
+    import logging
+
+    from jax.stages import Compiled
+
+    batch = case.batch(4)
+    step = pm.train_step(case.loss, optax.adamw(1e-3), inputs=case.inputs, microbatches=4)
+    params = jax.tree.map(lambda x: x.copy(), params)  # the step donates its inputs
+    params, opt_state = step.init(params)
+    assert sorted(opt_state.optimizer) == list(range(len(pm.plan.stages)))
+    params, opt_state, _ = step(params, opt_state, batch)
+    _, programs = step.value_and_grad._setup(case.inputs(case.batch(1)), {})
+    *inner, last = programs
+    assert all(isinstance(f, Compiled) for p in inner for f in (p.forward, p.backward))
+    assert isinstance(last.forward_backward, Compiled)
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        for _ in range(2):
+            params, opt_state, loss = step(params, opt_state, batch)
+        jax.block_until_ready(params)
+    compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not compiles, compiles
+    assert np.isfinite(float(loss))

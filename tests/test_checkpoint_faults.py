@@ -42,21 +42,13 @@ def test_a_script_ending_with_a_save_pending_commits_it_and_says_so(tmp_path):
     assert _latest_w(tmp_path) == (2, 2.0)
 
 
-def test_a_failed_save_exits_1_naming_the_step_and_the_previous_step_restores(tmp_path):
-    result = _run("disk-full", tmp_path)
+@pytest.mark.parametrize("mode,cause", [("disk-full", "No space left on device"),
+                                        ("read-only", "Read-only file system")])  # fmt: skip
+def test_a_failed_save_exits_1_naming_the_step_and_the_previous_step_restores(tmp_path, mode, cause):
+    result = _run(mode, tmp_path)
     assert "end of script" in result.stdout
     assert result.returncode == 1, result.stderr[-3000:]
-    assert "caught: saving step 2 to" in result.stdout and "No space left on device" in result.stdout
-    assert "the latest complete step is 1 (untouched)" in result.stdout
-    assert "exiting with status 1 because a save failed" in result.stderr
-    assert _latest_w(tmp_path) == (1, 1.0)
-
-
-def test_a_read_only_target_exits_1_naming_the_step_and_the_previous_step_restores(tmp_path):
-    result = _run("read-only", tmp_path)
-    assert "end of script" in result.stdout
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "caught: saving step 2 to" in result.stdout and "Read-only file system" in result.stdout
+    assert "caught: saving step 2 to" in result.stdout and cause in result.stdout
     assert "the latest complete step is 1 (untouched)" in result.stdout
     assert "exiting with status 1 because a save failed" in result.stderr
     assert _latest_w(tmp_path) == (1, 1.0)

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 from mpi_util import run_mpi
-from pipeline_cases import build, compare_grads, compare_params, reference, run_case, save_references
+from pipeline_cases import (assert_compiles_once, build, compare_grads, compare_params, reference, run_case,
+                            save_references)
 
 import axonn_jax
 from axonn_jax.runtime.pipeline import schedules, timeline as trace
@@ -62,27 +63,8 @@ def test_stage_flows_chain(devices):
 
 def test_compiles_once_across_steps(gpt_two_stages, caplog):
     """A recompilation guard: after the first step, steps compile nothing at all."""
-    import logging
-
-    import optax
-    from jax.stages import Compiled
-
     case, pm, params = gpt_two_stages
-    batch = case.batch(4)
-    step = pm.train_step(case.loss, optax.adamw(1e-3), inputs=case.inputs, microbatches=4)
-    params = jax.tree.map(lambda x: x.copy(), params)  # the step donates its inputs
-    params, opt_state = step.init(params)
-    params, opt_state, _ = step(params, opt_state, batch)
-    _, programs = step.value_and_grad._setup(case.inputs(case.batch(1)), {})
-    assert all(isinstance(f, Compiled) for f in (programs[0].forward, programs[0].backward,
-                                                 programs[1].forward_backward))  # fmt: skip
-    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
-        for _ in range(2):
-            params, opt_state, loss = step(params, opt_state, batch)
-        jax.block_until_ready(params)
-    compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
-    assert not compiles, compiles
-    assert np.isfinite(float(loss))
+    assert_compiles_once(case, pm, params, caplog)
 
 
 def test_trace_exports(tmp_path, gpt_two_stages):

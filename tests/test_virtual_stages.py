@@ -10,8 +10,8 @@ pipeline=2, virtual=2) is in test_pipeline.py's mpiexec table.
 import jax
 import numpy as np
 import pytest
+from pipeline_cases import assert_compiles_once, build, run_case
 from schedule_sim import simulate
-from pipeline_cases import build, run_case
 
 import axonn_jax
 from axonn_jax.runtime.mesh import device_array
@@ -144,28 +144,8 @@ def test_virtual_stages_equal_unpartitioned(grid, microbatches, schedules_, devi
 
 def test_compiles_once_across_steps_with_virtual_stages(virtual_gpt, caplog):
     """After the first step, steps of a virtual-stage pipeline compile nothing."""
-    import logging
-
-    import optax
-    from jax.stages import Compiled
-
     case, pm, params = virtual_gpt
-    batch = case.batch(4)
-    step = pm.train_step(case.loss, optax.adamw(1e-3), inputs=case.inputs, microbatches=4)
-    params = jax.tree.map(lambda x: x.copy(), params)  # the step donates its inputs
-    params, opt_state = step.init(params)
-    assert sorted(opt_state.optimizer) == [0, 1, 2, 3]
-    params, opt_state, _ = step(params, opt_state, batch)
-    _, programs = step.value_and_grad._setup(case.inputs(case.batch(1)), {})
-    assert all(isinstance(f, Compiled) for p in programs[:3] for f in (p.forward, p.backward))
-    assert isinstance(programs[3].forward_backward, Compiled)
-    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
-        for _ in range(2):
-            params, opt_state, loss = step(params, opt_state, batch)
-        jax.block_until_ready(params)
-    compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
-    assert not compiles, compiles
-    assert np.isfinite(float(loss))
+    assert_compiles_once(case, pm, params, caplog)
 
 
 # --- the schedules on virtual stages (simulated devices, no JAX) -------------------------
