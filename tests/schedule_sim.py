@@ -29,7 +29,6 @@ class _Stage:
     forwards: int = 0
     backwards: int = 0
     cotangents: dict = dataclasses.field(default_factory=dict)  # mb → arrival time
-    last_kind: str = ""
     inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrival time
     residuals: set = dataclasses.field(default_factory=set)
     peak: int = 0
@@ -108,7 +107,6 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
                 if s > 0:
                     heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
             seq += 1
-            st.last_kind = kind
             plans[r].ran(s)
             order[r].append((s, "FB" if kind == "F" and s == last else kind, mb, now))
             free[r] = end

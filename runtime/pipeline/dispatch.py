@@ -89,8 +89,8 @@ class _StageState:
     expect_b: int = 0
     grads: list | None = None
     peak: int = 0
-    posted: set = dataclasses.field(default_factory=set)  # message keys with receives posted
-    last_kind: str = ""  # kind of the last task this stage launched
+    posted_f: int = 0  # receives are posted for the forward messages of microbatches below this
+    posted_b: int = 0
 
 
 @dataclasses.dataclass
@@ -176,7 +176,7 @@ class DispatchQueue:
         self.transport = transport
         self.num_stages = len(self.programs)
         if isinstance(schedule, str):
-            ranks = len({tuple(d.id for d in p.mesh.devices.flat) for p in self.programs})
+            ranks = len({_devices(p) for p in self.programs})
             schedule = make_schedule(schedule, limit=limit, stages=self.num_stages, pipeline=ranks)
         self.schedule = schedule
         self.timeout, self.delay = timeout, delay
@@ -215,7 +215,7 @@ class DispatchQueue:
         lanes: dict[tuple, _Lane] = {}
         states = {}
         for s in self.local:
-            devices = tuple(d.id for d in self.programs[s].mesh.devices.flat)
+            devices = _devices(self.programs[s])
             if devices not in lanes:
                 lanes[devices] = _Lane(finished, wake)
                 lanes[devices].last_end = t0
@@ -265,7 +265,6 @@ class DispatchQueue:
                     outputs = self._backward(st, s, mb)
                 label = "FB" if kind == "F" and s == last and not forward_only else kind
                 st.lane.launch(_Task(s, label, mb, launched, jax.tree.leaves(outputs)))
-                st.last_kind = kind
                 schedule.ran(s)
                 idle_deadline = time.perf_counter() + self.timeout
                 if not self.asynchronous:  # the serial baseline: this task ends before the next
@@ -316,17 +315,22 @@ class DispatchQueue:
         """Post the receives of the next ``self._ahead`` forward and backward messages of
         stage ``s``: as many as a neighbour may send before this stage consumes one, so a
         sender never waits for a receive to be posted (its other messages queue behind)."""
-        for mb in range(st.expect_f, min(st.expect_f + self._ahead, m) if s > 0 else 0):
-            self._post(st, ("F", s, mb), st.program.inbound_avals(), s - 1)
+        if s > 0:
+            st.posted_f = self._post(("F", s), st.posted_f, min(st.expect_f + self._ahead, m),
+                                     st.program.inbound_avals, s - 1)  # fmt: skip
         if s < self.num_stages - 1 and not self._no_backward:
-            for mb in range(st.expect_b, min(st.expect_b + self._ahead, m)):
-                self._post(st, ("B", s, mb), st.program.outbound_cotangent_avals(), s + 1)
+            st.posted_b = self._post(("B", s), st.posted_b, min(st.expect_b + self._ahead, m),
+                                     st.program.outbound_cotangent_avals, s + 1)  # fmt: skip
 
-    def _post(self, st, key, avals, source: int) -> None:
-        if key in st.posted:
-            return
-        st.posted.add(key)
-        self.transport.expect(key, avals, self.programs[source].mesh)
+    def _post(self, link: tuple[str, int], start: int, stop: int, avals: Callable, source: int) -> int:
+        """Posts the receives of microbatches ``start … stop - 1`` on ``link``; returns where the
+        next posting starts (the message avals are computed only when there is one to post)."""
+        if start >= stop:
+            return start
+        shapes, mesh = avals(), self.programs[source].mesh
+        for mb in range(start, stop):
+            self.transport.expect((*link, mb), shapes, mesh)
+        return stop
 
     def _poll(self, st: _StageState, s: int, m: int) -> None:
         if s > 0 and st.expect_f < m:
@@ -421,6 +425,11 @@ class DispatchQueue:
             + ". A peer process has probably failed (see its error above). Raise the "
             "limit with timeout=... if a single task legitimately takes longer."
         )
+
+
+def _devices(program: StageProgram) -> tuple[int, ...]:
+    """The device ids of a stage's mesh: stages with the same ones share a pipeline rank."""
+    return tuple(d.id for d in program.mesh.devices.flat)
 
 
 def _ready(arrays) -> bool:

@@ -73,7 +73,6 @@ class StageView(Protocol):
     forwards: int  # forwards done (the next forward is microbatch ``forwards``)
     backwards: int
     cotangents: Mapping  # microbatch → gradient arrived from the next stage
-    last_kind: str  # kind of the last task this stage ran ("" before the first)
 
 
 #: ``has_input(stage, kind, mb)``: the task's input has arrived (and, for a
