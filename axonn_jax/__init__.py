@@ -30,15 +30,14 @@ _LAZY = {
     "init": "axonn_jax.runtime.launch",
     "process_info": "axonn_jax.runtime.launch",
     "Overlap": "axonn_jax.runtime.overlap",
-    "mesh": "axonn_jax.runtime.mesh",
+    "build_mesh": "axonn_jax.runtime.mesh",
     "stage_meshes": "axonn_jax.runtime.mesh",
-    "MasterOptimizer": "axonn_jax.runtime.offload",
+    "MasterOptimizer": "axonn_jax.runtime.master_optimizer",
     "Precision": "axonn_jax.runtime.precision",
     "LossScale": "axonn_jax.runtime.precision",
     "as_planned": "axonn_jax.runtime.precision",
     "apply_remat": "axonn_jax.runtime.remat",
 }
-_RENAMED = {"mesh": "build_mesh"}
 
 __all__ = ["Grid", "Plan", *_LAZY]
 
@@ -46,7 +45,7 @@ __all__ = ["Grid", "Plan", *_LAZY]
 def __getattr__(name: str) -> Any:
     if name not in _LAZY:
         raise AttributeError(f"module 'axonn_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), _RENAMED.get(name, name))
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 

@@ -15,8 +15,7 @@ directory only after every process has finished, so a save killed midway
 never shows up as a step and never touches earlier ones. Chunks are CRC-32C
 checked; a truncated or corrupted checkpoint raises :class:`CheckpointError`
 naming the step and the steps that remain. Metadata is JSON; nothing is
-unpickled. Steps written by the previous axonn_jax layout (one ``arrays``
-item) are still restored.
+unpickled.
 
 Every call is collective: run it on every process of the job.
 
@@ -65,7 +64,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.runtime import checkpoint_legacy, writer_lock
+from axonn_jax.runtime import writer_lock
 from axonn_jax.runtime.checkpoint_handler import (
     EmptyNode,
     LeafKey,
@@ -79,7 +78,6 @@ from axonn_jax.runtime.shard_store import DamagedArrayError, LeafMeta
 
 _ITEMS = ("params", "opt_state", "rng")
 _FORMAT = "axonn_jax.checkpoint/2"
-_LEGACY_FORMAT = "axonn_jax.checkpoint/1"
 _RNG_KEY = "key"  # the rng item is {"key": rng}: orbax items are trees, not bare arrays
 
 
@@ -303,14 +301,13 @@ class Checkpointer:
         try:
             args = ocp.args.Composite(meta=ocp.args.JsonRestore())
             record = self._manager.restore(step, args=args)["meta"]
-            if not isinstance(record, dict) or record.get("format") not in (_FORMAT, _LEGACY_FORMAT):
+            if not isinstance(record, dict) or record.get("format") != _FORMAT:
                 raise ValueError(f"not a {_FORMAT} record")
         except (OSError, ValueError, KeyError, TypeError) as err:
             err = f"its JSON record 'meta' is unreadable ({err})"
             raise self._damaged(where, step, steps, err) from None
-        legacy = record["format"] == _LEGACY_FORMAT
         try:
-            saved = self._saved_leaves(step, legacy)
+            saved = self._saved_leaves(step)
         except (DamagedArrayError, OSError, ValueError, KeyError, TypeError) as err:
             raise self._damaged(where, step, steps, err) from None
 
@@ -323,12 +320,12 @@ class Checkpointer:
             opt_targets, opt_tree = _targets("opt_state", derived, saved, where)
         _check_complete({"params": param_targets, "opt_state": opt_targets}, saved, where)
         wanted = {**param_targets, **(opt_targets or {})}
-        rng_path = "rng" if legacy else f"rng/{_RNG_KEY}"
+        rng_path = f"rng/{_RNG_KEY}"
         if saved.get(rng_path) is not None:
             wanted[rng_path] = None
         reads = {p: t for p, t in wanted.items() if t is not _ELSEWHERE}
         try:
-            values = self._read(step, reads, legacy)
+            values = self._read(step, reads)
         except (DamagedArrayError, OSError) as err:
             raise self._damaged(where, step, steps, err) from None
 
@@ -343,10 +340,8 @@ class Checkpointer:
             extra=record["extra"],
         )
 
-    def _saved_leaves(self, step: int, legacy: bool) -> dict[str, LeafMeta | None]:
+    def _saved_leaves(self, step: int) -> dict[str, LeafMeta | None]:
         """``{path: LeafMeta or None (saved empty)}`` of every item of ``step`` (JSON only)."""
-        if legacy:
-            return checkpoint_legacy.leaf_metadata(self._item_dir(step, checkpoint_legacy.ITEM))
         saved = {}
         for item in _ITEMS:
             directory = self._item_dir(step, item)
@@ -355,10 +350,8 @@ class Checkpointer:
                 saved.update({f"{item}/{path}": meta for path, meta in metas.items()})
         return saved
 
-    def _read(self, step: int, reads: Mapping[str, Any], legacy: bool) -> dict[str, Any]:
+    def _read(self, step: int, reads: Mapping[str, Any]) -> dict[str, Any]:
         """``{path: value}`` of the ``reads`` (``{path: sharding or None}``)."""
-        if legacy:
-            return checkpoint_legacy.read(self._item_dir(step, checkpoint_legacy.ITEM), reads)
         per_item = {}
         for path, target in reads.items():
             item, _, rest = path.partition("/")
@@ -631,7 +624,7 @@ def _dtype_name(leaf) -> str:
 
 def _optimizer_target(optimizer, param_targets, param_tree, saved):
     """Optimizer-state target: leaves mirroring a parameter take its sharding."""
-    from axonn_jax.runtime.offload import optimizer_state_shardings
+    from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
 
     shardings = [None if s is _ELSEWHERE else s for s in param_targets.values()]
     meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]

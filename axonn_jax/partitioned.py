@@ -18,7 +18,6 @@ Example (a user-written jitted train step)::
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -157,13 +156,6 @@ class Partitioned:
         return self.placed.homes
 
     @property
-    def stage_layout(self) -> ParamHomes:
-        """Deprecated name of :attr:`param_homes`."""
-        warnings.warn("pm.stage_layout is now pm.param_homes (axonn_jax 0.2); the old name goes "
-                      "in 0.3.", DeprecationWarning, stacklevel=2)  # fmt: skip
-        return self.param_homes
-
-    @property
     def transport(self):
         """How stages exchange messages (in-process copies, or MPI between processes)."""
         return self.placed.transport
@@ -255,7 +247,7 @@ class Partitioned:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from axonn_jax.runtime.offload import optimizer_state_shardings
+        from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
 
         if self.grid.pipeline > 1:
             raise ValueError(

@@ -44,7 +44,7 @@ def measure(layers: int, hidden: int, batch: int, seq: int, steps: int, bucket_b
     import axonn_jax
     from axonn_jax.runtime.memory import MeasuredMemory, array_bytes, compiled_bytes, local_param_count
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
-    from axonn_jax.runtime.offload import MasterOptimizer
+    from axonn_jax.runtime.master_optimizer import MasterOptimizer
     from axonn_jax.runtime.precision import as_planned
 
     config = GPTConfig(vocab_size=256, num_layers=layers, hidden=hidden,

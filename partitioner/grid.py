@@ -209,13 +209,3 @@ class Grid:
                 f"(= {factor}) of {self}. Remedy: pick grid sizes that divide {size}, "
                 f"or make the dimension a multiple of {factor}."
             )
-
-    # --- devices: not here -------------------------------------------------
-    def __getattr__(self, name: str):
-        if name in ("mesh", "stage_meshes"):
-            raise AttributeError(
-                f"Grid.{name}() was removed: a Grid is pure configuration and builds no "
-                f"devices. Remedy: axonn_jax.{name}(grid) (or pm.mesh / pm.stage_meshes "
-                "of a partitioned model)."
-            )
-        raise AttributeError(f"'Grid' object has no attribute {name!r}")

@@ -30,7 +30,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-from axonn_jax.runtime.offload import MasterOptimizer
+from axonn_jax.runtime.master_optimizer import MasterOptimizer
 
 #: Memory space number that XLA layouts use for host memory (``S(5)``).
 HOST_SPACE = 5

@@ -2,7 +2,7 @@
 
 A :class:`Precision` says which dtype the parameters (and so their gradients)
 have on the accelerator; master weights are always float32 (they live with the
-optimizer, see :mod:`axonn_jax.runtime.offload`). A :class:`LossScale` is the dynamic
+optimizer, see :mod:`axonn_jax.runtime.master_optimizer`). A :class:`LossScale` is the dynamic
 loss scale that fp16 needs: multiply the loss before differentiating, divide
 the gradients after, skip the step and halve the scale when any gradient
 overflowed, double it after ``growth_interval`` good steps in a row.

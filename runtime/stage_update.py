@@ -41,7 +41,7 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.runtime.offload import MasterOptimizer, MasterState
+from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState
 
 #: The most elements of one value exchanged between stages (reductions such as a
 #: per-stage sum of squares are scalars; whole parameters are refused).

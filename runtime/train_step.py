@@ -1,7 +1,7 @@
 """A complete training step: gradients (pipelined or not) and the optimizer update.
 
 The optimizer is any optax ``GradientTransformation`` wrapped in a
-:class:`~axonn_jax.runtime.offload.MasterOptimizer`: the device holds the parameters
+:class:`~axonn_jax.runtime.master_optimizer.MasterOptimizer`: the device holds the parameters
 in the chosen precision; float32 master weights and the optimizer state sit
 next to them or, with ``offload=True``, in host memory, with layouts derived
 from the parameters' layouts. fp16 adds dynamic loss scaling: a step whose
@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
 from axonn_jax.runtime.model_call import ModelCall
-from axonn_jax.runtime.offload import MasterOptimizer, MasterState, check_offloadable
+from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, check_offloadable
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.stage_update import StageUpdate, describe
@@ -74,7 +74,7 @@ class TrainStep:
         optimizer: any optax ``GradientTransformation``.
         precision: "fp32" (default), "bf16" or "fp16" parameters and gradients on device.
         offload: master weights and optimizer state in host memory.
-        update_on, bucket_bytes: see :class:`~axonn_jax.runtime.offload.MasterOptimizer`.
+        update_on, bucket_bytes: see :class:`~axonn_jax.runtime.master_optimizer.MasterOptimizer`.
         **options: those of :meth:`~axonn_jax.Partitioned.value_and_grad`.
     """
 

@@ -115,27 +115,3 @@ print(plan.grid.size, round(plan.total_param_bytes / 4 / 1e9, 1), plan.param_byt
     gpus, billions, per_device = out.stdout.split()
     assert gpus == "1024" and float(billions) > 80
     assert int(per_device) < 4 * float(billions) * 1e9 / 100  # split over ≥ 100 of the 128 shards
-
-
-def test_old_paths_warn_and_forward():
-    code = """
-import warnings
-warnings.simplefilter("error", DeprecationWarning)
-try:
-    from axonn_jax.precision import as_planned
-except DeprecationWarning as w:
-    print("warned:", w)
-warnings.simplefilter("ignore", DeprecationWarning)
-from axonn_jax.precision import as_planned
-from axonn_jax.runtime.precision import as_planned as moved
-from axonn_jax.offload import MasterOptimizer
-from axonn_jax.grid import BATCH_AXES
-from axonn_jax.perf_model import layer_volumes
-import axonn_jax.perf
-assert as_planned is moved and layer_volumes is axonn_jax.perf.layer_volumes
-print("same objects")
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert "warned: axonn_jax.precision moved to axonn_jax.runtime.precision" in out.stdout
-    assert "same objects" in out.stdout

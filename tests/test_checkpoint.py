@@ -102,19 +102,6 @@ def test_plain_orbax_reads_the_checkpoint_without_axonn_jax(run, tmp_path):
         np.testing.assert_array_equal(plain[path], value, err_msg=path)
 
 
-def test_checkpoints_of_the_previous_format_still_restore(devices):
-    """tests/data/checkpoint_v1 was written by the previous layout (one ``arrays`` item)."""
-    layout = shardings(devices, axes=("data", "z", "x"), shape=(4, 2, 1))
-    opt_target = {"mu": layout, "count": None}
-    restored = checkpoint.restore(TESTS / "data" / "checkpoint_v1", params=layout,
-                                  opt_state=dict(opt_target, count=layout["n"]))  # fmt: skip
-    assert restored.step == 3 and restored.extra == {"loader": {"step": 3}}
-    _assert_bitwise(restored.params, values(3))
-    half = jax.tree.map(lambda x: (np.asarray(x) * 0.5).astype(np.asarray(x).dtype if x.ndim else np.float32), values(3))
-    _assert_bitwise(restored.opt_state, {"count": np.int32(7), "mu": half})
-    np.testing.assert_array_equal(jax.random.key_data(restored.rng), jax.random.key_data(jax.random.key(5)))
-
-
 def test_restore_into_a_model_of_another_size_names_the_leaf_and_both_shapes(run):
     bigger = GPT(GPTConfig(vocab_size=64, num_layers=1, hidden=64, num_heads=2, max_seq_len=SEQ + 1))
     pm = axonn_jax.partition(bigger, Grid(x=2, y=2, z=2), EXAMPLE)

@@ -47,17 +47,10 @@ def test_parse():
 
 def test_wrong_device_count_names_sizes_and_remedy(devices):
     with pytest.raises(ValueError) as err:
-        axonn_jax.mesh(Grid(x=2, y=2))
+        axonn_jax.build_mesh(Grid(x=2, y=2))
     text = str(err.value)
     assert "needs 4 devices" in text and "8 are available" in text
     assert "Remedy" in text and "product is 8" in text
-
-
-def test_grid_builds_no_devices_and_says_where_meshes_come_from():
-    with pytest.raises(AttributeError, match=r"axonn_jax.mesh\(grid\)"):
-        Grid(x=2).mesh()
-    with pytest.raises(AttributeError, match=r"axonn_jax.stage_meshes\(grid\)"):
-        Grid(x=2).stage_meshes()
 
 
 def test_indivisible_dimension_error_names_dim_axis_and_remedy():
@@ -70,7 +63,7 @@ def test_indivisible_dimension_error_names_dim_axis_and_remedy():
 
 def test_meshes(devices):
     grid = Grid(x=2, z=2, pipeline=2)
-    mesh = axonn_jax.mesh(grid)
+    mesh = axonn_jax.build_mesh(grid)
     assert mesh.axis_names == MESH_AXES
     assert mesh.devices.shape == (2, 1, 2, 1, 2)
     stages = axonn_jax.stage_meshes(grid)

@@ -32,7 +32,7 @@ import axonn_jax
 from axonn_jax.runtime.mesh import stage_meshes
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
 from axonn_jax.runtime.memory import Bytes, MeasuredMemory, array_bytes, compiled_bytes, entry_layout_bytes
-from axonn_jax.runtime.offload import HOST, MasterOptimizer, MasterState, coupling
+from axonn_jax.runtime.master_optimizer import HOST, MasterOptimizer, MasterState, coupling
 from axonn_jax.runtime.precision import as_planned
 
 BATCH, SEQ, VOCAB, LR = 8, 16, 64, 1e-2

@@ -57,8 +57,6 @@ def test_stage_flows_chain(devices):
         assert {pm.plan.params[i].path for i in flow.params} == set(stage.params)
     # the tied embedding is used by the first and last stage only
     assert pm.param_homes.users[[p.path for p in pm.plan.params].index("embed/embedding")] == (0, 3)
-    with pytest.warns(DeprecationWarning, match="pm.param_homes"):
-        assert pm.stage_layout is pm.param_homes
 
 
 def test_compiles_once_across_steps(gpt_two_stages, caplog):

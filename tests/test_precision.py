@@ -24,7 +24,7 @@ from precision_cases import loss_scaled_step
 
 import axonn_jax
 from axonn_jax.models import GPT, GPTConfig
-from axonn_jax.runtime.offload import MasterOptimizer
+from axonn_jax.runtime.master_optimizer import MasterOptimizer
 from axonn_jax.runtime.precision import (
     LossScale,
     Precision,

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from axonn_jax.models import GPT, GPTConfig  # noqa: E402
-from axonn_jax.runtime.offload import MasterOptimizer  # noqa: E402
+from axonn_jax.runtime.master_optimizer import MasterOptimizer  # noqa: E402
 from axonn_jax.runtime.precision import LossScale, all_finite, mpi_all_finite  # noqa: E402
 from precision_cases import loss_scaled_step  # noqa: E402
 

@@ -1,5 +1,0 @@
-"""Deprecated path: moved to :mod:`axonn_jax.runtime.remat`."""
-
-from axonn_jax._moved import forward
-
-__getattr__ = forward(__name__, "axonn_jax.runtime.remat")
