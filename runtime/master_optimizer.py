@@ -82,6 +82,24 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     )  # fmt: skip
 
 
+def state_labels(optimizer: optax.GradientTransformation, state, params) -> list[int]:
+    """For each leaf of ``optimizer``'s ``state``: the index of the parameter it mirrors, or -1.
+
+    -1 marks state shared by all parameters (a step count). The one labelling
+    of state leaves by parameter (streamed updates, the coupling check and the
+    pipeline's stage update all use it); ``state`` and ``params`` may be abstract.
+
+    Example:
+        >>> params = {"b": jnp.zeros(2), "w": jnp.zeros((2, 2))}
+        >>> state_labels(optax.adam(1e-3), optax.adam(1e-3).init(params), params)
+        [-1, 0, 1, 0, 1]
+    """
+    index = jax.tree.unflatten(jax.tree.structure(params), list(range(len(jax.tree.leaves(params)))))
+    labels = optax.tree_map_params(optimizer, lambda _, i: i, state, index,
+                                   transform_non_params=lambda _: -1)  # fmt: skip
+    return list(jax.tree.leaves(labels))
+
+
 def check_offloadable(optimizer: optax.GradientTransformation) -> None:
     """Refuse, before anything compiles, an optimizer whose state cannot live in host memory.
 
@@ -295,7 +313,8 @@ class MasterOptimizer:
         inner_device = jax.tree.leaves(_with_kind(shardings.inner, "device"))
         device_shardings = jax.tree.leaves(self.param_shardings)
         host_shardings = jax.tree.leaves(shardings.master)
-        labels = self._inner_labels(state.master)
+        abstract = _abstract(state.master, self.precision.master_dtype)
+        labels = state_labels(self.optimizer, jax.eval_shape(self.optimizer.init, abstract), abstract)
 
         new_master: list = [None] * len(master_leaves)
         new_device: list = [None] * len(master_leaves)
@@ -356,15 +375,6 @@ class MasterOptimizer:
                 size = local
         return out
 
-    def _inner_labels(self, params) -> list[int]:
-        """For each leaf of the inner state: the index of its parameter, or -1 (shared)."""
-        abstract = _abstract(params, self.precision.master_dtype)
-        state = jax.eval_shape(self.optimizer.init, abstract)
-        index = jax.tree.unflatten(jax.tree.structure(abstract), list(range(len(jax.tree.leaves(abstract)))))
-        labels = optax.tree_map_params(self.optimizer, lambda _, i: i, state, index,
-                                       transform_non_params=lambda _: -1)  # fmt: skip
-        return list(jax.tree.leaves(labels))
-
     def _check_separable(self, params) -> None:
         """Refuse streaming for transformations that couple parameters."""
         abstract = _abstract(params, self.precision.master_dtype)
@@ -399,15 +409,13 @@ def coupling(optimizer: optax.GradientTransformation, params) -> str:
     that itself depends on no parameter (e.g. the step count).
     """
     abstract = _abstract(params, None)
-    leaves, tree = jax.tree.flatten(abstract)
+    leaves = jax.tree.leaves(abstract)
     state = jax.eval_shape(optimizer.init, abstract)
-    index = jax.tree.unflatten(tree, list(range(len(leaves))))
-    state_labels = jax.tree.leaves(optax.tree_map_params(
-        optimizer, lambda _, i: i, state, index, transform_non_params=lambda _: -1))  # fmt: skip
+    labels = state_labels(optimizer, state, abstract)
     closed = jax.make_jaxpr(optimizer.update)(abstract, state, abstract)
     own = list(range(len(leaves)))
-    in_labels = own + state_labels + own
-    out_labels = own + state_labels
+    in_labels = own + labels + own
+    out_labels = own + labels
     if len(closed.jaxpr.invars) != len(in_labels) or len(closed.jaxpr.outvars) != len(out_labels):
         return "its state could not be matched to the parameters"
     depends = _dependencies(closed.jaxpr, [frozenset() if lab < 0 else frozenset({lab}) for lab in in_labels])

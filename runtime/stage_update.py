@@ -35,13 +35,12 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from jax import lax
 from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState
+from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, state_labels
 
 #: The most elements of one value exchanged between stages (reductions such as a
 #: per-stage sum of squares are scalars; whole parameters are refused).
@@ -220,7 +219,7 @@ class StageUpdate:
         finite = jax.ShapeDtypeStruct((), np.bool_) if master.precision.half else None
         args = (params, params, state, finite)
         closed = jax.make_jaxpr(master.step_on_device)(*args)
-        inner_labels = _state_labels(master.optimizer, state.inner, abstract_params)
+        inner_labels = state_labels(master.optimizer, state.inner, abstract_params)
         own = list(range(n))
         in_labels = own + own + (own if master.keeps_master else []) + inner_labels
         in_labels += [-1] * (finite is not None)
@@ -305,13 +304,6 @@ def _full_state(master: MasterOptimizer):
         return MasterState(masters if master.keeps_master else None, master.optimizer.init(masters))
 
     return init
-
-
-def _state_labels(optimizer, inner, params) -> list[int]:
-    index = jax.tree.unflatten(jax.tree.structure(params), list(range(len(jax.tree.leaves(params)))))
-    labels = optax.tree_map_params(optimizer, lambda _, i: i, inner, index,
-                                   transform_non_params=lambda _: -1)  # fmt: skip
-    return list(jax.tree.leaves(labels))
 
 
 def _unit(tracer: _Tracer, stage: int, held: set[int], mesh, in_labels, out_labels, in_ids,
