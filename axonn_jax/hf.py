@@ -38,7 +38,7 @@ import numpy as np
 
 from axonn_jax.partitioned import Partitioned
 from axonn_jax.partitioner.trace import path_string
-from axonn_jax.runtime import launch
+from axonn_jax.runtime import collectives, launch
 
 #: how many names an error lists before "…"
 _SHOWN = 5
@@ -118,7 +118,7 @@ def save_pretrained(pm: Partitioned, directory: str | os.PathLike, params, opt_s
     if launch.process_info().is_main:
         model = cls(copy.deepcopy(pm.model.config), dtype=pm.model.dtype, _do_init=False)
         model.save_pretrained(directory, params=full, **save_kwargs)
-    comm = launch.world()
+    comm = collectives.world()
     if comm is not None:  # the files are complete on every process's return
         comm.barrier()
 

@@ -199,6 +199,7 @@ def main(argv=None) -> int:
     loader = Loader(train_tokens, batch=args.batch, seq=args.seq, mesh=mesh, seed=args.seed)
 
     from axonn_jax.checkpoint import Checkpointer
+    from axonn_jax.runtime.collectives import host_comm
 
     ckpt_dir = Path(args.ckpt_dir or out / "ckpt")
     ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
@@ -210,11 +211,12 @@ def main(argv=None) -> int:
                 "another --out / --ckpt-dir."
             )
         ckpt.close()
-        pm.transport.barrier()
+        host = host_comm()  # every process closed it before one deletes
+        host.barrier()
         if info.is_main:
             print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
             shutil.rmtree(ckpt_dir)
-        pm.transport.barrier()
+        host.barrier()
         ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
     first_step = 0
     if args.resume and ckpt.latest_step() is not None:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
-from axonn_jax.runtime.launch import world
+from axonn_jax.runtime.collectives import world
 
 
 #: what is compared, in the order differences are reported
@@ -105,7 +105,7 @@ def check_consistent(mine: dict[str, Any], comm: Comm | None = None, *,
                      remedy: str | None = None, what: str | None = None) -> None:  # fmt: skip
     """Raise ``ValueError`` on every rank unless all ranks have the same :func:`fingerprint`.
 
-    ``comm``: anything with ``allgather`` (default: :func:`~axonn_jax.runtime.launch.world`;
+    ``comm``: anything with ``allgather`` (default: :func:`~axonn_jax.runtime.collectives.world`;
     nothing to check in a single process). Collective: every rank must call it. Any
     dict of plain values can be compared; ``what`` words the error (default: from
     the fields). A script's run configuration, before its first step::

@@ -12,9 +12,8 @@ device use (building a mesh, ``axonn_jax.partition``) or when called. Under
 ``mpiexec`` call ``axonn_jax.init()`` before touching JAX arrays yourself
 (JAX must join the other processes before its backends start).
 
-:class:`HostComm` carries small host objects between the processes (all-gather,
-broadcast, logical AND, barrier): with :mod:`axonn_jax.runtime.pipeline.transport`
-the only code that speaks MPI.
+Host values between the processes (all-gather, broadcast, barrier) go
+through :mod:`axonn_jax.runtime.collectives`.
 
 Example:
     >>> import axonn_jax
@@ -30,7 +29,6 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
 
 #: Environment variables that MPI launchers set to the world size.
 _WORLD_SIZE_VARS = (
@@ -151,69 +149,3 @@ def install_abort_hook() -> None:
 
     hook._axonn_abort_hook = True  # type: ignore[attr-defined]
     sys.excepthook = hook
-
-
-class HostComm:
-    """Small host objects between the processes of one communicator (picklable values).
-
-    Collective: every process of the communicator makes the same calls in the
-    same order.
-
-    Example (under ``mpiexec -n 2``)::
-
-        comm = world()
-        comm.allgather(jax.process_index())   # [0, 1] on both ranks
-        comm.all_true(rank_ok)                # False everywhere if any rank is not ok
-    """
-
-    def __init__(self, comm: Any):
-        self.comm = comm  # an mpi4py communicator
-
-    @classmethod
-    def duplicate_world(cls) -> HostComm:
-        """A communicator of its own over every process (a ``Dup`` of ``COMM_WORLD``)."""
-        from mpi4py import MPI
-
-        return cls(MPI.COMM_WORLD.Dup())
-
-    @property
-    def rank(self) -> int:
-        return self.comm.Get_rank()
-
-    def allgather(self, obj: Any) -> list:
-        """Every process's ``obj``, in rank order, on every process."""
-        return self.comm.allgather(obj)
-
-    def gather(self, obj: Any, root: int = 0) -> list | None:
-        """Every process's ``obj`` on ``root`` (``None`` elsewhere)."""
-        return self.comm.gather(obj, root=root)
-
-    def broadcast(self, obj: Any, root: int) -> Any:
-        """``root``'s ``obj`` on every process."""
-        return self.comm.bcast(obj if self.rank == root else None, root=root)
-
-    def all_true(self, flag: Any) -> bool:
-        """Logical AND of ``flag`` over the processes."""
-        from mpi4py import MPI
-
-        return bool(self.comm.allreduce(bool(flag), op=MPI.LAND))
-
-    def barrier(self) -> None:
-        self.comm.Barrier()
-
-
-_WORLD: HostComm | None = None
-
-
-def world() -> HostComm | None:
-    """A :class:`HostComm` over every process of the job, or ``None`` in a single process."""
-    global _WORLD
-    if mpi_world_size() <= 1:
-        return None
-    import jax
-
-    if jax.process_count() <= 1:
-        return None
-    if _WORLD is None:
-        _WORLD = HostComm.duplicate_world()
-    return _WORLD

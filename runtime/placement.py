@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.trace import path_string
+from axonn_jax.runtime.collectives import HostCollectives, host_comm
 from axonn_jax.runtime.mesh import local_stages
 from axonn_jax.runtime.sharded import place
 from axonn_jax.runtime.pipeline.transport import InProcessTransport, MpiTransport, Transport
@@ -79,6 +80,8 @@ class PlacedModel:
         processes = {d.process_index for m in self.meshes for d in m.devices.flat}
         self.multiprocess = len(processes) > 1
         self._transport: Transport | None = None
+        #: the host collectives of the processes of these meshes
+        self.host: HostCollectives = host_comm()
         #: compiled pipeline stage programs (see :mod:`axonn_jax.runtime.pipeline.runner`)
         self.stage_programs: dict = {}
 
@@ -162,7 +165,7 @@ class PlacedModel:
             for i, a in zip(idx, gathered):
                 out[i] = np.asarray(a.addressable_data(0))
         if self.grid.pipeline > 1 and self.multiprocess:  # the same decision on every rank
-            for part in self.transport.allgather([(i, a) for i, a in enumerate(out) if a is not None]):
+            for part in self.host.allgather([(i, a) for i, a in enumerate(out) if a is not None]):
                 for i, a in part:
                     out[i] = a if out[i] is None else out[i]
         return jax.tree.unflatten(self.plan.param_tree, out)

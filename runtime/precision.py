@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axonn_jax.runtime.launch import HostComm, world
+from axonn_jax.runtime.collectives import HostComm, world
 
 #: Precision names accepted by :meth:`Precision.of` (and ``--precision``).
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
@@ -164,7 +164,7 @@ def mpi_all_finite(flag, comm: Any = None) -> bool:
     A blocking host-side reduction (one byte), for runtimes whose ranks hold
     process-local gradients (pipeline stages on different processes). Every rank
     must call it, once per step. Returns a Python bool, usable as ``finite=``.
-    ``comm``: a :class:`~axonn_jax.runtime.launch.HostComm`, an mpi4py
+    ``comm``: a :class:`~axonn_jax.runtime.collectives.HostComm`, an mpi4py
     communicator, or ``None``; in a single process the flag itself.
 
     Example (under ``mpiexec -n 2``; rank 1 saw an overflow)::

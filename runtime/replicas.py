@@ -29,7 +29,7 @@ from jax import lax
 
 from axonn_jax.partitioner.trace import path_string
 from axonn_jax.runtime.consistency import Comm
-from axonn_jax.runtime.launch import world
+from axonn_jax.runtime.collectives import world
 
 #: differing shards listed in the error before "and N more"
 MAX_LISTED = 3

@@ -13,7 +13,7 @@ span stages into both branches plus a ``select_n``. Every value then has an
 step counters, constants, results of exchanges). An equation whose inputs belong
 to several stages *mixes* them; its stage-owned operands must be small (a
 per-stage sum of squares is one scalar): they are exchanged between stages (a
-host copy in one process, the transport's ``allgather`` across processes) and
+host copy in one process, the host collectives' ``allgather`` across processes) and
 the equation runs, identically, on every stage. The update thus splits into
 rounds: each stage computes what it can, the mixing operands are exchanged, the
 next round continues. A mixing equation with large operands (whole parameters
@@ -195,9 +195,9 @@ class StageUpdate:
     already exact (no output mixes stages).
     """
 
-    def __init__(self, tracer: _Tracer, in_ids, out_ids, units, masters, meshes, transport):
+    def __init__(self, tracer: _Tracer, in_ids, out_ids, units, masters, meshes, host):
         self.tracer, self.in_ids, self.out_ids = tracer, in_ids, out_ids
-        self.units, self.masters, self.meshes, self.transport = units, masters, meshes, transport
+        self.units, self.masters, self.meshes, self.host = units, masters, meshes, host
         self.rounds = max((tracer.round[o] for o in out_ids), default=0) + 1
 
     @classmethod
@@ -251,7 +251,7 @@ class StageUpdate:
         groups = placed.homes.groups()
         units = [_unit(tracer, s, set(groups[s]), placed.meshes[s], in_labels, out_labels, in_ids, out_ids)
                  for s in sorted(masters)]  # fmt: skip
-        return cls(tracer, in_ids, out_ids, units, masters, placed.meshes, placed.transport)
+        return cls(tracer, in_ids, out_ids, units, masters, placed.meshes, placed.host)
 
     def __call__(self, params: dict, grads: dict, states: dict, finite) -> tuple[dict, dict]:
         """``{stage: params subtree}``, ... → ``({stage: new params}, {stage: new MasterState})``."""
@@ -277,7 +277,7 @@ class StageUpdate:
                 for i in u.publish[r]:
                     mine[i] = np.asarray(env[i].addressable_data(0))
             if r + 1 < self.rounds:
-                for part in self.transport.allgather(mine):
+                for part in self.host.allgather(mine):
                     for i, value in part.items():
                         exchanged.setdefault(i, value)
         new_params, new_states = {}, {}

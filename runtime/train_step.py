@@ -303,7 +303,7 @@ class TrainStep:
         finite = None
         if self.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
             local = all(bool(np.asarray(all_finite(g))) for g in g_leaves if g is not None)
-            finite = placed.transport.all_true(local)
+            finite = placed.host.all_true(local)
         groups = trainable_groups(self.placed)
         across = self._stage_update()
         if across is not None:  # the whole-model update, in rounds over the stages

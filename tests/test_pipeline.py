@@ -178,14 +178,15 @@ def test_static_schedule_follows_its_order():
         schedules.make_schedule("zigzag", limit=None, stages=2)
 
 
-def test_in_process_transport_host_values():
-    from axonn_jax.runtime.pipeline.transport import InProcessTransport
+def test_single_process_host_collectives():
+    from axonn_jax.runtime.collectives import SingleProcess, host_comm
 
-    t = InProcessTransport()
+    t = SingleProcess()
     assert t.allgather(3) == [3] and t.gather("x") == ["x"] and t.broadcast(5, root=0) == 5
     assert t.all_true(np.bool_(True)) is True and t.all_true(False) is False
     grads = [object()]
-    assert t.sum_shared(grads, [(0, 1)], [0], [0]) is grads
+    assert t.sum_shared(grads, [(0, 1)], [0], [0], []) is grads
+    assert isinstance(host_comm(), SingleProcess)  # no MPI job here
 
 
 def test_bad_pipeline_inputs(gpt_two_stages):

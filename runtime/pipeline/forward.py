@@ -78,7 +78,7 @@ def pipelined_forward(placed: PlacedModel, programs: ProgramSource, params, args
     if not all(stages[s].forward_compiled for s in local):
         for s in local:
             stages[s].compile_forward_only(stage_params[s], stage_args(s, 0))
-        placed.transport.barrier()  # a peer still compiling must not look like a dead peer
+        placed.host.barrier()  # a peer still compiling must not look like a dead peer
     queue = DispatchQueue(stages, local, placed.transport, timeout=timeout)
     result = queue.run(stage_params, stage_args, None, m, forward_only=True)
     full = _outputs(placed, stages[-1], result.losses, program)
@@ -111,7 +111,7 @@ def _outputs(placed: PlacedModel, last: StageProgram, per_microbatch: list, prog
                 for k in range(len(parts[0]))]  # fmt: skip
     if placed.multiprocess:
         owner = min(d.process_index for d in last.mesh.devices.flat)
-        host = placed.transport.broadcast(host, root=owner)
+        host = placed.host.broadcast(host, root=owner)
     full = [None] * program.out_tree.num_leaves
     for k, x in zip(last.flow.output_positions, host):
         full[k] = x

@@ -201,7 +201,7 @@ class PipelinedValueAndGrad:
         last = len(programs) - 1
         for s in self.placed.homes.local:
             programs[s].compile(stage_params[s], stage_args(s, 0), loss_batch(0) if s == last else None)
-        self.placed.transport.barrier()  # a peer still compiling must not look like a dead peer
+        self.placed.host.barrier()  # a peer still compiling must not look like a dead peer
 
     def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
         """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).
@@ -210,7 +210,7 @@ class PipelinedValueAndGrad:
         """
         if self.last_result is None:
             raise RuntimeError("no step has run yet: call the step first, then trace()")
-        rows = timeline.gather(self.last_result, self.placed.transport)
+        rows = timeline.gather(self.last_result, self.placed.host)
         if rows is not None:
             if json_path is not None:
                 timeline.write_chrome_trace(json_path, rows)
@@ -238,13 +238,14 @@ class PipelinedValueAndGrad:
             if homes.is_local(i) and grads[i] is None:  # used by no stage, or model state
                 grads[i] = jax.numpy.zeros_like(leaves[i])
         grads = _divided(grads, m)
-        return self.placed.transport.sum_shared(grads, homes.users, homes.home, homes.shared()), updated
+        shared = self.placed.host.sum_shared(grads, homes.users, homes.home, homes.shared(), self.placed.meshes)
+        return shared, updated
 
     def _loss(self, result: StepResult):
         """Mean microbatch loss, computed on the last stage and sent to every process."""
         local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
         last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)
-        return np.float32(self.placed.transport.broadcast(local, root=last_owner))
+        return np.float32(self.placed.host.broadcast(local, root=last_owner))
 
 
 def _check_batch(leaves, microbatches: int, grid) -> int:

@@ -7,7 +7,7 @@ read it (``ParamHomes``), which need not be the stage that computed the update
 (an nnx Dropout's key is read on one stage and returned from the next). Here
 each update becomes the mean over microbatches and lands on every holder: on
 the same process it moves to the variable's sharding; to another process it
-travels as a host value (state is small) through the transport's allgather.
+travels as a host value (state is small) through the host collectives' allgather.
 
 Example:
     >>> updated = deliver_updates(placed, programs, {0: [mean_sum]}, leaves, m)  # doctest: +SKIP
@@ -49,7 +49,7 @@ def deliver_updates(placed: PlacedModel, programs: Sequence[StageProgram],
             if (s, i) in crossing:
                 outgoing[i] = _host(value)
     if crossing:  # the same on every process: all of them take part in the allgather
-        for received in placed.transport.allgather(outgoing):
+        for received in placed.host.allgather(outgoing):
             for i, value in received.items():
                 if leaves[i] is not None and updated[i] is None:
                     updated[i] = place(value, leaves[i].sharding)

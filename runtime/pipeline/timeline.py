@@ -2,7 +2,7 @@
 
 Every rank's dispatch queue records its tasks
 (:class:`~axonn_jax.runtime.pipeline.dispatch.TaskRecord`); :func:`gather` brings them
-to rank 0 (through the transport when the job has several processes), stamped with each
+to rank 0 (through the host collectives when the job has several processes), stamped with each
 rank's wall-clock start so ranks line up.
 
 Example:
@@ -30,18 +30,18 @@ def rows_of(result, rank: int = 0, origin: float | None = None) -> list[Row]:
             for r in result.records]  # fmt: skip
 
 
-def gather(result, transport=None) -> list[Row] | None:
-    """All ranks' rows on rank 0 (``None`` elsewhere); without a transport: this rank's rows.
+def gather(result, comm=None) -> list[Row] | None:
+    """All ranks' rows on rank 0 (``None`` elsewhere); without ``comm``: this rank's rows.
 
-    ``transport``: the step's :class:`~axonn_jax.runtime.pipeline.transport.Transport`.
+    ``comm``: the job's :class:`~axonn_jax.runtime.collectives.HostCollectives`.
     """
     import jax
 
     rank = jax.process_index()
     mine = rows_of(result, rank)
-    if transport is None:
+    if comm is None:
         return mine
-    parts = transport.gather([tuple(map(_plain, row)) for row in mine], root=0)
+    parts = comm.gather([tuple(map(_plain, row)) for row in mine], root=0)
     return None if parts is None else [row for part in parts for row in part]
 
 

@@ -5,11 +5,9 @@ expects (:meth:`~Transport.expect`, posting receives before it computes),
 tests for arrival without blocking (:meth:`~Transport.arrived`), and hands over
 outputs (:meth:`~Transport.send`, which never blocks the queue). Every shard of
 a sharded activation goes straight to the device at the same mesh position of
-the destination stage; nothing is gathered through one rank. The rest of a
-pipelined step's traffic goes through the same object: host values between
-the processes (:meth:`~Transport.allgather`, :meth:`~Transport.broadcast`,
-:meth:`~Transport.all_true`, :meth:`~Transport.barrier`) and the gradients of
-parameters that several stages share (:meth:`~Transport.sum_shared`).
+the destination stage; nothing is gathered through one rank. A step's other
+traffic between processes (the loss, shared gradients, flags) goes through
+:mod:`axonn_jax.runtime.collectives`.
 
 - :class:`InProcessTransport`: stage meshes on different devices of one
   process; an asynchronous ``jax.device_put`` per message.
@@ -43,7 +41,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from axonn_jax.runtime.launch import HostComm
 
 #: (kind "F" | "B", destination stage, microbatch)
 Key = tuple[str, int, int]
@@ -76,29 +73,6 @@ class Transport(Protocol):
 
     def close(self) -> None:
         """Wait until every send has completed."""
-
-    def allgather(self, obj: Any) -> list:
-        """Every process's host value ``obj``, in process order."""
-
-    def gather(self, obj: Any, root: int = 0) -> list | None:
-        """Every process's host value on process ``root`` (``None`` elsewhere)."""
-
-    def broadcast(self, obj: Any, root: int) -> Any:
-        """Process ``root``'s host value on every process."""
-
-    def all_true(self, flag: Any) -> bool:
-        """Logical AND of ``flag`` over the processes."""
-
-    def barrier(self) -> None:
-        """Wait until every process got here."""
-
-    def sum_shared(self, grads: list, users: Sequence[Sequence[int]], homes: Sequence[int | None],
-                   shared: Sequence[int]) -> list:  # fmt: skip
-        """Gradients of parameters used by several stages, summed over every process holding one.
-
-        ``grads[i]`` is this process's gradient of parameter ``i`` on the mesh
-        of its home stage ``homes[i]``; ``users[i]`` are the stages using it.
-        """
 
 
 class InProcessTransport:
@@ -162,25 +136,6 @@ class InProcessTransport:
     def __del__(self):
         for todo in self._watchers.values():
             todo.put(None)
-
-    # one process: host values are already everywhere, local stages already summed
-    def allgather(self, obj):
-        return [obj]
-
-    def gather(self, obj, root=0):
-        return [obj]
-
-    def broadcast(self, obj, root):
-        return obj
-
-    def all_true(self, flag) -> bool:
-        return bool(np.asarray(flag))
-
-    def barrier(self) -> None:
-        pass
-
-    def sum_shared(self, grads, users, homes, shared):
-        return grads
 
 
 def _wire(dtype) -> tuple[np.dtype, object]:
@@ -291,8 +246,8 @@ class MpiTransport:
 
     Args:
         meshes: the stage meshes (all stages, same shape), stage 0 first.
-        comm: an mpi4py communicator reserved for pipeline messages; its rank
-            must equal ``jax.process_index()``.
+        comm: an mpi4py communicator reserved for pipeline messages (default: a
+            ``Dup`` of ``COMM_WORLD``); its rank must equal ``jax.process_index()``.
         sends: "auto", "host" (``MPI_Isend`` of host buffers) or "mpi4jax".
     """
 
@@ -310,8 +265,11 @@ class MpiTransport:
         self.sends = sends
         self._send_programs: dict = {}  # (dest, tag) → jitted mpi4jax send
         self.meshes = list(meshes)
-        self.host = HostComm(comm) if comm is not None else HostComm.duplicate_world()
-        self.comm = self.host.comm
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD.Dup()
+        self.comm = comm
         self.me = jax.process_index()
         if self.comm.Get_rank() != self.me:
             raise RuntimeError(
@@ -564,57 +522,3 @@ class MpiTransport:
                 if not self._queued and not self._outgoing:
                     return
                 self._lock.wait(self.PROGRESS)
-
-    # --- host values and shared gradients --------------------------------------
-    def allgather(self, obj):
-        return self.host.allgather(obj)
-
-    def gather(self, obj, root=0):
-        return self.host.gather(obj, root)
-
-    def broadcast(self, obj, root):
-        return self.host.broadcast(obj, root)
-
-    def all_true(self, flag) -> bool:
-        return self.host.all_true(np.asarray(flag))
-
-    def barrier(self) -> None:
-        self.host.barrier()
-
-    def sum_shared(self, grads, users, homes, shared):
-        """Each shard is exchanged with the processes holding the same mesh position
-        in the other stages that use the parameter; partial sums are added in
-        process order, so every copy receives bitwise the same gradient."""
-        from mpi4py import MPI
-
-        comm, me, meshes = self.comm, self.me, self.meshes
-        grads = list(grads)
-        for i in shared:
-            g = grads[i]
-            if g is None:
-                continue
-            home = meshes[homes[i]]
-            flat_home = list(home.devices.flat)
-            partials, requests, shards = [], [], []
-            for shard in g.addressable_shards:
-                pos = flat_home.index(shard.device)
-                peers = sorted({meshes[t].devices.flat[pos].process_index for t in users[i]} - {me})
-                mine = np.ascontiguousarray(np.asarray(shard.data))
-                received = {q: np.empty_like(mine) for q in peers}
-                tag = (i * home.devices.size + pos) % 30000
-                for q in peers:
-                    requests.append(comm.Isend(mine, dest=q, tag=tag))
-                    requests.append(comm.Irecv(received[q], source=q, tag=tag))
-                partials.append((mine, received))
-                shards.append(shard)
-            MPI.Request.Waitall(requests)
-            summed = []
-            for (mine, received), shard in zip(partials, shards):
-                parts = dict(received)
-                parts[me] = mine
-                total = parts[min(parts)].copy()
-                for q in sorted(parts)[1:]:
-                    total = total + parts[q]
-                summed.append(jax.device_put(total, shard.device))
-            grads[i] = jax.make_array_from_single_device_arrays(g.shape, g.sharding, summed)
-        return grads

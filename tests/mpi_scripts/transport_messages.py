@@ -23,6 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from axonn_jax.runtime.collectives import host_comm  # noqa: E402
 from axonn_jax.runtime.pipeline.transport import MpiTransport  # noqa: E402
 
 M = 6
@@ -102,5 +103,5 @@ else:
         transport.send(("B", 0, mb), got[mb], [split[0], whole[0], whole[0]])
 transport.close()
 assert not transport._outgoing and not transport._queued and not transport._pending
-transport.barrier()
+host_comm().barrier()
 print(f"OK transport {me}", flush=True)

@@ -1,0 +1,188 @@
+"""Host collectives: values that cross the processes of a job outside the pipeline's messages.
+
+The one place for them (the pipeline transport only moves stage messages):
+
+* :class:`HostComm` over an MPI communicator: small picklable host values
+  (:meth:`~HostComm.allgather`, :meth:`~HostComm.gather`,
+  :meth:`~HostComm.broadcast`, :meth:`~HostComm.all_true`,
+  :meth:`~HostComm.barrier`) and the gradients of parameters that several
+  pipeline stages share (:meth:`~HostComm.sum_shared`);
+* :class:`SingleProcess`: the same calls when the job is one process (nothing
+  crosses, every value is already everywhere);
+* :func:`world` (a :class:`HostComm` over every process, or ``None`` in one
+  process) and :func:`host_comm` (never ``None``).
+
+Collective: every process makes the same calls in the same order.
+
+Example (under ``mpiexec -n 2``)::
+
+    comm = host_comm()
+    comm.allgather(jax.process_index())   # [0, 1] on both ranks
+    comm.all_true(rank_ok)                # False everywhere if any rank is not ok
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+
+class HostCollectives(Protocol):
+    """What the runtime asks of the job's processes (:class:`HostComm`, :class:`SingleProcess`)."""
+
+    def allgather(self, obj: Any) -> list:
+        """Every process's ``obj``, in process order, on every process."""
+
+    def gather(self, obj: Any, root: int = 0) -> list | None:
+        """Every process's ``obj`` on ``root`` (``None`` elsewhere)."""
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every process."""
+
+    def all_true(self, flag: Any) -> bool:
+        """Logical AND of ``flag`` over the processes."""
+
+    def barrier(self) -> None:
+        """Return once every process got here."""
+
+    def sum_shared(self, grads: list, users: Sequence[Sequence[int]], homes: Sequence[int | None],
+                   shared: Sequence[int], meshes: Sequence) -> list:  # fmt: skip
+        """Gradients of parameters used by several stages, summed over every process holding one.
+
+        ``grads[i]`` is this process's gradient of parameter ``i`` on the mesh
+        ``meshes[homes[i]]`` of its home stage; ``users[i]`` are the stages
+        using it; ``shared`` the parameters used by more than one stage.
+        """
+
+
+class HostComm:
+    """Host values between the processes of one MPI communicator (mpi4py).
+
+    Example (under ``mpiexec -n 2``)::
+
+        comm = HostComm.duplicate_world()
+        comm.broadcast("hello", root=0)   # "hello" on both ranks
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm  # an mpi4py communicator
+
+    @classmethod
+    def duplicate_world(cls) -> HostComm:
+        """A communicator of its own over every process (a ``Dup`` of ``COMM_WORLD``)."""
+        from mpi4py import MPI
+
+        return cls(MPI.COMM_WORLD.Dup())
+
+    @property
+    def rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def allgather(self, obj: Any) -> list:
+        return self.comm.allgather(obj)
+
+    def gather(self, obj: Any, root: int = 0) -> list | None:
+        return self.comm.gather(obj, root=root)
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        return self.comm.bcast(obj if self.rank == root else None, root=root)
+
+    def all_true(self, flag: Any) -> bool:
+        from mpi4py import MPI
+
+        return bool(self.comm.allreduce(bool(np.asarray(flag)), op=MPI.LAND))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def sum_shared(self, grads, users, homes, shared, meshes):
+        """Each shard is exchanged with the processes holding the same mesh position in
+        the other stages that use the parameter; partial sums are added in process
+        order, so every copy receives bitwise the same gradient."""
+        from mpi4py import MPI
+
+        me, grads = self.rank, list(grads)
+        for i in shared:
+            g = grads[i]
+            if g is None:
+                continue
+            home = meshes[homes[i]]
+            flat_home = list(home.devices.flat)
+            partials, requests, shards = [], [], []
+            for shard in g.addressable_shards:
+                pos = flat_home.index(shard.device)
+                peers = sorted({meshes[t].devices.flat[pos].process_index for t in users[i]} - {me})
+                mine = np.ascontiguousarray(np.asarray(shard.data))
+                received = {q: np.empty_like(mine) for q in peers}
+                tag = (i * home.devices.size + pos) % 30000
+                for q in peers:
+                    requests.append(self.comm.Isend(mine, dest=q, tag=tag))
+                    requests.append(self.comm.Irecv(received[q], source=q, tag=tag))
+                partials.append((mine, received))
+                shards.append(shard)
+            MPI.Request.Waitall(requests)
+            summed = []
+            for (mine, received), shard in zip(partials, shards):
+                parts = dict(received)
+                parts[me] = mine
+                total = parts[min(parts)].copy()
+                for q in sorted(parts)[1:]:
+                    total = total + parts[q]
+                summed.append(jax.device_put(total, shard.device))
+            grads[i] = jax.make_array_from_single_device_arrays(g.shape, g.sharding, summed)
+        return grads
+
+
+class SingleProcess:
+    """The host collectives of a one-process job: every value is already everywhere.
+
+    >>> comm = SingleProcess()
+    >>> comm.allgather(3), comm.broadcast(5, root=0), comm.all_true(np.bool_(False))
+    ([3], 5, False)
+    """
+
+    def allgather(self, obj: Any) -> list:
+        return [obj]
+
+    def gather(self, obj: Any, root: int = 0) -> list:
+        return [obj]
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        return obj
+
+    def all_true(self, flag: Any) -> bool:
+        return bool(np.asarray(flag))
+
+    def barrier(self) -> None:
+        pass
+
+    def sum_shared(self, grads, users, homes, shared, meshes):
+        return grads  # the local stages' gradients are already summed
+
+
+_WORLD: HostComm | None = None
+
+
+def world() -> HostComm | None:
+    """A :class:`HostComm` over every process of the job, or ``None`` in a single process."""
+    global _WORLD
+    from axonn_jax.runtime.launch import mpi_world_size
+
+    if mpi_world_size() <= 1 or jax.process_count() <= 1:
+        return None
+    if _WORLD is None:
+        _WORLD = HostComm.duplicate_world()
+    return _WORLD
+
+
+def host_comm() -> HostComm | SingleProcess:
+    """The job's host collectives: :func:`world` under MPI, :class:`SingleProcess` otherwise.
+
+    >>> host_comm().allgather("x")   # one process
+    ['x']
+    """
+    comm = world()
+    return SingleProcess() if comm is None else comm
