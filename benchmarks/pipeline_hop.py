@@ -11,7 +11,7 @@ ping-pongs a float32 array of each size between the two processes:
   (``expect``), the array is handed to ``send``, the receiver calls
   ``arrived`` and, until it returns the arrays, ``wait`` (the queue's
   wake-up), then waits until the arrays are ready; the pong goes back as
-  key ``("B", 0, i)``.
+  message ``Message(TaskKind.BACKWARD, 0, i)``.
 
 The two methods alternate within each round (which goes first alternates
 too); the one-way time of a trip is half its round trip, and each size reports
@@ -110,20 +110,22 @@ def _transport_trips(transport, x, stages, first: bool, trips: int,
                      start_mb: int) -> tuple[list[float], object]:  # fmt: skip
     """Round trips through ``transport`` (F(1, mb) from rank 0, B(0, mb) back): one-way
     times, the last array. ``stages[s]``: (mesh, sharding, aval) of stage ``s``."""
+    from axonn_jax.runtime.pipeline.tasks import Message, TaskKind
+
     wake = threading.Event()  # never set: nothing else to wake this loop
     (mesh0, sharding0, aval0), (mesh1, sharding1, aval1) = stages
     times = []
     for mb in range(start_mb, start_mb + trips):
         start = time.perf_counter()
         if first:
-            transport.expect(("B", 0, mb), [aval0], mesh1)
-            transport.send(("F", 1, mb), [x], [sharding1])
-            (x,) = _receive(transport, ("B", 0, mb), wake)
+            transport.expect(Message(TaskKind.BACKWARD, 0, mb), [aval0], mesh1)
+            transport.send(Message(TaskKind.FORWARD, 1, mb), [x], [sharding1])
+            (x,) = _receive(transport, Message(TaskKind.BACKWARD, 0, mb), wake)
         else:
-            (x,) = _receive(transport, ("F", 1, mb), wake)
+            (x,) = _receive(transport, Message(TaskKind.FORWARD, 1, mb), wake)
             if mb + 1 < start_mb + trips:  # the next one, ahead
-                transport.expect(("F", 1, mb + 1), [aval1], mesh0)
-            transport.send(("B", 0, mb), [x], [sharding0])
+                transport.expect(Message(TaskKind.FORWARD, 1, mb + 1), [aval1], mesh0)
+            transport.send(Message(TaskKind.BACKWARD, 0, mb), [x], [sharding0])
         times.append((time.perf_counter() - start) / 2)
     return times, x
 
@@ -138,6 +140,7 @@ def worker(args) -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
     from mpi4py import MPI
 
+    from axonn_jax.runtime.pipeline.tasks import Message, TaskKind
     from axonn_jax.runtime.pipeline.transport import MpiTransport
 
     if info.process_count != 2 or len(jax.local_devices()) != 1:
@@ -159,7 +162,7 @@ def worker(args) -> None:
 
         def post_first():  # stage 1's first receive is posted before rank 0 may send
             if not first:
-                transport.expect(("F", 1, mb), [stages[1][2]], meshes[0])
+                transport.expect(Message(TaskKind.FORWARD, 1, mb), [stages[1][2]], meshes[0])
 
         post_first()
         raw_comm.Barrier()

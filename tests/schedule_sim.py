@@ -20,6 +20,9 @@ import dataclasses
 import heapq
 
 from axonn_jax.runtime.pipeline.schedules import make_schedule
+from axonn_jax.runtime.pipeline.tasks import TaskKind
+
+F, B = TaskKind.FORWARD, TaskKind.BACKWARD
 
 
 @dataclasses.dataclass
@@ -72,9 +75,9 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
                 continue
             views = {s: stages[s] for s in owned[r]}
 
-            def has_input(s, kind, mb):
-                st = stages[s]
-                if kind == "B":
+            def has_input(task):
+                s, mb, st = task.stage, task.microbatch, stages[task.stage]
+                if task.kind is B:
                     return mb in st.residuals and st.cotangents.get(mb, float("inf")) <= now
                 return mb == st.forwards and (s == 0 or st.inbound.get(mb, float("inf")) <= now)
 
@@ -85,7 +88,7 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
             task = plans[r].pick(visible, has_input, m)
             if task is None:
                 continue
-            s, kind, mb = task
+            s, kind, mb = task.stage, task.kind.value, task.microbatch
             st = stages[s]
             length = (2 * unit if s == last else unit)
             end = now + length
@@ -107,7 +110,7 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
                 if s > 0:
                     heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
             seq += 1
-            plans[r].ran(s)
+            plans[r].ran(task)
             order[r].append((s, "FB" if kind == "F" and s == last else kind, mb, now))
             free[r] = end
             busy[r] += length

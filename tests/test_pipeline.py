@@ -16,6 +16,7 @@ from pipeline_cases import (assert_compiles_once, build, compare_grads, compare_
 
 import axonn_jax
 from axonn_jax.runtime.pipeline import schedules, timeline as trace
+from axonn_jax.runtime.pipeline.tasks import Task, TaskKind
 
 # pipeline 2 and 4, 4D-sharded stages, the repo's GPT and a third-party model
 SINGLE_PROCESS = [("gpt", "pipeline=2,x=2,z=2"), ("hf_gpt2", "pipeline=4,z=2")]
@@ -128,15 +129,19 @@ def test_comparisons_fail_on_a_missing_leaf():
     assert compare_grads(extra, ref, "t") == ["t grad c: not in the reference"]
 
 
+def _labels(order) -> list[str]:
+    return [f"{t.kind}{t.microbatch}" for t in order]
+
+
 def test_static_schedules():
-    assert schedules.gpipe(0, 2, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    assert _labels(schedules.gpipe(0, 2, 2)) == ["F0", "F1", "B0", "B1"]
     order = schedules.one_f_one_b(1, 4, 6)  # stage 1 of 4: 2 warm-up forwards
-    assert order[:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
+    assert _labels(order[:4]) == ["F0", "F1", "F2", "B0"] and {t.stage for t in order} == {1}
     for stage in range(4):
         order = schedules.one_f_one_b(stage, 4, 6)
-        in_flight = np.cumsum([1 if k == "F" else -1 for k, _ in order])
+        in_flight = np.cumsum([1 if t.kind is TaskKind.FORWARD else -1 for t in order])
         assert in_flight.max() <= 4 - stage or stage == 3
-        assert sorted(order) == sorted(schedules.gpipe(stage, 4, 6))
+        assert sorted(_labels(order)) == sorted(_labels(schedules.gpipe(stage, 4, 6)))
     assert trace.bubble_theory(4, 8) == pytest.approx(3 / 11)
 
 
@@ -152,16 +157,18 @@ def test_message_driven_schedule_picks_backward_first_and_keeps_the_limit():
     schedule = schedules.make_schedule("message", limit=2, stages=2)
     assert isinstance(schedule, schedules.MessageDriven) and schedule.limit == 2
     schedule.start([0], 2, 4)
-    everything = lambda s, kind, mb: True  # noqa: E731
+    everything = lambda task: True  # noqa: E731
+    F, B = TaskKind.FORWARD, TaskKind.BACKWARD
     # a returned gradient runs before a new forward
-    assert schedule.pick({0: _Stage(1, 0, cotangents=[0])}, everything, 4) == (0, "B", 0)
+    assert schedule.pick({0: _Stage(1, 0, cotangents=[0])}, everything, 4) == Task(0, B, 0)
     # right after that backward, the next forward is injected at once (before gradient 1)
-    assert schedule.pick({0: _Stage(2, 1, cotangents=[1])}, everything, 4) == (0, "F", 2)
+    assert schedule.pick({0: _Stage(2, 1, cotangents=[1])}, everything, 4) == Task(0, F, 2)
     # stage 0 keeps at most `limit` microbatches in flight
     assert schedule.pick({0: _Stage(2, 0)}, everything, 4) is None
-    assert schedule.pick({0: _Stage(1, 0)}, everything, 4) == (0, "F", 1)
+    assert schedule.pick({0: _Stage(1, 0)}, everything, 4) == Task(0, F, 1)
+    assert schedule.in_flight_bound(0) == 2 and schedule.in_flight_bound(1) == 1
     # nothing whose input has not arrived
-    assert schedule.pick({1: _Stage(0, 0)}, lambda s, k, mb: False, 4) is None
+    assert schedule.pick({1: _Stage(0, 0)}, lambda task: False, 4) is None
 
 
 def test_static_schedule_follows_its_order():
@@ -169,11 +176,12 @@ def test_static_schedule_follows_its_order():
     schedule.start([0], 2, 3)
     ran = []
     for _ in range(6):
-        task = schedule.pick({0: _Stage()}, lambda s, k, mb: True, 3)
-        ran.append(task[1:])
-        schedule.ran(0)
+        task = schedule.pick({0: _Stage()}, lambda task: True, 3)
+        ran.append(task)
+        schedule.ran(task)
     assert ran == schedules.one_f_one_b(0, 2, 3)
-    assert schedule.pick({0: _Stage()}, lambda s, k, mb: True, 3) is None
+    assert schedule.pick({0: _Stage()}, lambda task: True, 3) is None
+    assert schedule.in_flight_bound(0) is None
     with pytest.raises(ValueError, match="schedule must be one of"):
         schedules.make_schedule("zigzag", limit=None, stages=2)
 

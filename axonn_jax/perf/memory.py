@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from axonn_jax.partitioner.grid import Grid
+from axonn_jax.partitioner.grid import Grid, default_limit
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.spec import ModelSpec
-from axonn_jax.runtime.pipeline.schedules import default_limit
 
 
 @dataclasses.dataclass(frozen=True)

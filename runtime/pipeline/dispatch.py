@@ -1,7 +1,7 @@
 """The dependency-driven dispatch queue of one process (AxoNN's message-driven pipeline).
 
-Tasks are ``F(stage, mb)`` and ``B(stage, mb)`` for the stages this process
-owns. A task is ready when its input has *arrived*: stage 0's forwards need
+Tasks (:class:`~axonn_jax.runtime.pipeline.tasks.Task`) are forwards and
+backwards of the stages this process owns. A task is ready when its input has *arrived*: stage 0's forwards need
 nothing (but stage ``s`` keeps at most ``limit - s`` microbatches between
 forward and backward), other forwards need the previous stage's activation,
 backwards need the next stage's gradient; the last stage runs its backward
@@ -30,9 +30,9 @@ launched or when the task before it on the same mesh finished, whichever is
 later, and ends when its outputs are ready.
 
 Example:
-    >>> queue = DispatchQueue(programs, [0, 1], transport, schedule="message")  # doctest: +SKIP
-    >>> result = queue.run(params, microbatch_args, microbatch_batches)         # doctest: +SKIP
-    >>> result.losses, result.records[0]                                        # doctest: +SKIP
+    >>> queue = DispatchQueue(programs, [0, 1], transport, schedule="message")      # doctest: +SKIP
+    >>> run = queue.run_training(params, microbatch_args, microbatch_batches, 4)  # doctest: +SKIP
+    >>> run.losses, run.records[0]                                                # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -48,32 +48,15 @@ import jax
 
 from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
+from axonn_jax.runtime.pipeline.tasks import (ForwardRun, Message, Task, TaskKind, TaskRecord,
+                                              TrainingRun)  # fmt: skip
 from axonn_jax.runtime.pipeline.transport import Transport
+
+F, B, FB = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD
 
 #: longest idle wait of the queue: the transport returns sooner when a task ends or a message
 #: arrives or is computed (this only bounds how late a timeout is noticed)
 IDLE_WAIT = 0.05
-
-
-@dataclasses.dataclass(frozen=True)
-class TaskRecord:
-    """One executed task (times in seconds since the step started)."""
-
-    stage: int
-    kind: str  # "F" forward, "B" backward, "FB" the last stage's forward+loss+backward
-    microbatch: int
-    start: float
-    end: float
-    wait: float  # idle time of this stage's devices just before the task
-
-
-@dataclasses.dataclass
-class StepResult:
-    losses: list  # per microbatch (last stage only): loss scalars, or outputs (forward only)
-    grads: dict[int, list]  # stage → summed parameter gradients (forward only: state updates)
-    records: list[TaskRecord]
-    peak_in_flight: dict[int, int]  # stage → most microbatches holding residuals at once
-    origin: float = 0.0  # wall-clock time (time.time()) of the step's start
 
 
 @dataclasses.dataclass
@@ -87,17 +70,16 @@ class _StageState:
     residuals: dict = dataclasses.field(default_factory=dict)  # mb → vjp
     expect_f: int = 0  # next microbatch whose forward message is expected
     expect_b: int = 0
-    grads: list | None = None
+    #: sums over microbatches: (parameter gradients, state updates); forward only: state updates
+    totals: object = None
     peak: int = 0
     posted_f: int = 0  # receives are posted for the forward messages of microbatches below this
     posted_b: int = 0
 
 
-@dataclasses.dataclass
-class _Task:
-    stage: int
-    kind: str
-    microbatch: int
+@dataclasses.dataclass(frozen=True)
+class _Launched:
+    task: Task  # as run (the last stage's training forward: FORWARD_BACKWARD)
     launched: float  # perf_counter() when the queue picked it (before any emulated delay)
     outputs: list  # the arrays whose readiness means the task has finished
 
@@ -107,14 +89,14 @@ class _Lane:
     waits for each to finish (a device runs its programs one after another)."""
 
     def __init__(self, finished: queue.Queue, wake: threading.Event):
-        self.pending: deque[_Task] = deque()
+        self.pending: deque[_Launched] = deque()
         self._todo: queue.Queue = queue.Queue()
         self._finished, self._wake = finished, wake
         self.last_end = 0.0  # when this mesh's previous task finished (perf_counter)
         self._thread = threading.Thread(target=self._watch, name="axonn-task-watcher", daemon=True)
         self._thread.start()
 
-    def launch(self, task: _Task) -> None:
+    def launch(self, task: _Launched) -> None:
         self.pending.append(task)
         self._todo.put(task)
 
@@ -138,7 +120,7 @@ class PipelineTimeout(RuntimeError):
 
 
 class DispatchQueue:
-    """Runs one training step's tasks for this process's stages.
+    """Runs one step's tasks for this process's stages (:meth:`run_training`, :meth:`run_forward`).
 
     Args:
         programs: the :class:`StageProgram` of every stage (stage index order).
@@ -150,7 +132,8 @@ class DispatchQueue:
             ``limit - s``; message schedule); default the number of stages + 1.
         timeout: seconds without any runnable or running task before
             :class:`PipelineTimeout`.
-        delay: optional ``delay(stage, kind, mb) -> seconds`` the queue is held
+        delay: optional ``delay(stage, kind, mb) -> seconds`` (``kind`` a
+            :class:`~axonn_jax.runtime.pipeline.tasks.TaskKind`) the queue is held
             before a task is launched (to emulate a slow stage in tests and
             benchmarks; it receives messages meanwhile but launches nothing, so
             it only emulates well with one stage per process).
@@ -168,7 +151,7 @@ class DispatchQueue:
         schedule: str | Schedule = "message",
         limit: int | None = None,
         timeout: float = 60.0,
-        delay: Callable[[int, str, int], float] | None = None,
+        delay: Callable[[int, TaskKind, int], float] | None = None,
         asynchronous: bool = True,
         depth: int = 2,
     ):
@@ -184,31 +167,38 @@ class DispatchQueue:
             raise ValueError(f"depth must be >= 1 launched task per mesh, got {depth}")
         self.depth = depth if asynchronous else 1
         self.asynchronous = asynchronous
-        self._no_backward = False  # set by run(forward_only=True)
-        self._ahead = 1  # receives posted ahead per link (set by run)
+        self._no_backward = False  # set by run_forward
+        self._ahead = 1  # receives posted ahead per link (set by each run)
 
     # --- the step -----------------------------------------------------------
-    def run(self, params: dict[int, list], args: Callable[[int, int], list],
-            batch: Callable[[int], object] | None, microbatches: int, *,
-            forward_only: bool = False) -> StepResult:  # fmt: skip
+    def run_training(self, params: dict[int, list], args: Callable[[int, int], list],
+                     batch: Callable[[int], object], microbatches: int) -> TrainingRun:  # fmt: skip
         """Forward and backward of ``microbatches`` microbatches.
 
         Args:
             params: stage → its parameter leaves (``flow.params`` order).
             args: ``args(stage, mb)`` → the model arguments that stage reads.
             batch: ``batch(mb)`` → the loss's batch on the last stage.
-            forward_only: run forwards only, keep no residuals, and return the
-                last stage's outputs per microbatch in ``StepResult.losses`` and
-                each stage's state updates, summed over microbatches, in
-                ``StepResult.grads`` (message-driven: each stage runs whichever
-                forward has arrived).
         """
+        losses, totals, trace = self._run(params, args, batch, microbatches, self.schedule, False)
+        return TrainingRun(*trace, losses=losses, grads={s: t[0] for s, t in totals.items()},
+                           updates={s: t[1] for s, t in totals.items()})  # fmt: skip
+
+    def run_forward(self, params: dict[int, list], args: Callable[[int, int], list],
+                    microbatches: int) -> ForwardRun:  # fmt: skip
+        """Forwards only, keeping no residuals (message-driven: each stage runs whichever
+        forward has arrived): the last stage's outputs per microbatch and each stage's
+        state updates, summed over microbatches."""
+        outputs, totals, trace = self._run(params, args, None, microbatches, MessageDriven(None), True)
+        return ForwardRun(*trace, outputs=outputs, updates={s: t or [] for s, t in totals.items()})
+
+    def _run(self, params, args, batch, microbatches: int, schedule: Schedule, forward_only: bool):
+        """``(last-stage results per microbatch, {stage: totals}, (records, peak, origin))``."""
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
         self._no_backward = forward_only
-        schedule = MessageDriven(None) if forward_only else self.schedule
         schedule.start(self.local, self.num_stages, microbatches)
-        bound = getattr(schedule, "in_flight_bound", lambda stage: None)(0)
+        bound = schedule.in_flight_bound(0)
         self._ahead = microbatches if bound is None else min(bound, microbatches)
         finished: queue.Queue = queue.Queue()
         wake = threading.Event()
@@ -222,9 +212,9 @@ class DispatchQueue:
             states[s] = _StageState(self.programs[s], lanes[devices])
             self._expect(states[s], s, microbatches)
 
-        def has_input(s: int, kind: str, mb: int) -> bool:
-            st = states[s]
-            return len(st.lane.pending) < self.depth and self._has_input(st, s, kind, mb)
+        def has_input(task: Task) -> bool:
+            st = states[task.stage]
+            return len(st.lane.pending) < self.depth and self._has_input(st, task)
 
         losses: dict[int, object] = {}
         records: list[TaskRecord] = []
@@ -248,24 +238,25 @@ class DispatchQueue:
                         raise PipelineTimeout(self._stuck_message(states, microbatches))
                     self.transport.wait(wake, IDLE_WAIT)  # returns early on a task end or a message
                     continue
-                s, kind, mb = task
+                s, mb = task.stage, task.microbatch
                 st = states[s]
                 launched = time.perf_counter()
                 if self.delay is not None:  # an emulated slow task: counted as busy time
-                    self._emulate(self.delay(s, kind, mb) or 0.0, states, microbatches)
+                    self._emulate(self.delay(s, task.kind, mb) or 0.0, states, microbatches)
+                ran = task
                 if forward_only:
                     outputs, result = self._forward_only(st, s, mb, params[s], args)
                     if s == last:
                         losses[mb] = result
-                elif kind == "F" and s == last:
+                elif task.kind is F and s == last:
                     outputs, losses[mb] = self._forward_backward(st, s, mb, params[s], args, batch)
-                elif kind == "F":
+                    ran = Task(s, FB, mb)
+                elif task.kind is F:
                     outputs = self._forward(st, s, mb, params[s], args)
                 else:
                     outputs = self._backward(st, s, mb)
-                label = "FB" if kind == "F" and s == last and not forward_only else kind
-                st.lane.launch(_Task(s, label, mb, launched, jax.tree.leaves(outputs)))
-                schedule.ran(s)
+                st.lane.launch(_Launched(ran, launched, jax.tree.leaves(outputs)))
+                schedule.ran(task)
                 idle_deadline = time.perf_counter() + self.timeout
                 if not self.asynchronous:  # the serial baseline: this task ends before the next
                     jax.block_until_ready(outputs)
@@ -275,10 +266,10 @@ class DispatchQueue:
             for lane in lanes.values():
                 lane.stop()
         self.transport.close()
-        grads = {s: st.grads for s, st in states.items()}
+        totals = {s: st.totals for s, st in states.items()}
         peak = {s: st.peak for s, st in states.items()}
         records.sort(key=lambda r: (r.start, r.stage))
-        return StepResult([losses[mb] for mb in sorted(losses)], grads, records, peak, origin)
+        return tuple(losses[mb] for mb in sorted(losses)), totals, (tuple(records), peak, origin)
 
     def _emulate(self, seconds: float, states: dict, m: int) -> None:
         """Hold the queue for ``seconds`` as a device busy that long would, while receiving
@@ -303,8 +294,8 @@ class DispatchQueue:
             block = False
             if error is not None:
                 raise error
-            task = lane.pending.popleft()
-            start = max(task.launched, lane.last_end)
+            done = lane.pending.popleft()
+            task, start = done.task, max(done.launched, lane.last_end)
             records.append(TaskRecord(task.stage, task.kind, task.microbatch, start - t0,
                                       end - t0, start - lane.last_end))  # fmt: skip
             lane.last_end = end
@@ -316,41 +307,44 @@ class DispatchQueue:
         stage ``s``: as many as a neighbour may send before this stage consumes one, so a
         sender never waits for a receive to be posted (its other messages queue behind)."""
         if s > 0:
-            st.posted_f = self._post(("F", s), st.posted_f, min(st.expect_f + self._ahead, m),
+            st.posted_f = self._post((F, s), st.posted_f, min(st.expect_f + self._ahead, m),
                                      st.program.inbound_avals, s - 1)  # fmt: skip
         if s < self.num_stages - 1 and not self._no_backward:
-            st.posted_b = self._post(("B", s), st.posted_b, min(st.expect_b + self._ahead, m),
+            st.posted_b = self._post((B, s), st.posted_b, min(st.expect_b + self._ahead, m),
                                      st.program.outbound_cotangent_avals, s + 1)  # fmt: skip
 
-    def _post(self, link: tuple[str, int], start: int, stop: int, avals: Callable, source: int) -> int:
+    def _post(self, link: tuple[TaskKind, int], start: int, stop: int, avals: Callable,
+              source: int) -> int:  # fmt: skip
         """Posts the receives of microbatches ``start … stop - 1`` on ``link``; returns where the
         next posting starts (the message avals are computed only when there is one to post)."""
         if start >= stop:
             return start
         shapes, mesh = avals(), self.programs[source].mesh
         for mb in range(start, stop):
-            self.transport.expect((*link, mb), shapes, mesh)
+            self.transport.expect(Message(*link, mb), shapes, mesh)
         return stop
 
     def _poll(self, st: _StageState, s: int, m: int) -> None:
         if s > 0 and st.expect_f < m:
-            arrays = self.transport.arrived(("F", s, st.expect_f))
+            arrays = self.transport.arrived(Message(F, s, st.expect_f))
             if arrays is not None:
                 st.inbound[st.expect_f] = arrays
                 st.expect_f += 1
         if s < self.num_stages - 1 and st.expect_b < m and not self._no_backward:
-            arrays = self.transport.arrived(("B", s, st.expect_b))
+            arrays = self.transport.arrived(Message(B, s, st.expect_b))
             if arrays is not None:
                 st.cotangents[st.expect_b] = arrays
                 st.expect_b += 1
         self._expect(st, s, m)
 
-    def _has_input(self, st: _StageState, s: int, kind: str, mb: int) -> bool:
+    @staticmethod
+    def _has_input(st: _StageState, task: Task) -> bool:
         """The task's input has arrived, ready to use (a forward must also be the stage's
         next microbatch; a backward's residuals are its own forward's, launched earlier)."""
-        if kind == "B":
+        mb = task.microbatch
+        if task.kind is B:
             return mb in st.residuals and _ready(st.cotangents.get(mb))
-        return mb == st.forwards and (s == 0 or _ready(st.inbound.get(mb)))
+        return mb == st.forwards and (task.stage == 0 or _ready(st.inbound.get(mb)))
 
     def _finished(self, st: _StageState, s: int, m: int) -> bool:
         if s == self.num_stages - 1 or self._no_backward:
@@ -365,7 +359,7 @@ class DispatchQueue:
         st.peak = max(st.peak, len(st.residuals))
         st.forwards += 1
         nxt = self.programs[s + 1]
-        self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
+        self.transport.send(Message(F, s + 1, mb), outs, nxt.inbound_shardings)
         return outs
 
     def _forward_only(self, st, s, mb, params, args) -> tuple[list, list | None]:
@@ -380,35 +374,36 @@ class DispatchQueue:
         if s == self.num_stages - 1:
             return [outs, updates], outs
         nxt = self.programs[s + 1]
-        self.transport.send(("F", s + 1, mb), outs, nxt.inbound_shardings)
+        self.transport.send(Message(F, s + 1, mb), outs, nxt.inbound_shardings)
         return [outs, updates], None
 
     def _forward_backward(self, st, s, mb, params, args, batch) -> tuple[list, object]:
         inbound = st.inbound.pop(mb, [])
-        loss, g_params, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
+        loss, sums, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
         st.forwards += 1
         st.backwards += 1
-        self._accumulate(st, g_params)
+        self._accumulate(st, sums)
         self._send_backward(s, mb, g_in)
-        return [loss, g_params, g_in], loss
+        return [loss, sums, g_in], loss
 
     def _backward(self, st, s, mb) -> list:
-        g_params, g_in = st.program.backward(st.residuals.pop(mb), st.cotangents.pop(mb))
+        sums, g_in = st.program.backward(st.residuals.pop(mb), st.cotangents.pop(mb))
         st.backwards += 1
-        self._accumulate(st, g_params)
+        self._accumulate(st, sums)
         self._send_backward(s, mb, g_in)
-        return [g_params, g_in]
+        return [sums, g_in]
 
     def _send_backward(self, s, mb, g_in) -> None:
         """The inbound gradients of stage ``s`` go to stage ``s - 1`` (nothing for stage 0)."""
         if s > 0:
             prev = self.programs[s - 1]
             shardings = prev.outbound_shardings
-            self.transport.send(("B", s - 1, mb), g_in, [shardings[i] for i in prev.diff_out])
+            self.transport.send(Message(B, s - 1, mb), g_in, [shardings[i] for i in prev.diff_out])
 
     @staticmethod
-    def _accumulate(st, g_params) -> None:
-        st.grads = list(g_params) if st.grads is None else _add(st.grads, list(g_params))
+    def _accumulate(st, values) -> None:
+        """Adds one microbatch's gradients and state updates (or updates alone) to the stage's sums."""
+        st.totals = values if st.totals is None else _add(st.totals, values)
 
     def _stuck_message(self, states, m) -> str:
         parts = []

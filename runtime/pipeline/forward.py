@@ -80,9 +80,9 @@ def pipelined_forward(placed: PlacedModel, programs: ProgramSource, params, args
             stages[s].compile_forward_only(stage_params[s], stage_args(s, 0))
         placed.host.barrier()  # a peer still compiling must not look like a dead peer
     queue = DispatchQueue(stages, local, placed.transport, timeout=timeout)
-    result = queue.run(stage_params, stage_args, None, m, forward_only=True)
-    full = _outputs(placed, stages[-1], result.losses, program)
-    for k, x in _state_updates(placed, program, stages, result.grads, param_leaves, m).items():
+    result = queue.run_forward(stage_params, stage_args, m)
+    full = _outputs(placed, stages[-1], result.outputs, program)
+    for k, x in _state_updates(placed, program, stages, result.updates, param_leaves, m).items():
         full[k] = x
     return jax.tree.unflatten(program.out_tree, full)
 

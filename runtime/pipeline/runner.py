@@ -34,7 +34,8 @@ from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline import timeline
-from axonn_jax.runtime.pipeline.dispatch import DispatchQueue, StepResult
+from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
+from axonn_jax.runtime.pipeline.tasks import TrainingRun
 from axonn_jax.runtime.pipeline.schedules import check_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.state_updates import deliver_updates
@@ -110,7 +111,7 @@ class PipelinedValueAndGrad:
         self.placed, self.programs, self.loss_fn = placed, programs, loss_fn
         self.inputs = inputs or default_inputs
         self.options, self.overlap = options, overlap
-        self.last_result: StepResult | None = None
+        self.last_result: TrainingRun | None = None
 
     # --- program set-up (once per input shapes) ------------------------------
     def _setup(self, args, kwargs) -> tuple[Program, list[StageProgram]]:
@@ -185,7 +186,7 @@ class PipelinedValueAndGrad:
         queue = DispatchQueue(programs, local, placed.transport, schedule=opts.schedule,
                               limit=opts.limit, timeout=opts.timeout, delay=opts.delay,
                               asynchronous=opts.asynchronous)  # fmt: skip
-        result = queue.run(stage_params, stage_args, loss_batch, m)
+        result = queue.run_training(stage_params, stage_args, loss_batch, m)
         self.last_result = result
         grads, updated = self._combine(result, programs, leaves, m)
         loss = self._loss(result)
@@ -220,7 +221,7 @@ class PipelinedValueAndGrad:
                                        grid.pipeline if grid.virtual > 1 else None)  # fmt: skip
         return rows
 
-    def _combine(self, result: StepResult, programs, leaves, m: int) -> tuple[list, list]:
+    def _combine(self, result: TrainingRun, programs, leaves, m: int) -> tuple[list, list]:
         """Per-leaf gradient on its home mesh (the sum over local stages, divided by m), and
         the state updates (mean over microbatches; ``None`` where a leaf was not updated)."""
         homes = self.placed.homes
@@ -232,7 +233,7 @@ class PipelinedValueAndGrad:
             for i, g in zip(trained, stage_grads):
                 g = _on(g, leaves[i].sharding)
                 grads[i] = g if grads[i] is None else grads[i] + g
-            summed_updates[s] = stage_grads[len(trained):]
+            summed_updates[s] = result.updates[s]
         updated = deliver_updates(self.placed, programs, summed_updates, leaves, m)
         for i in range(len(leaves)):
             if homes.is_local(i) and grads[i] is None:  # used by no stage, or model state
@@ -241,7 +242,7 @@ class PipelinedValueAndGrad:
         shared = self.placed.host.sum_shared(grads, homes.users, homes.home, homes.shared(), self.placed.meshes)
         return shared, updated
 
-    def _loss(self, result: StepResult):
+    def _loss(self, result: TrainingRun):
         """Mean microbatch loss, computed on the last stage and sent to every process."""
         local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
         last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)

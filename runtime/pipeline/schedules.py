@@ -1,29 +1,30 @@
 """Pipeline schedules: which task a stage runs next.
 
-A task is ``("F", mb)`` (forward of microbatch ``mb``) or ``("B", mb)``
-(backward); on the last stage the forward also runs the loss and backward, so
-it has only ``F`` tasks. A :class:`Schedule` picks, among the tasks whose
-input has arrived, the one the dispatch queue runs next. Static schedules
+A :class:`~axonn_jax.runtime.pipeline.tasks.Task` is a forward or a backward
+of one stage on one microbatch; on the last stage the forward also runs the
+loss and backward, so it has only forward tasks. A :class:`Schedule` picks,
+among the tasks whose input has arrived, the one the dispatch queue runs next. Static schedules
 (:class:`StaticSchedule`: GPipe, 1F1B) fix each stage's order in advance; the
 message-driven schedule (:class:`MessageDriven`, AxoNN) runs whichever task's
 input has arrived, backward first, with stage ``s`` keeping at most
 ``limit - s`` microbatches in flight.
 
 Example:
-    >>> one_f_one_b(stage=0, stages=2, microbatches=3)
-    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
-    >>> gpipe(stage=1, stages=2, microbatches=2)
-    [('F', 0), ('F', 1)]
+    >>> [f"{t.kind}{t.microbatch}" for t in one_f_one_b(stage=0, stages=2, microbatches=3)]
+    ['F0', 'F1', 'B0', 'F2', 'B1', 'B2']
+    >>> [f"{t.kind}{t.microbatch}" for t in gpipe(stage=1, stages=2, microbatches=2)]
+    ['F0', 'F1']
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-Task = tuple[str, int]
-#: (stage, kind, microbatch)
-StageTask = tuple[int, str, int]
+from axonn_jax.partitioner.grid import default_limit
+from axonn_jax.runtime.pipeline.tasks import Task, TaskKind
+
+F, B = TaskKind.FORWARD, TaskKind.BACKWARD
 
 SCHEDULES = ("message", "1f1b", "gpipe")
 
@@ -37,24 +38,24 @@ def check_schedule(name: str) -> str:
 
 def gpipe(stage: int, stages: int, microbatches: int) -> list[Task]:
     """All forwards, then all backwards (GPipe)."""
-    forwards = [("F", mb) for mb in range(microbatches)]
+    forwards = [Task(stage, F, mb) for mb in range(microbatches)]
     if stage == stages - 1:
         return forwards
-    return forwards + [("B", mb) for mb in range(microbatches)]
+    return forwards + [Task(stage, B, mb) for mb in range(microbatches)]
 
 
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[Task]:
     """Warm-up forwards, then one forward one backward, then the remaining backwards."""
     if stage == stages - 1:
-        return [("F", mb) for mb in range(microbatches)]
+        return [Task(stage, F, mb) for mb in range(microbatches)]
     warmup = min(stages - stage - 1, microbatches)
-    order: list[Task] = [("F", mb) for mb in range(warmup)]
+    order = [Task(stage, F, mb) for mb in range(warmup)]
     next_f, next_b = warmup, 0
     while next_b < microbatches:
         if next_f < microbatches:
-            order.append(("F", next_f))
+            order.append(Task(stage, F, next_f))
             next_f += 1
-        order.append(("B", next_b))
+        order.append(Task(stage, B, next_b))
         next_b += 1
     return order
 
@@ -75,25 +76,34 @@ class StageView(Protocol):
     cotangents: Mapping  # microbatch → gradient arrived from the next stage
 
 
-#: ``has_input(stage, kind, mb)``: the task's input has arrived (and, for a
-#: forward, ``mb`` is the stage's next microbatch)
-HasInput = Callable[[int, str, int], bool]
+#: ``has_input(task)``: the task's input has arrived (and, for a forward, its
+#: microbatch is the stage's next one) and the stage's devices can take it
+HasInput = Callable[[Task], bool]
 
 
 class Schedule(Protocol):
-    """Decides which ready task of this process's stages runs next."""
+    """Decides which ready task of this process's stages runs next.
+
+    The dispatch queue calls :meth:`start` once per step, then :meth:`pick`
+    whenever a task may run and :meth:`ran` after launching the picked task;
+    it posts the receives of :meth:`in_flight_bound` ``(0)`` messages ahead
+    per link (all of them when ``None``).
+    """
 
     name: str
 
-    def start(self, local: list[int], stages: int, microbatches: int) -> None:
+    def start(self, local: Sequence[int], stages: int, microbatches: int) -> None:
         """Called once at the start of a step."""
 
     def pick(self, states: Mapping[int, StageView], has_input: HasInput,
-             microbatches: int) -> StageTask | None:  # fmt: skip
+             microbatches: int) -> Task | None:  # fmt: skip
         """The next task, or ``None`` when none may run yet."""
 
-    def ran(self, stage: int) -> None:
-        """Called after a task of ``stage`` ran."""
+    def ran(self, task: Task) -> None:
+        """Called after ``task`` was launched."""
+
+    def in_flight_bound(self, stage: int) -> int | None:
+        """Most microbatches ``stage`` keeps between forward and backward (``None``: no bound)."""
 
 
 class StaticSchedule:
@@ -104,7 +114,7 @@ class StaticSchedule:
             raise ValueError(f"unknown static schedule {name!r}; choose one of {SCHEDULES}")
         self.name = name
         self._order: dict[int, list[Task]] = {}
-        self._position: dict[int, int] = {}
+        self._position: dict[int, int] = {}  # stage → index of its next task in its order
 
     def start(self, local, stages, microbatches) -> None:
         self._order = {s: static_order(self.name, s, stages, microbatches) for s in local}
@@ -113,13 +123,16 @@ class StaticSchedule:
     def pick(self, states, has_input, microbatches):
         for s in states:
             if self._position[s] < len(self._order[s]):
-                kind, mb = self._order[s][self._position[s]]
-                if has_input(s, kind, mb):
-                    return s, kind, mb
+                task = self._order[s][self._position[s]]
+                if has_input(task):
+                    return task
         return None
 
-    def ran(self, stage: int) -> None:
-        self._position[stage] += 1
+    def ran(self, task: Task) -> None:
+        self._position[task.stage] += 1
+
+    def in_flight_bound(self, stage: int) -> int | None:
+        return None  # the order itself bounds what is in flight
 
 
 class MessageDriven:
@@ -141,7 +154,8 @@ class MessageDriven:
     next injection) back by a whole task: with 4 stages, 16 microbatches and a
     message latency of 5% of a task, the idle fraction was 0.29 instead of
     1F1B's 0.19 (``tests/test_schedule_sim.py``). A ``limit`` above the number
-    of stages absorbs message latency (the default, :func:`default_limit`,
+    of stages absorbs message latency (the default,
+    :func:`~axonn_jax.partitioner.grid.default_limit`,
     keeps one microbatch more: 0.164 there) at the cost of residuals in flight.
 
     Args:
@@ -158,7 +172,7 @@ class MessageDriven:
         self.limit = limit  # None: no bound (forward-only passes keep no residuals)
         self.pipeline = pipeline
         self._stages = 1
-        self._last: dict[int, str] = {}  # pipeline rank → kind of the last task it launched
+        self._last: dict[int, TaskKind] = {}  # pipeline rank → kind of the last task it launched
 
     def start(self, local, stages, microbatches) -> None:
         self._stages = stages
@@ -178,43 +192,31 @@ class MessageDriven:
         best = None
         for s, st in states.items():
             rank = s % ranks
-            refill = self._last.get(rank) == "B"  # right after a backward: a forward first
-            if st.forwards < microbatches and self._admits(s, st) and has_input(s, "F", st.forwards):
-                mb = st.forwards
-                key = (not refill, mb // ranks, s, mb)
-                if best is None or key < best[0]:
-                    best = (key, (s, "F", mb), rank)
+            refill = self._last.get(rank) is B  # right after a backward: a forward first
+            if st.forwards < microbatches and self._admits(s, st):
+                task = Task(s, F, st.forwards)
+                key = (not refill, task.microbatch // ranks, s, task.microbatch)
+                if (best is None or key < best[0]) and has_input(task):
+                    best = (key, task, rank)
             for mb in st.cotangents:
-                if has_input(s, "B", mb):
-                    key = (refill, -1, -s, mb)
-                    if best is None or key < best[0]:
-                        best = (key, (s, "B", mb), rank)
+                key = (refill, -1, -s, mb)
+                if best is None or key < best[0]:
+                    task = Task(s, B, mb)
+                    if has_input(task):
+                        best = (key, task, rank)
         if best is None:
             return None
         _, task, rank = best
-        self._last[rank] = task[1]
+        self._last[rank] = task.kind
         return task
 
-    def ran(self, stage: int) -> None:
+    def ran(self, task: Task) -> None:
         pass
 
 
-def default_limit(stages: int) -> int:
-    """The message-driven schedule's default ``limit``: one microbatch more than 1F1B keeps.
-
-    The extra microbatch absorbs message latency: with 4 stages, 16
-    microbatches and messages taking 5% of a task, the idle fraction is 0.164
-    against the theory's 0.158 (1F1B, or ``limit=stages``: 0.188), for one more
-    microbatch of residuals per stage (``tests/test_schedule_sim.py``).
-
-    >>> default_limit(4)
-    5
-    """
-    return stages + 1
-
-
 def make_schedule(name: str, *, limit: int | None, stages: int, pipeline: int | None = None) -> Schedule:
-    """The schedule called ``name``; ``limit`` (message-driven) defaults to :func:`default_limit`.
+    """The schedule called ``name``; ``limit`` (message-driven) defaults to
+    :func:`~axonn_jax.partitioner.grid.default_limit`.
 
     ``pipeline``: the pipeline ranks the ``stages`` run on (virtual stages: fewer ranks).
     """

@@ -33,8 +33,9 @@ class StageProgram:
     ``loss_fn(outputs, batch) -> scalar`` is applied on the last stage to the
     model outputs (rebuilt with ``out_tree``; state updates there are ``None``)
     and the microbatch ``batch``. Model state a stage updates (``flow.updates``)
-    is returned after its parameter gradients, so the dispatch queue sums it
-    over microbatches like them. Only ``trainable`` parameters are differentiated.
+    is returned next to its parameter gradients, ``(grads, updates)``, so the
+    dispatch queue sums both over microbatches. Only ``trainable`` parameters
+    are differentiated.
     """
 
     def __init__(
@@ -141,10 +142,10 @@ class StageProgram:
 
     @staticmethod
     def _backward(residuals, cotangents):
-        """``(gradients of the trained params + state updates, inbound gradients)``."""
+        """``((gradients of the trained params, state updates), inbound gradients)``."""
         vjp, updates = residuals
         g_params, g_in = vjp(cotangents)
-        return list(g_params) + list(updates), g_in
+        return (list(g_params), list(updates)), g_in
 
     def _forward_backward(self, params, args, inbound, batch):
         """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
@@ -161,7 +162,7 @@ class StageProgram:
         (value, updates), (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             self._trained(params), self._split(inbound)
         )  # fmt: skip
-        return value, list(g_params) + list(updates), g_in
+        return value, (list(g_params), list(updates)), g_in
 
     def compile(self, params, args, batch=None) -> None:
         """Compile this stage's programs ahead of time (before any message is exchanged).

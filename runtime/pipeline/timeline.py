@@ -24,9 +24,10 @@ Row = tuple[int, int, str, int, float, float, float]
 
 
 def rows_of(result, rank: int = 0, origin: float | None = None) -> list[Row]:
-    """The records of one :class:`StepResult`, times shifted by its wall-clock origin."""
+    """The records of one run of the queue (a :class:`~axonn_jax.runtime.pipeline.tasks.QueueRun`),
+    times shifted by its wall-clock origin; kinds as their labels ("F", "B", "FB")."""
     shift = result.origin if origin is None else origin
-    return [(rank, r.stage, r.kind, r.microbatch, r.start + shift, r.end + shift, r.wait)
+    return [(rank, r.stage, r.kind.value, r.microbatch, r.start + shift, r.end + shift, r.wait)
             for r in result.records]  # fmt: skip
 
 

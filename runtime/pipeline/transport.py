@@ -23,8 +23,8 @@ traffic between processes (the loss, shared gradients, flags) goes through
 
 Example:
     >>> transport = InProcessTransport()                      # doctest: +SKIP
-    >>> transport.send(("F", 1, 0), arrays, shardings)        # doctest: +SKIP
-    >>> transport.arrived(("F", 1, 0))                         # doctest: +SKIP
+    >>> transport.send(Message(TaskKind.FORWARD, 1, 0), arrays, shardings)  # doctest: +SKIP
+    >>> transport.arrived(Message(TaskKind.FORWARD, 1, 0))                   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -41,26 +41,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-
-#: (kind "F" | "B", destination stage, microbatch)
-Key = tuple[str, int, int]
+from axonn_jax.runtime.pipeline.tasks import Message, TaskKind
 
 
 class Transport(Protocol):
+    """Moves stage messages (:class:`~axonn_jax.runtime.pipeline.tasks.Message`) between stages."""
+
     #: messages may arrive from other processes at any time (the queue polls while it waits)
     polled: bool
 
-    def expect(self, key: Key, avals: Sequence[jax.ShapeDtypeStruct], source_mesh) -> None:
+    def expect(self, key: Message, avals: Sequence[jax.ShapeDtypeStruct], source_mesh) -> None:
         """Post the receives of message ``key`` (arrays like ``avals``, from ``source_mesh``).
 
         The messages of one link (kind and destination stage) are expected, and
         sent, in microbatch order, as the dispatch queue does.
         """
 
-    def arrived(self, key: Key) -> list[jax.Array] | None:
+    def arrived(self, key: Message) -> list[jax.Array] | None:
         """The message's arrays if all of it has arrived (once), else ``None``."""
 
-    def send(self, key: Key, arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> None:
+    def send(self, key: Message, arrays: Sequence[jax.Array], shardings: Sequence[NamedSharding]) -> None:
         """Hand ``arrays`` to the destination stage, laid out as ``shardings``."""
 
     def wait(self, wake: threading.Event, timeout: float) -> None:
@@ -81,7 +81,7 @@ class InProcessTransport:
     polled = False  # a message is handed over by this process's own send
 
     def __init__(self):
-        self._mailbox: dict[Key, list[jax.Array]] = {}
+        self._mailbox: dict[Message, list[jax.Array]] = {}
         self._watchers: dict[int, queue.Queue] = {}  # destination stage → copies to watch
         self._lock = threading.Lock()
         self._wake: threading.Event | None = None  # the waiting queue's event
@@ -96,7 +96,7 @@ class InProcessTransport:
     def send(self, key, arrays, shardings) -> None:
         copies = [jax.device_put(a, s) for a, s in zip(arrays, shardings)]
         self._mailbox[key] = copies
-        self._watcher(key[1]).put(copies)
+        self._watcher(key.stage).put(copies)
 
     def wait(self, wake, timeout) -> None:
         with self._lock:
@@ -288,8 +288,8 @@ class MpiTransport:
         self._flat = [list(m.devices.flat) for m in self.meshes]
         self._positions: dict = {}  # (mesh, device) → flat index
         self._plans: dict = {}  # (kind, stage, avals, source mesh) → tuple[_Piece]
-        self._pending: dict[Key, _Expected] = {}
-        self._complete: set[Key] = set()  # pending keys whose receives completed
+        self._pending: dict[Message, _Expected] = {}
+        self._complete: set[Message] = set()  # pending keys whose receives completed
         self._local: dict[tuple, jax.Array] = {}  # (key, array, position) → shard
         self._landing: list[jax.Array] = []  # returned by arrived(), not ready yet
         self._outgoing: list = []  # (request, host buffer, device array) until sent
@@ -301,11 +301,11 @@ class MpiTransport:
         self._thread = threading.Thread(target=self._sender, name="axonn-mpi-send", daemon=True)
         self._thread.start()
 
-    def _tag(self, key: Key, array: int, position: int) -> int:
+    def _tag(self, key: Message, array: int, position: int) -> int:
         """Distinct per link between two processes: kind, the destination stage's place
         among the stages on its mesh (0 without virtual stages), array, mesh position."""
-        kind = 0 if key[0] == "F" else 1
-        return ((self._chunk[key[1]] * 2 + kind) * 1024 + array) * self._slots + position
+        kind = 0 if key.kind is TaskKind.FORWARD else 1
+        return ((self._chunk[key.stage] * 2 + kind) * 1024 + array) * self._slots + position
 
     def _position(self, mesh, device) -> int:
         found = self._positions.get((mesh, device))
@@ -314,13 +314,13 @@ class MpiTransport:
         return found
 
     # --- receiving --------------------------------------------------------
-    def _plan(self, key: Key, avals, source_mesh) -> tuple[_Piece, ...]:
+    def _plan(self, key: Message, avals, source_mesh) -> tuple[_Piece, ...]:
         """Every local shard of the message and where it comes from (computed once per shape)."""
-        signature = (key[0], key[1], tuple((a.shape, a.dtype, a.sharding) for a in avals), source_mesh)
+        signature = (key.link, tuple((a.shape, a.dtype, a.sharding) for a in avals), source_mesh)
         plan = self._plans.get(signature)
         if plan is not None:
             return plan
-        dst_mesh, pieces = self.meshes[key[1]], []
+        dst_mesh, pieces = self.meshes[key.stage], []
         source_flat = list(source_mesh.devices.flat)
         for i, aval in enumerate(avals):
             for device, index in aval.sharding.addressable_devices_indices_map(aval.shape).items():
@@ -425,7 +425,7 @@ class MpiTransport:
     def send(self, key, arrays, shardings) -> None:
         del shardings  # each shard goes to the same mesh position of the destination stage
         self._active = time.perf_counter()
-        dst_flat = self._flat[key[1]]
+        dst_flat = self._flat[key.stage]
         for i, array in enumerate(arrays):
             src_mesh = array.sharding.mesh
             for shard in array.addressable_shards:

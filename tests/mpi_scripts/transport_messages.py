@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from axonn_jax.runtime.collectives import host_comm  # noqa: E402
 from axonn_jax.runtime.pipeline.transport import MpiTransport  # noqa: E402
+from axonn_jax.runtime.pipeline.tasks import Message, TaskKind  # noqa: E402
 
 M = 6
 me = info.process_index
@@ -87,20 +88,20 @@ def receive(key):
 
 if me == 0:
     for mb in range(M):
-        transport.expect(("B", 0, mb), avals(0), meshes[1])
+        transport.expect(Message(TaskKind.BACKWARD, 0, mb), avals(0), meshes[1])
     for mb in range(M):
-        transport.send(("F", 1, mb), message(mb, 0), [split[1], whole[1], whole[1]])
+        transport.send(Message(TaskKind.FORWARD, 1, mb), message(mb, 0), [split[1], whole[1], whole[1]])
     for mb in range(M):
-        check(receive(("B", 0, mb)), mb, 0)
+        check(receive(Message(TaskKind.BACKWARD, 0, mb)), mb, 0)
 else:
     for mb in range(M):
-        transport.expect(("F", 1, mb), avals(1), meshes[0])
+        transport.expect(Message(TaskKind.FORWARD, 1, mb), avals(1), meshes[0])
     got = {}
     for mb in reversed(range(M)):  # the last one completes only after the earlier ones
-        got[mb] = receive(("F", 1, mb))
+        got[mb] = receive(Message(TaskKind.FORWARD, 1, mb))
         check(got[mb], mb, 1)
     for mb in range(M):  # a link's messages go in microbatch order, as the queue sends them
-        transport.send(("B", 0, mb), got[mb], [split[0], whole[0], whole[0]])
+        transport.send(Message(TaskKind.BACKWARD, 0, mb), got[mb], [split[0], whole[0], whole[0]])
 transport.close()
 assert not transport._outgoing and not transport._queued and not transport._pending
 host_comm().barrier()
