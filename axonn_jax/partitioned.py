@@ -17,7 +17,6 @@ Example (a user-written jitted train step)::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -25,13 +24,12 @@ import jax
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.plan import Plan
-from axonn_jax.partitioner.program import PlanOptions, Program, call_signature, plan_model, program_for
-from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.partitioner.program import PlanOptions, Program, plan_model
 from axonn_jax.runtime import launch
+from axonn_jax.runtime.engine import Engine, build_engine
 from axonn_jax.runtime.overlap import Overlap
-from axonn_jax.runtime.placement import ParamHomes, PlacedModel
-from axonn_jax.runtime.sharded import program_function
-from axonn_jax.runtime.step_report import StepReport, step_report
+from axonn_jax.runtime.placement import ParamHomes
+from axonn_jax.runtime.step_report import StepReport
 
 
 def partition(
@@ -89,8 +87,8 @@ class Partitioned:
     """A model planned for a grid: sharded init, placement, and execution.
 
     The face over the partitioner's :class:`Plan` / :class:`Program` and the
-    runtime's :class:`~axonn_jax.runtime.placement.PlacedModel` (built at the
-    first device use).
+    runtime's :class:`~axonn_jax.runtime.engine.Engine` (chosen here, once:
+    one mesh, or pipeline stages; it places the plan at the first device use).
     """
 
     def __init__(self, model, plan: Plan, program: Program, options: PlanOptions, *,
@@ -98,67 +96,48 @@ class Partitioned:
         self.model, self.plan, self.grid = model, plan, plan.grid
         self.options, self.overlap = options, overlap
         self.program: Program = program  # for the example inputs given to partition()
-        self._programs: dict = {program.signature: program}
-        self._placed: PlacedModel | None = None
-        self._functions: dict = {}  # program signature → jitted program function
-        self._reports: dict = {}
+        #: how the model runs (:class:`~axonn_jax.runtime.engine.SingleMesh` or ``Pipelined``)
+        self.engine: Engine = build_engine(model, plan, program, options, overlap=overlap)
 
     # --- programs ---------------------------------------------------------
     def program_for(self, args: tuple, kwargs: dict) -> Program:
         """The :class:`Program` for a call with these inputs (traced once per signature)."""
-        key = call_signature(args, kwargs)
-        if key not in self._programs:
-            self._programs[key] = program_for(self.model, self.plan, *args,
-                                              options=self.options, **kwargs)  # fmt: skip
-        return self._programs[key]
+        return self.engine.program_for(args, kwargs)
 
     def fingerprint(self) -> dict:
         """What every rank of a job must agree on (see :mod:`axonn_jax.runtime.consistency`)."""
-        from axonn_jax.runtime.consistency import fingerprint
-
-        return fingerprint(self.model, self.plan, self.program, dataclasses.asdict(self.options))
+        return self.engine.fingerprint()
 
     # --- devices ----------------------------------------------------------
     @property
-    def placed(self) -> PlacedModel:
-        """The model on this process's devices (built on first use, after every rank agreed)."""
-        if self._placed is None:
-            from axonn_jax.runtime.consistency import check_consistent
-            from axonn_jax.runtime.mesh import stage_meshes
-
-            check_consistent(self.fingerprint())  # all ranks: same grid, model, inputs
-            self._placed = PlacedModel(self.plan, stage_meshes(self.grid))
-        return self._placed
-
-    @property
     def mesh(self):
         """The stage mesh ``(data, z, y, x)`` of a grid without pipeline (built on first use)."""
-        return self.placed.mesh
+        return self.engine.mesh
 
     @property
     def stage_meshes(self) -> list:
         """One mesh ``(data, z, y, x)`` per pipeline stage, stage 0 first."""
-        return self.placed.meshes
+        return self.engine.placed.meshes
 
     @property
     def local_stages(self) -> list[int]:
         """The pipeline stages with devices on this process."""
-        return self.placed.local
+        return self.engine.placed.local
 
     @property
     def multiprocess(self) -> bool:
         """True when the stages of this grid span more than one process."""
-        return self.placed.multiprocess
+        return self.engine.placed.multiprocess
 
     @property
     def param_homes(self) -> ParamHomes:
         """Which stages use each parameter and its home stage on this process."""
-        return self.placed.homes
+        return self.engine.placed.homes
 
     @property
     def transport(self):
         """How stages exchange messages (in-process copies, or MPI between processes)."""
-        return self.placed.transport
+        return self.engine.placed.transport
 
     @property
     def param_shardings(self):
@@ -167,7 +146,7 @@ class Partitioned:
         With ``pipeline > 1`` each leaf is on the mesh of its home stage on this
         process, and leaves of other processes' stages are ``None``.
         """
-        return self.placed.param_shardings
+        return self.engine.placed.param_shardings
 
     @property
     def param_structs(self):
@@ -196,10 +175,7 @@ class Partitioned:
         nnx modules carry their values already: those are placed with :meth:`shard`.
         """
         del args, kwargs  # shapes come from the example inputs given to partition()
-        traced = self.program.traced
-        if traced.kind == "nnx":
-            return self.shard(traced.init(key))
-        return self.placed.init(traced.init, key)
+        return self.engine.init(key)
 
     def shard(self, full_params):
         """Place a full params pytree (e.g. pretrained weights) into the layout.
@@ -208,7 +184,7 @@ class Partitioned:
         (returned in the same form).
         """
         tree, wrapped = self._planned_tree(full_params)
-        return _wrap(self.placed.shard(tree), wrapped)
+        return _wrap(self.engine.placed.shard(tree), wrapped)
 
     def gather(self, params, opt_state=None):
         """Full parameters back as host NumPy arrays, on every process.
@@ -228,12 +204,7 @@ class Partitioned:
             >>> full = pm.gather(params, opt_state)   # fp32 masters of a bf16 step  # doctest: +SKIP
         """
         tree, wrapped = self._planned_tree(params)
-        if opt_state is not None:
-            from axonn_jax.runtime.model_call import ModelCall
-            from axonn_jax.runtime.train_step import master_params
-
-            tree = master_params(self.placed, ModelCall.of(self.program.traced), tree, opt_state)
-        return _wrap(self.placed.gather(tree), wrapped)
+        return _wrap(self.engine.gather(tree, opt_state), wrapped)
 
     def init_optimizer(self, optimizer, params):
         """``optimizer.init(params)`` laid out as a jitted step returns it, so the step compiles once.
@@ -244,21 +215,8 @@ class Partitioned:
         first step they live on the mesh, and the step compiles a second time.
         With a pipeline, ``pm.train_step(...).init(params)`` places the state per stage.
         """
-        from jax.sharding import NamedSharding
-        from jax.sharding import PartitionSpec as P
-
-        from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
-
-        if self.grid.pipeline > 1:
-            raise ValueError(
-                f"init_optimizer lays the state out on one mesh, and {self.grid} has "
-                f"{self.grid.pipeline} stage meshes. Remedy: step = pm.train_step(loss_fn, "
-                "optimizer); params, opt_state = step.init(params)."
-            )
         _, wrapped = self._planned_tree(params)
-        shardings = optimizer_state_shardings(optimizer, params, _wrap(self.param_shardings, wrapped),
-                                              NamedSharding(self.mesh, P()))  # fmt: skip
-        return jax.jit(optimizer.init, out_shardings=shardings)(params)
+        return self.engine.init_optimizer(optimizer, params, wrap=lambda tree: _wrap(tree, wrapped))
 
     def _planned_tree(self, tree) -> tuple[Any, bool]:
         """``tree`` as the plan holds it, and whether it came as ``{'params': tree}``.
@@ -277,7 +235,7 @@ class Partitioned:
         ``dtypes=False`` accepts floating leaves of another precision (the
         half-precision device parameters of ``train_step(precision=...)``).
         """
-        self.placed.check_params(params, dtypes=dtypes)
+        self.engine.placed.check_params(params, dtypes=dtypes)
 
     # --- execution --------------------------------------------------------
     def apply(self, params, *args, **kwargs):
@@ -297,17 +255,7 @@ class Partitioned:
             ...                         mutable=["batch_stats"])
         """
         params, _ = self._planned_tree(params)
-        if self.grid.pipeline > 1:
-            return self.forward(params, *args, **kwargs)
-        arg_leaves, _ = call_leaves(args, kwargs)
-        program = self.program_for(args, kwargs)
-        self.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
-        param_leaves = jax.tree.leaves(params)
-        if program.signature not in self._functions:  # one jitted function per input signature
-            self._functions[program.signature] = program_function(program, self.mesh,
-                                                                   overlap=self.overlap)  # fmt: skip
-        outs = self._functions[program.signature](list(param_leaves), list(arg_leaves))
-        return jax.tree.unflatten(program.out_tree, outs)
+        return self.engine.apply(params, args, kwargs)
 
     __call__ = apply
 
@@ -324,20 +272,8 @@ class Partitioned:
         Example:
             >>> logits = pm.forward(params, tokens, microbatches=4)  # doctest: +SKIP
         """
-        if self.grid.pipeline == 1:
-            return self.apply(params, *args, **kwargs)
-        from axonn_jax.runtime.pipeline.forward import is_traced, pipelined_forward
-
-        if is_traced((params, args, kwargs)):
-            raise ValueError(
-                f"pm.apply on a pipeline grid ({self.grid}) runs the stages from Python, one "
-                "process per stage, so it cannot be traced by jax.jit/jax.grad. Remedy: call "
-                "pm.apply (or pm.forward) outside jax.jit for evaluation and sampling, and "
-                "train with pm.value_and_grad / pm.train_step."
-            )
         params, _ = self._planned_tree(params)
-        return pipelined_forward(self.placed, self.program_for, params, args, kwargs,
-                                 microbatches=microbatches, overlap=self.overlap, timeout=timeout)  # fmt: skip
+        return self.engine.forward(params, args, kwargs, microbatches=microbatches, timeout=timeout)
 
     # --- training ---------------------------------------------------------
     def value_and_grad(
@@ -374,21 +310,9 @@ class Partitioned:
             >>> step = pm.value_and_grad(lambda logits, t: next_token_loss(logits, t))  # doctest: +SKIP
             >>> loss, grads = step(params, tokens)                                      # doctest: +SKIP
         """
-        from axonn_jax.runtime.pipeline.runner import (PipelinedValueAndGrad, PipelineOptions,
-                                                       default_inputs, microbatched_value_and_grad)  # fmt: skip
-        from axonn_jax.runtime.remat import resolve_remat
-
-        from axonn_jax.runtime.model_call import ModelCall, check_differentiable
-
-        check_differentiable(self.plan.params)
-        remat = resolve_remat(remat)
-        call = ModelCall.of(self.program.traced)
-        if self.grid.pipeline == 1:
-            return microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs or default_inputs,
-                                               microbatches, remat, call)  # fmt: skip
-        options = PipelineOptions(microbatches, schedule, limit, timeout, remat, delay, asynchronous)
-        return PipelinedValueAndGrad(self.placed, self.program_for, loss_fn, inputs=inputs,
-                                     options=options, overlap=self.overlap, call=call)  # fmt: skip
+        return self.engine.value_and_grad(loss_fn, inputs=inputs, microbatches=microbatches,
+                                          schedule=schedule, limit=limit, timeout=timeout, remat=remat,
+                                          delay=delay, asynchronous=asynchronous)  # fmt: skip
 
     def train_step(self, loss_fn: Callable, optimizer, *, precision: str = "fp32",
                    offload: bool = False, update_on: str = "host",
@@ -407,13 +331,8 @@ class Partitioned:
             >>> params, opt_state = step.init(params)                              # doctest: +SKIP
             >>> params, opt_state, loss = step(params, opt_state, tokens)          # doctest: +SKIP
         """
-        from axonn_jax.runtime.train_step import TrainStep
-
-        from axonn_jax.runtime.model_call import ModelCall
-
-        return TrainStep(self.placed, self.value_and_grad, loss_fn, optimizer, precision=precision,
-                         offload=offload, update_on=update_on, bucket_bytes=bucket_bytes,
-                         call=ModelCall.of(self.program.traced), **options)  # fmt: skip
+        return self.engine.train_step(loss_fn, optimizer, precision=precision, offload=offload,
+                                      update_on=update_on, bucket_bytes=bucket_bytes, **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
     def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
@@ -431,12 +350,7 @@ class Partitioned:
             print(pm.report())                 # plan table, memory, collectives
             pm.report().communication.wire_bytes
         """
-        key = (call_signature(args, kwargs), optimizer_slots)
-        if key not in self._reports:
-            self._reports[key] = step_report(self.plan, self.program_for, *args, example=self.program,
-                                             overlap=self.overlap, optimizer_slots=optimizer_slots,
-                                             **kwargs)  # fmt: skip
-        return self._reports[key]
+        return self.engine.report(args, kwargs, optimizer_slots=optimizer_slots)
 
 
 def _wrap(tree, wrapped: bool):

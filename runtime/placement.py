@@ -77,25 +77,14 @@ class PlacedModel:
         self.meshes = list(meshes)
         self.local = local_stages(self.meshes)
         self.homes = ParamHomes.of(plan, self.local)
-        processes = {d.process_index for m in self.meshes for d in m.devices.flat}
+        by_stage = [{d.process_index for d in m.devices.flat} for m in self.meshes]
+        processes = set().union(*by_stage)
         self.multiprocess = len(processes) > 1
+        #: some stage has no devices on some process: parameters are held apart, per process
+        self.spread = any(stage != processes for stage in by_stage)
         self._transport: Transport | None = None
         #: the host collectives of the processes of these meshes
         self.host: HostCollectives = host_comm()
-        #: compiled pipeline stage programs (see :mod:`axonn_jax.runtime.pipeline.runner`)
-        self.stage_programs: dict = {}
-
-    @property
-    def mesh(self) -> jax.sharding.Mesh:
-        """The stage mesh of a grid without pipeline."""
-        if self.grid.pipeline != 1:
-            raise ValueError(
-                f"{self.grid} has pipeline={self.grid.pipeline}: each stage has its own "
-                "mesh (pm.stage_meshes); the model trains through pm.value_and_grad / "
-                "pm.train_step and runs forward through pm.apply / pm.forward. pm.mesh needs "
-                "pipeline=1."
-            )
-        return self.meshes[0]
 
     @property
     def transport(self) -> Transport:
@@ -108,8 +97,6 @@ class PlacedModel:
     @property
     def param_shardings(self):
         """NamedSharding pytree matching the params pytree (``None`` for other processes' leaves)."""
-        if self.grid.pipeline == 1:
-            return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.param_specs)
         home = self.homes.home
         leaves = [None if home[i] is None else NamedSharding(self.meshes[home[i]], p.spec)
                   for i, p in enumerate(self.plan.params)]  # fmt: skip
@@ -124,11 +111,9 @@ class PlacedModel:
     def init(self, init_fn: Callable, key: jax.Array):
         """``init_fn(key)`` (full params) computed directly in the sharded layout.
 
-        One program per local stage with a pipeline, each keeping only its leaves.
+        One program per local stage (per home mesh), each keeping only its leaves.
         """
         shardings = jax.tree.leaves(self.param_shardings, is_leaf=lambda x: x is None)
-        if self.grid.pipeline == 1:
-            return jax.jit(init_fn, out_shardings=self.param_shardings)(key)
         leaves: list = [None] * len(shardings)
         for mine in self.homes.groups().values():
 
@@ -164,7 +149,7 @@ class PlacedModel:
             gathered = jax.jit(lambda p: p, out_shardings=[full] * len(idx))([leaves[i] for i in idx])
             for i, a in zip(idx, gathered):
                 out[i] = np.asarray(a.addressable_data(0))
-        if self.grid.pipeline > 1 and self.multiprocess:  # the same decision on every rank
+        if self.spread:  # leaves held elsewhere: the same decision on every rank
             for part in self.host.allgather([(i, a) for i, a in enumerate(out) if a is not None]):
                 for i, a in part:
                     out[i] = a if out[i] is None else out[i]
@@ -175,8 +160,7 @@ class PlacedModel:
         leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
             self.check_params(params)
-        home = self.homes.home if self.grid.pipeline > 1 else [0] * len(leaves)
-        if any(leaf is None and h is not None for leaf, h in zip(leaves, home)):
+        if any(leaf is None and h is not None for leaf, h in zip(leaves, self.homes.home)):
             self.check_params(params)
         return leaves
 
@@ -198,7 +182,7 @@ class PlacedModel:
             )
         for i, ((_, leaf), p) in enumerate(zip(leaves_with_path, plan.params)):
             if leaf is None:
-                if self.grid.pipeline == 1 or self.homes.home[i] is not None:
+                if self.homes.home[i] is not None:
                     raise ValueError(
                         f"parameter '{p.path}' is None but this process runs a stage that uses "
                         f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard."

@@ -71,7 +71,8 @@ def _probe_bwd(_, ct):
 probe.defvjp(_probe_fwd, _probe_bwd)
 
 
-def _is_drop(var) -> bool:
+def is_drop(var) -> bool:
+    """Whether ``var`` is a dropped output (``_`` in a jaxpr: nothing reads it)."""
     return type(var).__name__ == "DropVar"
 
 
@@ -83,7 +84,7 @@ class ProbedStage:
         #: (position in flow.eqns, output index) of every checked value
         self.slots: list[tuple[int, int]] = [
             (i, k) for i, eqn in enumerate(flow.eqns) for k, v in enumerate(eqn.outvars)
-            if not _is_drop(v) and is_float(v.aval)
+            if not is_drop(v) and is_float(v.aval)
         ]  # fmt: skip
         self.manual = manual_axes(mesh, self.grid)
         self.diff_in, self.diff_out = flow.diff_in, flow.diff_out

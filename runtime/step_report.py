@@ -12,8 +12,8 @@ loss (outside the model, inserted by the compiler for the batch split) are
 not part of the report.
 
 Example:
-    >>> report = step_report(pm)                          # doctest: +SKIP
-    >>> print(report.communication)                       # doctest: +SKIP
+    >>> report = step_report(plan, program, (tokens,), {})   # doctest: +SKIP
+    >>> print(report.communication)                          # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -71,39 +71,33 @@ class StepReport:
                 f"\n\n{self.compute}")
 
 
+def abstract_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's inputs as ``ShapeDtypeStruct`` (static flags kept as they are)."""
+    return jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+
+
 def abstract_stage_mesh(grid: Grid) -> AbstractMesh:
     """The ``(data, z, y, x)`` stage mesh of ``grid`` without devices."""
     return AbstractMesh(tuple(grid.stage_shape.values()), STAGE_AXES)
 
 
-def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
-                example: Program, overlap: Overlap = Overlap(), optimizer_slots: int = 2,
-                **kwargs) -> StepReport:  # fmt: skip
-    """Trace one training step of a planned model on ``args`` (default: the example inputs).
+def step_report(plan: Plan, program: Program, args: tuple, kwargs: dict, *,
+                overlap: Overlap = Overlap(), optimizer_slots: int = 2) -> StepReport:  # fmt: skip
+    """Trace one training step of a planned model (one mesh) on ``args``/``kwargs``.
 
     The forward pass is traced as ``jax.vjp`` of the model (its outputs plus
     the residuals autodiff keeps), the backward pass as the pullback on those
     residuals: together exactly ``jax.value_and_grad`` of ``pm.apply``.
 
     Args:
-        plan: the :class:`Plan`, with ``grid.pipeline == 1``.
-        programs: ``programs(args, kwargs)`` → the :class:`Program` for those inputs.
-        args, kwargs: model inputs (arrays or ``ShapeDtypeStruct``); none given
-            means those of ``example`` (the Program of ``partition()``'s inputs).
+        plan: the :class:`Plan` of a model that runs on one mesh.
+        program: its :class:`Program` for these inputs.
+        args, kwargs: model inputs (arrays or ``ShapeDtypeStruct``).
         overlap: the communication overlap the executor sets up.
         optimizer_slots: fp32 optimizer values per parameter element (2 for Adam).
     """
     grid = plan.grid
-    if grid.pipeline != 1:
-        raise NotImplementedError(
-            f"{grid} has pipeline={grid.pipeline}: step reports cover grids with "
-            "pipeline=1 (the ones pm.apply runs). Remedy: report one stage's grid, e.g. "
-            f"Grid(x={grid.x}, y={grid.y}, z={grid.z}, data={grid.data})."
-        )
-    if not args and not kwargs:
-        args, kwargs = example.traced.example_call()
-    args, kwargs = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
-    program = programs(args, kwargs)
+    args, kwargs = abstract_call(args, kwargs)
     mesh = abstract_stage_mesh(grid)
 
     def apply(p, a, k):

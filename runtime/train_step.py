@@ -9,6 +9,12 @@ gradients overflowed anywhere (any shard, stage or process) is skipped
 everywhere and the scale halves. Every program has fixed output shardings, so
 a step compiles once.
 
+The engine (:mod:`axonn_jax.runtime.engine`) picks the step's kind:
+:class:`SingleMeshStep` runs the whole step as one jitted program;
+:class:`PipelinedStep` takes the gradients from the dispatch queue and
+updates each local stage with a program of its own. Both keep one
+:class:`UpdateProgram` per local stage (one stage without a pipeline).
+
 Example:
     >>> step = pm.train_step(loss_fn, optax.adamw(1e-3), microbatches=4,   # doctest: +SKIP
     ...                      precision="bf16", offload=True)
@@ -18,9 +24,12 @@ Example:
 
 from __future__ import annotations
 
+import abc
+import dataclasses
+import functools
 import re
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import numpy as np
@@ -29,21 +38,47 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
-from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, check_offloadable
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.stage_update import StageUpdate, describe
 
-#: ``value_and_grad(loss_fn, **options)`` → ``(params, batch) → (loss, grads)``
-GradientFactory = Callable[..., Callable]
+if TYPE_CHECKING:
+    from axonn_jax.runtime.engine import Engine
+    from axonn_jax.runtime.model_call import ModelCall
 
 
 class OptState(NamedTuple):
     """What :class:`TrainStep` carries between steps besides the device parameters."""
 
-    optimizer: Any  # MasterState (or {stage: MasterState} with a pipeline)
+    optimizer: Any  # MasterState, or {stage: MasterState} with a pipeline (Engine.pack_states)
     loss_scale: LossScale | None  # fp16 only
+
+
+@dataclasses.dataclass(frozen=True)
+class MasterSettings:
+    """The device parameters' precision, and where the float32 masters and optimizer state live.
+
+    See :class:`~axonn_jax.runtime.master_optimizer.MasterOptimizer` for ``offload``,
+    ``update_on`` and ``bucket_bytes``.
+    """
+
+    precision: Precision
+    offload: bool = False
+    update_on: str = "host"
+    bucket_bytes: int = 64 * 2**20
+
+    def wrap(self, optimizer: optax.GradientTransformation, param_shardings) -> MasterOptimizer:
+        """``optimizer`` with these settings over parameters laid out as ``param_shardings``."""
+        return MasterOptimizer(optimizer, param_shardings, precision=self.precision, offload=self.offload,
+                               update_on=self.update_on, bucket_bytes=self.bucket_bytes)  # fmt: skip
+
+
+class UpdateProgram(NamedTuple):
+    """One local stage's optimizer and its jitted program (the whole step on one mesh)."""
+
+    optimizer: MasterOptimizer
+    run: Callable
 
 
 def _none(x) -> bool:
@@ -55,21 +90,11 @@ def _first_held(*trees):
     return jax.tree.map(lambda *xs: next((x for x in xs if x is not None), None), *trees, is_leaf=_none)
 
 
-class TrainStep:
-    """``(params, opt_state, batch) → (params, opt_state, loss)``.
-
-    Without a pipeline the whole step is one jitted program. With a pipeline,
-    the gradients come from the dispatch queue and the update runs as one
-    program per stage on this process (each stage's parameters live on that
-    stage's mesh); the finiteness flag of fp16 is combined over stages and
-    processes before any stage updates. An optimizer that combines stages
-    (global-norm clipping) runs as the same whole-model update split into
-    rounds over the stages (:mod:`~axonn_jax.runtime.stage_update`).
+class TrainStep(abc.ABC):
+    """``(params, opt_state, batch) → (params, opt_state, loss)``; built by ``engine.train_step``.
 
     Args:
-        placed: the model on this process's devices.
-        value_and_grad: ``value_and_grad(loss_fn, **options)`` → the gradient
-            function (``pm.value_and_grad``).
+        engine: the model's engine (its kind decides the subclass).
         loss_fn: ``loss_fn(outputs, batch) → scalar``.
         optimizer: any optax ``GradientTransformation``.
         precision: "fp32" (default), "bf16" or "fp16" parameters and gradients on device.
@@ -78,120 +103,53 @@ class TrainStep:
         **options: those of :meth:`~axonn_jax.Partitioned.value_and_grad`.
     """
 
-    def __init__(self, placed: PlacedModel, value_and_grad: GradientFactory, loss_fn: Callable,
-                 optimizer: optax.GradientTransformation, *,
-                 precision: str | Precision = "fp32", offload: bool = False,
-                 update_on: str = "host", bucket_bytes: int = 64 * 2**20,
-                 call: ModelCall | None = None, **options):  # fmt: skip
-        self.placed, self.loss_fn, self.optimizer = placed, loss_fn, optimizer
-        self.call = call or ModelCall({}, stateful=False, mutable=())
-        self.plan = placed.plan
-        self._gradients = value_and_grad
-        self.precision = Precision.of(precision)
-        self.master = dict(precision=self.precision, offload=offload, update_on=update_on,
-                           bucket_bytes=bucket_bytes)  # fmt: skip
+    def __init__(self, engine: Engine, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
+                 precision: str | Precision = "fp32", offload: bool = False, update_on: str = "host",
+                 bucket_bytes: int = 64 * 2**20, **options):  # fmt: skip
+        self.engine, self.loss_fn, self.optimizer = engine, loss_fn, optimizer
+        self.placed: PlacedModel = engine.placed
+        self.call: ModelCall = engine.call
+        self.plan = engine.plan
+        self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes)
+        self._refuse(self.settings)
         self.options = options
-        if placed.grid.pipeline > 1 and self.precision.loss_scaling:
-            raise ValueError(
-                f"precision fp16 needs dynamic loss scaling, which pipelined steps "
-                f"({placed.grid}) do not support yet. Remedy: precision='bf16' (no loss scale "
-                "needed), or a grid with pipeline=1."
-            )
         if offload:
             check_offloadable(optimizer)
-        self.value_and_grad = value_and_grad(loss_fn, **options)
-        self._programs: dict = {}  # stage (or None) → (MasterOptimizer, jitted step/update)
-        self._across_stages: StageUpdate | None | bool = False  # False: not analysed yet
+        self.value_and_grad = engine.value_and_grad(loss_fn, **options)
+        self._programs: dict[int, UpdateProgram] = {}  # local stage → its optimizer and program
+
+    # --- what the kinds of step differ in ---------------------------------------------
+    def _refuse(self, settings: MasterSettings) -> None:
+        """Raise for settings this kind of step cannot run (before anything compiles)."""
+
+    def _check_exact(self) -> None:
+        """Raise, before :meth:`init` does any work, if this step cannot update exactly."""
+
+    @abc.abstractmethod
+    def _compile(self, optimizer: MasterOptimizer, out_shardings: tuple) -> Callable:
+        """The jitted program of one stage (``out_shardings``: of its parameters and state)."""
+
+    @abc.abstractmethod
+    def __call__(self, params, opt_state: OptState, batch, rngs=None):
+        """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""
 
     # --- pieces -----------------------------------------------------------------
-    def _optimizer(self, stage) -> MasterOptimizer:
-        placed = self.placed
-        if stage is None:
-            shardings, _ = self.call.split(placed.param_shardings)
-        else:
-            shardings = self._stage_tree(jax.tree.leaves(placed.param_shardings, is_leaf=_none),
-                                         stage)  # fmt: skip
-        return MasterOptimizer(self.optimizer, shardings, **self.master)
-
-    def _compiled(self, stage):
-        if stage in self._programs:
-            return self._programs[stage]
-        master = self._optimizer(stage)
-        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        if stage is None:
-            abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
-        else:
-            abstract = self._stage_tree(abstract, stage)
-        # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
-        out = (master.param_shardings, master.state_shardings(abstract))
-        if stage is None:
-            _, state_shardings = self.call.split(self.placed.param_shardings)
-            out = (self.call.merge(out[0], state_shardings), out[1])
-            replicated = NamedSharding(self.placed.mesh, P())
-            scale = replicated if self.precision.loss_scaling else None
-            run = jax.jit(self._whole_step(master), donate_argnums=(0, 1),
-                          out_shardings=(out[0], OptState(out[1], scale), replicated))  # fmt: skip
-        else:
-
-            def update(params, grads, state, finite):
-                return master.update(grads, state, params, finite=finite)
-
-            run = jax.jit(update, donate_argnums=(0, 2), out_shardings=out)
-        self._programs[stage] = (master, run)
-        return self._programs[stage]
-
-    def _whole_step(self, master: MasterOptimizer):
-        gradients, plan, loss_fn, options = self._gradients, self.plan, self.loss_fn, self.options
-        call = self.call
-
-        def step(variables, opt_state: OptState, batch, rngs):
-            scale = opt_state.loss_scale
-
-            def scaled_loss(outputs, b):
-                loss = loss_fn(outputs, b)
-                return scale.scale_loss(loss) if scale is not None else loss
-
-            value_and_grad = gradients(scaled_loss, **options)
-            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs)
-            params, model_state = call.split(variables)
-            if call.stateful:
-                loss, updates = loss
-                model_state = {**model_state, **updates}
-            finite = all_finite(grads) if scale is not None else None
-            params, state = master.update(grads, opt_state.optimizer, params, finite=finite,
-                                          grad_scale=None if scale is None else scale.scale)  # fmt: skip
-            if scale is not None:
-                loss, scale = loss / scale.scale, scale.update(finite)
-            return call.merge(params, model_state), OptState(state, scale), loss
-
-        return step
+    def _groups(self) -> dict[int, list[int]]:
+        return trainable_groups(self.placed)
 
     def _stage_tree(self, leaves: list, stage: int):
         """Stage ``stage``'s trainable leaves as the params tree (``None`` elsewhere)."""
-        return self.call.split(self.placed.subtree(leaves, trainable_groups(self.placed)[stage]))[0]
+        return self.call.split(self.placed.subtree(leaves, self._groups()[stage]))[0]
 
-    def _stage_update(self) -> StageUpdate | None:
-        """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
-        if self._across_stages is False:
-            masters = {s: self._compiled(s)[0] for s in trainable_groups(self.placed)}
+    def _program(self, stage: int) -> UpdateProgram:
+        if stage not in self._programs:
+            shardings = jax.tree.leaves(self.placed.param_shardings, is_leaf=_none)
+            optimizer = self.settings.wrap(self.optimizer, self._stage_tree(shardings, stage))
             abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-            update = StageUpdate.of(self.placed, masters,
-                                    jax.tree.unflatten(self.plan.param_tree, abstract))  # fmt: skip
-            if update is not None and self.call.stateful:
-                raise ValueError(
-                    f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
-                    f"stages, which is not yet supported for models with state (BatchNorm "
-                    f"statistics) on {self.placed.grid}. Remedy: a leaf-wise optimizer (clip per "
-                    "leaf, e.g. optax.clip), or pipeline=1."
-                )
-            if update is not None and self.master["offload"]:
-                raise ValueError(
-                    f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
-                    f"stages (e.g. a global norm), which offload=True cannot do exactly on "
-                    f"{self.placed.grid}. Remedy: offload=False, a leaf-wise optimizer, or pipeline=1."
-                )
-            self._across_stages = update
-        return self._across_stages
+            # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
+            out = (optimizer.param_shardings, optimizer.state_shardings(self._stage_tree(abstract, stage)))
+            self._programs[stage] = UpdateProgram(optimizer, self._compile(optimizer, out))
+        return self._programs[stage]
 
     # --- the public calls -----------------------------------------------------------
     def init(self, params) -> tuple[Any, OptState]:
@@ -201,23 +159,18 @@ class TrainStep:
         optimizer (hyperparameters included) and step options.
         """
         self._check_ranks_agree()
-        scale = self.precision.loss_scale() if self.precision.loss_scaling else None
-        placed = self.placed
-        if placed.grid.pipeline == 1:
-            params, model_state = self.call.split(params)
-            device, state = self._compiled(None)[0].init(params)
-            if scale is not None:
-                scale = jax.device_put(scale, NamedSharding(placed.mesh, P()))
-            return self.call.merge(device, model_state), OptState(state, scale)
-        self._stage_update()  # refuse what cannot be exact before any work
-        leaves = placed.param_leaves(params)
+        self._check_exact()
+        leaves = self.placed.param_leaves(params)
         out, states = list(leaves), {}
-        for s, idx in trainable_groups(self.placed).items():
-            device, states[s] = self._compiled(s)[0].init(self._stage_tree(leaves, s))
+        for s, idx in self._groups().items():
+            device, states[s] = self._program(s).optimizer.init(self._stage_tree(leaves, s))
             new = plan_leaves(self.placed, self.call, device)
             for i in idx:
                 out[i] = new[i]
-        return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, scale)
+        scale = None
+        if self.settings.precision.loss_scaling:
+            scale = jax.device_put(self.settings.precision.loss_scale(), NamedSharding(self.engine.mesh, P()))
+        return jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(states), scale)
 
     # --- checkpoints: one form for every grid, pipeline and offload mode ----------------
     def checkpoint_state(self, params, opt_state: OptState) -> tuple[Any, dict]:
@@ -232,12 +185,11 @@ class TrainStep:
         ``restore_train_state`` do all three).
         """
         _check_step_inputs(params, opt_state)
-        states = ([opt_state.optimizer] if self.placed.grid.pipeline == 1
-                  else [opt_state.optimizer[s] for s in sorted(opt_state.optimizer)])  # fmt: skip
-        saved = {"inner": _first_held(*(s.inner for s in states))}
+        states = self.engine.unpack_states(opt_state.optimizer)
+        saved = {"inner": _first_held(*(states[s].inner for s in sorted(states)))}
         if opt_state.loss_scale is not None:
             saved["loss_scale"] = opt_state.loss_scale
-        return master_params(self.placed, self.call, params, opt_state), saved
+        return master_params(self.engine, params, opt_state), saved
 
     def checkpoint_target(self, params, opt_state: OptState) -> tuple[Any, dict]:
         """Restore targets for :meth:`checkpoint_state`'s form, from a fresh :meth:`init`.
@@ -261,8 +213,7 @@ class TrainStep:
         process's stages (scalars such as step counts copied to each stage).
         """
         device, opt_state = self.init(params)
-        states = ({None: opt_state.optimizer} if self.placed.grid.pipeline == 1
-                  else dict(opt_state.optimizer))  # fmt: skip
+        states = self.engine.unpack_states(opt_state.optimizer)
         for s, state in states.items():
             # a copy per stage: with virtual stages several stages share one mesh, and a saved
             # array already on it (a step count) must not become one buffer that each stage's
@@ -276,23 +227,111 @@ class TrainStep:
         scale = opt_state.loss_scale
         if scale is not None and "loss_scale" in saved:
             scale = jax.tree.map(lambda like, v: jax.device_put(v, like.sharding), scale, saved["loss_scale"])
-        optimizer = states[None] if self.placed.grid.pipeline == 1 else states
-        return device, OptState(optimizer, scale)
+        return device, OptState(self.engine.pack_states(states), scale)
 
     def _check_ranks_agree(self) -> None:
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
         abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
-        options = {k: _stable_repr(v) for k, v in {**self.options, **self.master}.items()}
+        settings = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
+        options = {k: _stable_repr(v) for k, v in {**self.options, **settings}.items()}
         check_consistent(step_fingerprint(self.optimizer, abstract, options), remedy=(
             " Remedy: build the optimizer and train-step options from the same arguments on "
             "every rank (learning rate, schedule, clipping, precision, microbatches)."))
 
+
+class SingleMeshStep(TrainStep):
+    """The whole step, gradients and update, as one jitted program on the engine's mesh."""
+
+    def _compile(self, optimizer, out_shardings):
+        params_out, state_out = out_shardings
+        _, model_state = self.call.split(self.placed.param_shardings)
+        replicated = NamedSharding(self.engine.mesh, P())
+        scale = replicated if self.settings.precision.loss_scaling else None
+        return jax.jit(self._whole_step(optimizer), donate_argnums=(0, 1),
+                       out_shardings=(self.call.merge(params_out, model_state), OptState(state_out, scale),
+                                      replicated))  # fmt: skip
+
+    def _whole_step(self, optimizer: MasterOptimizer):
+        engine, plan, loss_fn, options, call = self.engine, self.plan, self.loss_fn, self.options, self.call
+
+        def step(variables, opt_state: OptState, batch, rngs):
+            scale = opt_state.loss_scale
+
+            def scaled_loss(outputs, b):
+                loss = loss_fn(outputs, b)
+                return scale.scale_loss(loss) if scale is not None else loss
+
+            value_and_grad = engine.value_and_grad(scaled_loss, **options)
+            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs)
+            params, model_state = call.split(variables)
+            if call.stateful:
+                loss, updates = loss
+                model_state = {**model_state, **updates}
+            finite = all_finite(grads) if scale is not None else None
+            params, state = optimizer.update(grads, opt_state.optimizer, params, finite=finite,
+                                             grad_scale=None if scale is None else scale.scale)  # fmt: skip
+            if scale is not None:
+                loss, scale = loss / scale.scale, scale.update(finite)
+            return call.merge(params, model_state), OptState(state, scale), loss
+
+        return step
+
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
-        """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""
+        _check_step_inputs(params, opt_state)
+        return self._program(0).run(params, opt_state, batch, rngs)
+
+
+class PipelinedStep(TrainStep):
+    """Gradients from the dispatch queue, then one update program per local stage.
+
+    Each stage's parameters live on that stage's mesh. The finiteness flag of
+    bf16 steps is combined over stages and processes before any stage updates.
+    An optimizer that combines stages (global-norm clipping) runs as the same
+    whole-model update split into rounds over the stages
+    (:mod:`~axonn_jax.runtime.stage_update`).
+    """
+
+    def _refuse(self, settings):
+        if settings.precision.loss_scaling:
+            raise ValueError(
+                f"precision fp16 needs dynamic loss scaling, which pipelined steps "
+                f"({self.engine.grid}) do not support yet. Remedy: precision='bf16' (no loss scale "
+                "needed), or a grid with pipeline=1."
+            )
+
+    def _compile(self, optimizer, out_shardings):
+        def update(params, grads, state, finite):
+            return optimizer.update(grads, state, params, finite=finite)
+
+        return jax.jit(update, donate_argnums=(0, 2), out_shardings=out_shardings)
+
+    @functools.cached_property
+    def across_stages(self) -> StageUpdate | None:
+        """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
+        optimizers = {s: self._program(s).optimizer for s in self._groups()}
+        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
+        update = StageUpdate.of(self.placed, optimizers, jax.tree.unflatten(self.plan.param_tree, abstract))
+        if update is not None and self.call.stateful:
+            raise ValueError(
+                f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
+                f"stages, which is not yet supported for models with state (BatchNorm "
+                f"statistics) on {self.placed.grid}. Remedy: a leaf-wise optimizer (clip per "
+                "leaf, e.g. optax.clip), or pipeline=1."
+            )
+        if update is not None and self.settings.offload:
+            raise ValueError(
+                f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
+                f"stages (e.g. a global norm), which offload=True cannot do exactly on "
+                f"{self.placed.grid}. Remedy: offload=False, a leaf-wise optimizer, or pipeline=1."
+            )
+        return update
+
+    def _check_exact(self) -> None:
+        self.across_stages  # noqa: B018 - analysed once; raises what cannot be exact
+
+    def __call__(self, params, opt_state: OptState, batch, rngs=None):
         _check_step_inputs(params, opt_state)
         placed = self.placed
-        if placed.grid.pipeline == 1:
-            return self._compiled(None)[1](params, opt_state, batch, rngs)
         loss, grads = self.value_and_grad(params, batch, rngs)
         if self.call.stateful:  # the new state takes the place of the old; it is not optimized
             loss, new_state = loss
@@ -301,28 +340,27 @@ class TrainStep:
         p_leaves = placed.param_leaves(params)
         g_leaves = placed.param_leaves(grads)
         finite = None
-        if self.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
+        if self.settings.precision.half:  # skip the step everywhere if any stage, on any process, overflowed
             local = all(bool(np.asarray(all_finite(g))) for g in g_leaves if g is not None)
             finite = placed.host.all_true(local)
-        groups = trainable_groups(self.placed)
-        across = self._stage_update()
-        if across is not None:  # the whole-model update, in rounds over the stages
-            stage_params, states = across({s: self._stage_tree(p_leaves, s) for s in groups},
-                                          {s: self._stage_tree(g_leaves, s) for s in groups},
-                                          opt_state.optimizer, finite)  # fmt: skip
+        groups = self._groups()
+        stage_params = {s: self._stage_tree(p_leaves, s) for s in groups}
+        stage_grads = {s: self._stage_tree(g_leaves, s) for s in groups}
+        states = self.engine.unpack_states(opt_state.optimizer)
+        if self.across_stages is not None:  # the whole-model update, in rounds over the stages
+            new_params, new_states = self.across_stages(stage_params, stage_grads, states, finite)
         else:  # leaf-wise: each stage on its own is exact
-            stage_params, states = {}, {}
-            for s, idx in groups.items():
-                stage_params[s], states[s] = self._compiled(s)[1](
-                    self._stage_tree(p_leaves, s), self._stage_tree(g_leaves, s),
-                    opt_state.optimizer[s], finite,
-                )  # fmt: skip
+            new_params, new_states = {}, {}
+            for s in groups:
+                new_params[s], new_states[s] = self._program(s).run(stage_params[s], stage_grads[s],
+                                                                    states[s], finite)  # fmt: skip
         out = list(p_leaves)
         for s, idx in groups.items():
-            new = plan_leaves(self.placed, self.call, stage_params[s])
+            new = plan_leaves(placed, self.call, new_params[s])
             for i in idx:
                 out[i] = new[i]
-        return jax.tree.unflatten(self.plan.param_tree, out), OptState(states, None), loss
+        return (jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(new_states), None),
+                loss)  # fmt: skip
 
 
 def plan_leaves(placed: PlacedModel, call: ModelCall, params_tree) -> list:
@@ -337,7 +375,7 @@ def trainable_groups(placed: PlacedModel) -> dict[int, list[int]]:
     return {s: [i for i in idx if trainable[i]] for s, idx in placed.homes.groups().items()}
 
 
-def master_params(placed: PlacedModel, call: ModelCall, params, opt_state):
+def master_params(engine: Engine, params, opt_state):
     """``params`` with the float32 master weights of ``opt_state`` in place of the device values.
 
     ``opt_state`` is what :meth:`TrainStep.init` returned (an :class:`OptState`),
@@ -349,25 +387,25 @@ def master_params(placed: PlacedModel, call: ModelCall, params, opt_state):
     for ``pm.gather``. Model state (BatchNorm statistics) comes from ``params``.
 
     Example:
-        >>> full = pm.gather(master_params(pm.placed, call, params, opt_state))  # doctest: +SKIP
+        >>> full = pm.gather(master_params(pm.engine, params, opt_state))  # doctest: +SKIP
     """
     state = opt_state.optimizer if isinstance(opt_state, OptState) else opt_state
-    if placed.grid.pipeline == 1 or not isinstance(state, dict):
-        if not isinstance(state, MasterState) or state.master is None:
-            return params  # no separate masters: the parameters are the masters
-        return call.merge(state.master, call.split(params)[1])
+    states = engine.unpack_states(state)
+    if states is None:
+        return params  # no separate masters: the parameters are the masters
+    placed = engine.placed
     groups = trainable_groups(placed)
-    if not all(isinstance(v, MasterState) for v in state.values()) or set(state) != set(groups):
+    if not all(isinstance(v, MasterState) for v in states.values()) or set(states) != set(groups):
         raise ValueError(
-            f"opt_state holds the stages {sorted(state)} but this process keeps the parameters of "
+            f"opt_state holds the stages {sorted(states)} but this process keeps the parameters of "
             f"stages {sorted(groups)} of {placed.grid}. Remedy: pass the opt_state returned by "
             "this process's step.init / step(...) on the same grid."
         )
     out = placed.param_leaves(params)
     for s, idx in groups.items():
-        if state[s].master is None:  # fp32 on the device: the parameters are the masters
+        if states[s].master is None:  # fp32 on the device: the parameters are the masters
             continue
-        masters = plan_leaves(placed, call, state[s].master)
+        masters = plan_leaves(placed, engine.call, states[s].master)
         for i in idx:
             out[i] = masters[i]
     return jax.tree.unflatten(placed.plan.param_tree, out)

@@ -224,7 +224,7 @@ def assert_compiles_once(case: Case, pm, params, caplog) -> None:
     params, opt_state = step.init(params)
     assert sorted(opt_state.optimizer) == list(range(len(pm.plan.stages)))
     params, opt_state, _ = step(params, opt_state, batch)
-    _, programs = step.value_and_grad._setup(case.inputs(case.batch(1)), {})
+    programs = step.value_and_grad.stage_programs(case.inputs(case.batch(1)))
     *inner, last = programs
     assert all(isinstance(f, Compiled) for p in inner for f in (p.forward, p.backward))
     assert isinstance(last.forward_backward, Compiled)

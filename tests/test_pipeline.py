@@ -49,7 +49,7 @@ def test_stage_flows_chain(devices):
     """Each stage receives exactly what the previous one sends; parameters match the plan."""
     case, pm = _pm(grid="pipeline=4,z=2")
     step = pm.value_and_grad(case.loss, inputs=case.inputs)
-    _, programs = step._setup(case.inputs(case.batch(1)), {})
+    programs = step.stage_programs(case.inputs(case.batch(1)))
     flows = [p.flow for p in programs]
     for a, b in zip(flows, flows[1:]):
         assert a.outbound == b.inbound and a.outbound_layouts == b.inbound_layouts

@@ -94,7 +94,7 @@ def test_stage_s_runs_on_the_devices_of_rank_s_mod_p(virtual_gpt, devices):
     # every parameter lives on the mesh of its first stage, gradients come back there
     step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=2)
     _, grads = step(params, case.batch(2))
-    _, programs = step._setup(case.inputs(case.batch(1)), {})
+    programs = step.stage_programs(case.inputs(case.batch(1)))
     for s, prog in enumerate(programs):
         assert set(prog.mesh.devices.flat) == set(ranks[s % 2].flat)
     homes = pm.param_homes

@@ -1,0 +1,143 @@
+"""What every engine does and the interface the two engines share (:class:`Engine`)."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.program import PlanOptions, Program
+from axonn_jax.runtime.microbatches import default_inputs
+from axonn_jax.runtime.model_call import ModelCall, check_differentiable
+from axonn_jax.runtime.overlap import Overlap
+from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.programs import ProgramCache
+from axonn_jax.runtime.remat import resolve_remat
+
+if TYPE_CHECKING:
+    from axonn_jax.runtime.step_report import StepReport
+    from axonn_jax.runtime.train_step import TrainStep
+
+
+class Engine(abc.ABC):
+    """A planned model and how it runs on this process's devices.
+
+    Built (without devices) by :func:`~axonn_jax.runtime.engine.build_engine`;
+    :attr:`placed` puts the plan on the meshes at the first device use. The
+    subclasses (:class:`~axonn_jax.runtime.engine.SingleMesh`,
+    :class:`~axonn_jax.runtime.engine.Pipelined`) say how the model runs:
+    :meth:`apply`, :meth:`forward`, :meth:`value_and_grad`, :meth:`train_step`
+    and the optimizer-state forms (:meth:`pack_states`, :meth:`unpack_states`).
+    """
+
+    def __init__(self, model, plan: Plan, program: Program, options: PlanOptions, *,
+                 overlap: Overlap = Overlap()):  # fmt: skip
+        self.model, self.plan, self.grid = model, plan, plan.grid
+        self.program, self.options, self.overlap = program, options, overlap
+        #: the Programs of this model by input signature
+        self.programs = ProgramCache(model, plan, program, options)
+        #: how training calls the model (flags, RNG streams, state)
+        self.call = ModelCall.of(program.traced)
+        self._placed: PlacedModel | None = None
+
+    # --- programs -------------------------------------------------------------
+    def program_for(self, args: tuple, kwargs: dict) -> Program:
+        """The :class:`Program` for a call with these inputs (traced once per signature)."""
+        return self.programs.for_call(args, kwargs)
+
+    def fingerprint(self) -> dict:
+        """What every rank of a job must agree on (see :mod:`axonn_jax.runtime.consistency`)."""
+        from axonn_jax.runtime.consistency import fingerprint
+
+        return fingerprint(self.model, self.plan, self.program, dataclasses.asdict(self.options))
+
+    # --- devices --------------------------------------------------------------
+    @property
+    def placed(self) -> PlacedModel:
+        """The plan on this process's stage meshes (built on first use, after every rank agreed)."""
+        if self._placed is None:
+            from axonn_jax.runtime.consistency import check_consistent
+            from axonn_jax.runtime.mesh import stage_meshes
+
+            check_consistent(self.fingerprint())  # all ranks: same grid, model, inputs
+            self._placed = PlacedModel(self.plan, stage_meshes(self.grid))
+        return self._placed
+
+    @property
+    @abc.abstractmethod
+    def mesh(self) -> jax.sharding.Mesh:
+        """The one mesh of the model (only a :class:`SingleMesh` has one)."""
+
+    # --- parameters -----------------------------------------------------------
+    def init(self, key: jax.Array):
+        """Parameters initialised directly in their layout (nnx modules: their own values, placed)."""
+        traced = self.program.traced
+        if traced.kind == "nnx":
+            return self.placed.shard(traced.init(key))
+        return self.placed.init(traced.init, key)
+
+    def gather(self, params, opt_state=None):
+        """Full parameters as host arrays, on every process; the float32 masters of
+        ``opt_state`` (a train step's) in place of the device values where it keeps them."""
+        if opt_state is not None:
+            from axonn_jax.runtime.train_step import master_params
+
+            params = master_params(self, params, opt_state)
+        return self.placed.gather(params)
+
+    @abc.abstractmethod
+    def init_optimizer(self, optimizer, params, *, wrap: Callable = lambda tree: tree):
+        """``optimizer.init(params)`` laid out as a jitted step returns it.
+
+        ``wrap(tree)``: a plan-shaped tree in the form ``params`` came in (the
+        face accepts the linen variables dict ``{'params': ...}`` too).
+        """
+
+    # --- execution ------------------------------------------------------------
+    @abc.abstractmethod
+    def apply(self, params, args: tuple, kwargs: dict):
+        """The model's outputs, as ``model.apply`` returns them."""
+
+    @abc.abstractmethod
+    def forward(self, params, args: tuple, kwargs: dict, *, microbatches: int = 1, timeout: float = 60.0):
+        """The model's outputs; with a pipeline, a forward-only pass over ``microbatches``."""
+
+    def value_and_grad(self, loss_fn: Callable, *, inputs: Callable | None = None, microbatches: int = 1,
+                       schedule: str = "message", limit: int | None = None, timeout: float = 60.0,
+                       remat: str | Callable | None = None, delay: Callable | None = None,
+                       asynchronous: bool = True) -> Callable:  # fmt: skip
+        """``(params, batch, rngs=None) → (loss, grads)`` (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
+        check_differentiable(self.plan.params)
+        return self._value_and_grad(loss_fn, inputs or default_inputs, microbatches, resolve_remat(remat),
+                                    dict(schedule=schedule, limit=limit, timeout=timeout, delay=delay,
+                                         asynchronous=asynchronous))  # fmt: skip
+
+    @abc.abstractmethod
+    def _value_and_grad(self, loss_fn: Callable, inputs: Callable, microbatches: int,
+                        remat: Callable | None, pipeline: dict[str, Any]) -> Callable:  # fmt: skip
+        """The gradient function; ``pipeline``: the dispatch queue's options."""
+
+    #: the :class:`~axonn_jax.runtime.train_step.TrainStep` of this engine
+    step_type: type[TrainStep]
+
+    def train_step(self, loss_fn: Callable, optimizer, **options) -> TrainStep:
+        """A complete step (see :meth:`axonn_jax.Partitioned.train_step`)."""
+        return self.step_type(self, loss_fn, optimizer, **options)
+
+    @abc.abstractmethod
+    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport:
+        """Communication, memory and FLOPs of one training step (traced, no devices)."""
+
+    # --- optimizer state: the form a train step returns ---------------------------
+    @abc.abstractmethod
+    def pack_states(self, states: dict[int, Any]) -> Any:
+        """Per-stage optimizer states (this process's stages) in the form ``step(...)`` returns."""
+
+    @abc.abstractmethod
+    def unpack_states(self, packed) -> dict[int, Any] | None:
+        """:meth:`pack_states`'s form back as ``{stage: state}``; ``None`` if ``packed`` is
+        not of that form (another optimizer's state, e.g. from ``pm.init_optimizer``)."""

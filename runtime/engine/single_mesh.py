@@ -1,0 +1,121 @@
+"""The engine of a grid without pipeline: the whole model as one shard_mapped program on one mesh."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from axonn_jax.partitioner.program import call_signature
+from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.runtime.engine.base import Engine
+from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
+from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
+from axonn_jax.runtime.model_call import ModelCall, mean_updates
+from axonn_jax.runtime.sharded import program_function
+from axonn_jax.runtime.step_report import StepReport, abstract_call, step_report
+from axonn_jax.runtime.train_step import SingleMeshStep
+
+
+class SingleMesh(Engine):
+    """One shard_mapped program per input signature over the grid's one mesh.
+
+    :meth:`apply` is a pure function of JAX arrays (usable inside ``jax.jit``
+    and ``jax.grad``); :meth:`value_and_grad` is jittable and accumulates
+    microbatches in one program; a train step is one jitted program.
+    """
+
+    step_type = SingleMeshStep
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._functions: dict = {}  # program signature → jitted program function
+        self._reports: dict = {}
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.placed.meshes[0]
+
+    # --- execution ------------------------------------------------------------
+    def apply(self, params, args, kwargs):
+        arg_leaves, _ = call_leaves(args, kwargs)
+        program = self.program_for(args, kwargs)
+        self.placed.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
+        if program.signature not in self._functions:  # one jitted function per input signature
+            self._functions[program.signature] = program_function(program, self.mesh, overlap=self.overlap)
+        outs = self._functions[program.signature](list(jax.tree.leaves(params)), list(arg_leaves))
+        return jax.tree.unflatten(program.out_tree, outs)
+
+    def forward(self, params, args, kwargs, *, microbatches=1, timeout=60.0):
+        del microbatches, timeout  # one program: nothing to overlap
+        return self.apply(params, args, kwargs)
+
+    def _value_and_grad(self, loss_fn, inputs, microbatches, remat, pipeline):
+        del pipeline  # no dispatch queue
+        return microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs, microbatches, remat, self.call)
+
+    def report(self, args, kwargs, *, optimizer_slots=2) -> StepReport:
+        if not args and not kwargs:
+            args, kwargs = self.program.traced.example_call()
+        key = (call_signature(args, kwargs), optimizer_slots)
+        if key not in self._reports:
+            args, kwargs = abstract_call(args, kwargs)
+            self._reports[key] = step_report(self.plan, self.program_for(args, kwargs), args, kwargs,
+                                             overlap=self.overlap, optimizer_slots=optimizer_slots)  # fmt: skip
+        return self._reports[key]
+
+    # --- optimizer state ------------------------------------------------------
+    def init_optimizer(self, optimizer, params, *, wrap=lambda tree: tree):
+        shardings = optimizer_state_shardings(optimizer, params, wrap(self.placed.param_shardings),
+                                              NamedSharding(self.mesh, P()))  # fmt: skip
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
+
+    def pack_states(self, states):
+        return states[0]  # the one mesh: a state, not a dict of them
+
+    def unpack_states(self, packed):
+        from axonn_jax.runtime.master_optimizer import MasterState
+
+        return {0: packed} if isinstance(packed, MasterState) else None
+
+
+def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs: Callable,
+                                microbatches: int, remat: Callable | None = None,
+                                call: ModelCall | None = None) -> Callable:  # fmt: skip
+    """A jittable ``(variables, batch, rngs=None) → (loss, grads)`` on one mesh.
+
+    ``apply(variables, args, kwargs)`` runs the model. Microbatches run one
+    after another in the same program and their gradients are averaged (the
+    loss is the mean of the microbatch losses). A model with state returns
+    ``((loss, updates), grads)``, ``grads`` for ``variables['params']`` only
+    (see :mod:`axonn_jax.runtime.model_call`).
+    """
+    call = call or ModelCall({}, stateful=False, mutable=())
+    microbatches = check_microbatches(microbatches)
+    call.check_microbatches(microbatches)
+
+    def loss_of(params, state, batch, rngs, mb):
+        result = apply(call.merge(params, state), inputs(batch), call.kwargs(rngs, mb, microbatches))
+        outputs, updates = call.outputs(result)
+        return loss_fn(outputs, batch), updates
+
+    grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of, has_aux=True)
+
+    def value_and_grad(variables, batch, rngs=None):
+        params, state = call.split(variables)
+        part = (lambda mb: batch) if microbatches == 1 else batch_slices(batch, microbatches, grid)
+        losses, updates, total = [], [], None
+        for mb in range(microbatches):
+            (loss, new_state), grads = grad_fn(params, state, part(mb), rngs, mb)
+            losses.append(loss)
+            updates.append(new_state)
+            total = grads if total is None else jax.tree.map(jax.numpy.add, total, grads)
+        loss = losses[0] if microbatches == 1 else sum(losses[1:], losses[0]) / microbatches
+        grads = total if microbatches == 1 else jax.tree.map(lambda g: g / microbatches, total)
+        if not call.stateful:
+            return loss, grads
+        return (loss, mean_updates(updates)), grads
+
+    return value_and_grad

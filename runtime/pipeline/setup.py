@@ -1,0 +1,123 @@
+"""What a pipelined call sets up before the dispatch queue runs: shared by training and forward passes.
+
+* :class:`StagePrograms`: the :class:`~axonn_jax.runtime.pipeline.stage_program.StageProgram`
+  of every stage, built once per input signature and purpose (training with a
+  given loss and remat, or forward only) and kept, so that every step object
+  with the same inputs compiles once.
+* :class:`StageInputs`: one call's parameters on each local stage's mesh (in
+  the dtype the programs were built for) and each microbatch's arguments,
+  placed where the stage reads them.
+* :func:`compile_stages`: compile the local stages ahead of the first run,
+  then wait for every process (a peer still compiling must not look dead).
+
+Example:
+    >>> program, stages = stage_programs.training(args, kwargs, loss_fn, remat=None, call=call)  # doctest: +SKIP
+    >>> inputs = StageInputs(stages, placed, param_leaves, lambda mb: (args, kwargs))  # doctest: +SKIP
+    >>> compile_stages(stages, placed, lambda st: st.compiled, compile_one)             # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from axonn_jax.partitioner.program import Program
+from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.model_call import ModelCall
+from axonn_jax.runtime.overlap import Overlap
+from axonn_jax.runtime.pipeline.stage_program import StageProgram
+from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.programs import ProgramCache
+from axonn_jax.runtime.sharded import place
+
+#: the stage programs of one call: its Program and one StageProgram per stage (stage 0 first)
+Stages = tuple[Program, list[StageProgram]]
+
+
+class StagePrograms:
+    """The stage programs of a pipelined model, per input signature and purpose (built once)."""
+
+    def __init__(self, programs: ProgramCache, meshes: Sequence, overlap: Overlap = Overlap()):
+        self.programs, self.meshes, self.overlap = programs, list(meshes), overlap
+        self._built: dict = {}
+
+    def training(self, args: tuple, kwargs: dict, loss_fn: Callable, *, remat: Callable | None,
+                 call: ModelCall) -> Stages:  # fmt: skip
+        """Forward, backward and (last stage) forward+loss+backward programs for these inputs."""
+        program = self.programs.for_call(args, kwargs)
+
+        def model_loss(result, batch):  # (outputs, updates) of a model with state → outputs
+            return loss_fn(call.outputs(result)[0], batch)
+
+        def build(flow, executor, mesh, last):
+            return StageProgram(flow, executor, mesh, last=last, out_tree=program.out_tree, loss_fn=model_loss,
+                                remat=remat, trainable=program.traced.trainable)  # fmt: skip
+
+        return self._get(program, ("training", loss_fn, remat), build)
+
+    def forward(self, args: tuple, kwargs: dict) -> Stages:
+        """Forward-only programs (no residuals kept) for these inputs."""
+        program = self.programs.for_call(args, kwargs)
+        return self._get(program, ("forward",), lambda flow, ex, mesh, last: StageProgram(flow, ex, mesh, last=last))
+
+    def _get(self, program: Program, purpose: tuple, build: Callable) -> Stages:
+        key = (program.signature, *purpose)
+        if key not in self._built:
+            executor = Executor(program, overlap=self.overlap)
+            last = len(program.stage_flows) - 1
+            self._built[key] = (program, [build(f, executor, self.meshes[f.index], f.index == last)
+                                          for f in program.stage_flows])  # fmt: skip
+        return self._built[key]
+
+
+class StageInputs:
+    """One call's parameters on each local stage and its microbatches' arguments.
+
+    Args:
+        stages: every stage's program (stage index order).
+        placed: the model on this process's devices.
+        param_leaves: the parameter leaves as held here (``None`` for other processes').
+        calls: ``calls(mb)`` → the model call ``(args, kwargs)`` of microbatch ``mb``.
+    """
+
+    def __init__(self, stages: Sequence[StageProgram], placed: PlacedModel, param_leaves: Sequence,
+                 calls: Callable[[int], tuple[tuple, dict]]):  # fmt: skip
+        self.stages, self._calls = list(stages), calls
+        params = placed.plan.params
+        #: local stage → its parameters (``flow.params`` order) on its mesh, in the planned dtype
+        self.params = {s: [on_sharding(in_planned_dtype(param_leaves[i], params[i]), self.stages[s].param_sharding(i))
+                           for i in self.stages[s].flow.params]
+                       for s in placed.homes.local}  # fmt: skip
+
+    def args(self, stage: int, mb: int) -> list:
+        """The model arguments stage ``stage`` reads, of microbatch ``mb``, on its mesh."""
+        arg_leaves, _ = call_leaves(*self._calls(mb))
+        st = self.stages[stage]
+        return [place(arg_leaves[j], st.sharding(st.executor.arg_layouts[j])) for j in st.flow.args]
+
+
+def compile_stages(stages: Sequence[StageProgram], placed: PlacedModel, compiled: Callable[[StageProgram], bool],
+                   compile_one: Callable[[int], None]) -> None:  # fmt: skip
+    """Compile this process's stages unless ``compiled`` says they are, then wait for every process."""
+    local = placed.homes.local
+    if all(compiled(stages[s]) for s in local):
+        return
+    for s in local:
+        compile_one(s)
+    placed.host.barrier()  # a peer still compiling must not look like a dead peer
+
+
+def in_planned_dtype(x: jax.Array, param) -> jax.Array:
+    """A (possibly half-precision) parameter in the dtype the stage programs were built for."""
+    return x if x.dtype == np.dtype(param.dtype) else x.astype(param.dtype)
+
+
+def on_sharding(x: jax.Array, sharding) -> jax.Array:
+    """``x`` laid out as ``sharding``: moved only when the layout differs (specs that differ in
+    size-1 axes only are the same layout; re-placing every leaf each step cost ~10 ms)."""
+    if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return jax.device_put(x, sharding)

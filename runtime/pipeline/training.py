@@ -1,0 +1,185 @@
+"""Pipelined training steps: ``(params, batch) → (loss, grads)`` through the dispatch queue.
+
+Each process runs the stages it owns (one per process under ``mpiexec``, or
+``virtual`` of them with virtual stages; all of them in a single process) through the dispatch queue
+(:mod:`axonn_jax.runtime.pipeline.dispatch`); activations and gradients move through
+a transport (in-process device copies, or MPI between processes).
+
+Parameters of a pipelined model form the model's usual pytree in which every
+leaf lives on the mesh of the first stage (on this process) that uses it, and
+leaves used by no stage of this process are ``None``. A parameter used by
+several stages (tied embeddings) is copied to each of them and its gradient is
+the sum of theirs, on every process that holds it.
+
+Example (``mpiexec -n 2 python train.py``)::
+
+    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=2), tokens)
+    params = pm.init(jax.random.key(0))        # this rank's stage only
+    step = pm.value_and_grad(loss_fn, microbatches=4)
+    loss, grads = step(params, tokens)         # grads: this rank's stage
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
+from axonn_jax.runtime.model_call import ModelCall
+from axonn_jax.runtime.pipeline import timeline
+from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
+from axonn_jax.runtime.pipeline.schedules import check_schedule
+from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages, on_sharding
+from axonn_jax.runtime.pipeline.stage_program import StageProgram
+from axonn_jax.runtime.pipeline.state_updates import deliver_updates
+from axonn_jax.runtime.pipeline.tasks import TrainingRun
+from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.sharded import batch_sharding, place
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """How a pipelined step runs (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
+
+    microbatches: int = 1
+    schedule: str = "message"
+    limit: int | None = None
+    timeout: float = 60.0
+    remat: Callable | None = None
+    delay: Callable | None = None
+    asynchronous: bool = True  # launch stage programs without waiting (False: one at a time)
+
+    def __post_init__(self) -> None:
+        check_schedule(self.schedule)
+        check_microbatches(self.microbatches)
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"limit must be >= 1 microbatch in flight, got {self.limit}")
+        if self.timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+
+
+class PipelinedValueAndGrad:
+    """``(params, batch, rngs=None) → (loss, grads)`` for a model placed on pipeline stages.
+
+    The loss is the mean of the microbatch losses (equal to the full-batch loss
+    for losses that average over examples) and is returned on every process;
+    ``grads`` holds this process's leaves (``None`` elsewhere). A model with
+    state returns ``((loss, new state), grads)``.
+
+    Args:
+        stages: the model's stage programs (the engine's cache).
+        placed: the model on this process's stage meshes.
+        call: how the model is called (flags, RNG streams, state).
+        loss_fn: ``loss_fn(model outputs, batch) → scalar``, on the last stage.
+        inputs: ``inputs(batch)`` → the model's positional arguments.
+    """
+
+    def __init__(self, stages: StagePrograms, placed: PlacedModel, call: ModelCall, loss_fn: Callable, *,
+                 inputs: Callable, options: PipelineOptions):  # fmt: skip
+        call.check_microbatches(options.microbatches)
+        self.stages, self.placed, self.call, self.loss_fn = stages, placed, call, loss_fn
+        self.inputs, self.options = inputs, options
+        self.last_result: TrainingRun | None = None
+
+    def stage_programs(self, args: tuple, kwargs: dict | None = None) -> list[StageProgram]:
+        """Every stage's program for one microbatch's model inputs (built and cached on first use)."""
+        _, programs = self.stages.training(args, kwargs or {}, self.loss_fn, remat=self.options.remat,
+                                           call=self.call)  # fmt: skip
+        return programs
+
+    # --- one step ---------------------------------------------------------------
+    def __call__(self, params, batch, rngs=None) -> tuple[Any, Any]:
+        placed, m = self.placed, self.options.microbatches
+        microbatch = batch_slices(batch, m, placed.grid)
+
+        def call(mb):  # RNG keys: one stream per microbatch, the same on every stage
+            return self.inputs(microbatch(mb)), self.call.kwargs(rngs, mb, m)
+
+        programs = self.stage_programs(*call(0))
+        leaves = placed.param_leaves(params)
+        inputs = StageInputs(programs, placed, leaves, call)
+        last_mesh, last = programs[-1].mesh, len(programs) - 1
+
+        def loss_batch(mb):
+            return jax.tree.map(lambda x: place(x, batch_sharding(last_mesh, placed.grid, np.shape(x))),
+                                microbatch(mb))  # fmt: skip
+
+        compile_stages(programs, placed, lambda st: st.compiled, lambda s: programs[s].compile(
+            inputs.params[s], inputs.args(s, 0), loss_batch(0) if s == last else None))
+        opts = self.options
+        queue = DispatchQueue(programs, placed.homes.local, placed.transport, schedule=opts.schedule,
+                              limit=opts.limit, timeout=opts.timeout, delay=opts.delay,
+                              asynchronous=opts.asynchronous)  # fmt: skip
+        result = queue.run_training(inputs.params, inputs.args, loss_batch, m)
+        self.last_result = result
+        grads, updated = self._combine(result, programs, leaves, m)
+        loss = self._loss(result)
+        grads = jax.tree.unflatten(placed.plan.param_tree, grads)
+        if not self.call.stateful:
+            return loss, grads
+        new_state = [u if u is not None else x for u, x in zip(updated, leaves)]
+        _, state = self.call.split(jax.tree.unflatten(placed.plan.param_tree, new_state))
+        return (loss, state), self.call.split(grads)[0]
+
+    def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
+        """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).
+
+        Writes a Chrome/Perfetto trace JSON and a PNG timeline when paths are given.
+        """
+        if self.last_result is None:
+            raise RuntimeError("no step has run yet: call the step first, then trace()")
+        rows = timeline.gather(self.last_result, self.placed.host)
+        if rows is not None:
+            if json_path is not None:
+                timeline.write_chrome_trace(json_path, rows)
+            if png_path is not None:  # virtual stages: one row per pipeline rank (its devices)
+                grid = self.placed.grid
+                timeline.plot_timeline(png_path, rows, title,
+                                       grid.pipeline if grid.virtual > 1 else None)  # fmt: skip
+        return rows
+
+    def _combine(self, result: TrainingRun, programs, leaves, m: int) -> tuple[list, list]:
+        """Per-leaf gradient on its home mesh (the sum over local stages, divided by m), and
+        the state updates (mean over microbatches; ``None`` where a leaf was not updated)."""
+        placed, homes = self.placed, self.placed.homes
+        grads: list = [None] * len(leaves)
+        for s, stage_grads in result.grads.items():
+            prog = programs[s]
+            for i, g in zip([prog.flow.params[k] for k in prog.trained], stage_grads):
+                g = on_sharding(g, leaves[i].sharding)
+                grads[i] = g if grads[i] is None else grads[i] + g
+        updated = deliver_updates(placed, programs, result.updates, leaves, m)
+        for i in range(len(leaves)):
+            if homes.is_local(i) and grads[i] is None:  # used by no stage, or model state
+                grads[i] = jax.numpy.zeros_like(leaves[i])
+        grads = _divided(grads, m)
+        return placed.host.sum_shared(grads, homes.users, homes.home, homes.shared(), placed.meshes), updated
+
+    def _loss(self, result: TrainingRun):
+        """Mean microbatch loss, computed on the last stage and sent to every process."""
+        local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
+        last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)
+        return np.float32(self.placed.host.broadcast(local, root=last_owner))
+
+
+def _divided(grads: list, m: int) -> list:
+    """``g / m`` for every gradient (``None`` stays), one compiled call per device group
+    instead of one eager division per leaf (a step's fixed cost)."""
+    groups: dict = {}
+    for i, g in enumerate(grads):
+        if g is not None:
+            groups.setdefault(tuple(d.id for d in g.sharding.device_set), []).append(i)
+    out = list(grads)
+    for indices in groups.values():
+        for i, g in zip(indices, _divide([grads[i] for i in indices], m)):
+            out[i] = g
+    return out
+
+
+@jax.jit
+def _divide(grads: list, m):
+    return [g / m for g in grads]  # m traced, as the eager division's scalar was: same bits

@@ -1,0 +1,35 @@
+"""The Programs of one planned model, one per input signature (each traced once).
+
+A :class:`~axonn_jax.partitioner.program.Program` is planned for the example
+inputs given to ``partition()``; a call with other shapes (a bigger batch,
+another sequence length) needs the Program of those inputs, with the same
+parameter layout (:func:`~axonn_jax.partitioner.program.program_for` refuses
+shapes that would change it). :class:`ProgramCache` traces each signature
+once; both engines and the step reports read their Programs from it. It needs
+no devices.
+
+Example:
+    >>> programs = ProgramCache(model, plan, program, options)        # doctest: +SKIP
+    >>> programs.for_call((tokens,), {}).out_tree                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.program import PlanOptions, Program, call_signature, program_for
+
+
+class ProgramCache:
+    """Programs of ``model`` planned as ``plan``, by input signature (``program``: the example's)."""
+
+    def __init__(self, model, plan: Plan, program: Program, options: PlanOptions):
+        self.model, self.plan, self.options = model, plan, options
+        self.example = program
+        self._programs: dict = {program.signature: program}
+
+    def for_call(self, args: tuple, kwargs: dict) -> Program:
+        """The :class:`Program` for a call with these inputs (traced once per signature)."""
+        key = call_signature(args, kwargs)
+        if key not in self._programs:
+            self._programs[key] = program_for(self.model, self.plan, *args, options=self.options, **kwargs)
+        return self._programs[key]
