@@ -29,7 +29,7 @@ from axonn_jax import Grid, checkpoint
 from axonn_jax.checkpoint import Checkpointer, CheckpointError
 from axonn_jax.loader import Loader
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
-from axonn_jax.runtime import shard_store, writer_lock
+from axonn_jax.runtime.checkpoint import shard_store, writer_lock
 
 TESTS = Path(__file__).resolve().parent
 BATCH, SEQ = 8, 15

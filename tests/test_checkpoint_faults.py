@@ -17,7 +17,7 @@ import pytest
 
 from axonn_jax import checkpoint
 from axonn_jax.checkpoint import Checkpointer
-from axonn_jax.runtime import writer_lock
+from axonn_jax.runtime.checkpoint import writer_lock
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "checkpoint_fault.py"
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from axonn_jax.checkpoint import Checkpointer, CheckpointError
-from axonn_jax.runtime import shard_store
+from axonn_jax.runtime.checkpoint import shard_store
 
 mode, directory = sys.argv[1], sys.argv[2]
 ckpt = Checkpointer(directory)

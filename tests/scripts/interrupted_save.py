@@ -12,7 +12,7 @@ import jax
 from checkpoint_cases import place, shardings, values
 
 from axonn_jax.checkpoint import Checkpointer
-from axonn_jax.runtime import shard_store
+from axonn_jax.runtime.checkpoint import shard_store
 
 directory, marker = sys.argv[1], Path(sys.argv[2])
 layout = shardings(jax.devices())

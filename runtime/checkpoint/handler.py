@@ -8,7 +8,7 @@ with dots. So plain orbax (``StandardCheckpointer().restore(step_dir /
 these trees: under several processes it refuses arrays that live on one
 process only (a pipeline stage's parameters) and arrays with no shard on the
 calling process. Here every process writes the shards it holds
-(:mod:`~axonn_jax.runtime.shard_store`, CRC-32C per chunk), a leaf held by
+(:mod:`~axonn_jax.runtime.checkpoint.shard_store`, CRC-32C per chunk), a leaf held by
 another process is ``None``, and process 0 writes ``_METADATA``. Orbax's
 ``CheckpointManager`` does the rest: asynchronous commit, the temporary
 directory renamed only when every process has finished, retention.
@@ -43,8 +43,8 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from axonn_jax.runtime import shard_store
-from axonn_jax.runtime.shard_store import DamagedArrayError, LeafMeta
+from axonn_jax.runtime.checkpoint import shard_store
+from axonn_jax.runtime.checkpoint.shard_store import DamagedArrayError, LeafMeta
 
 FORMAT = "axonn_jax.standard_tree/2"
 METADATA = "_METADATA"

@@ -7,6 +7,9 @@ a message naming the first. A lock left by a process that died on this host is
 taken over; one from another host cannot be checked, so the message names it
 and ``takeover=True`` (e.g. a job resumed on other nodes) replaces it.
 
+Every process of a job opens the writer, so :func:`acquire_for_job` takes
+the lock on process 0 and tells every process the outcome (one collective).
+
 Example::
 
     lock = WriterLock.acquire(Path("runs/ckpt"))      # raises WriterLockError if held
@@ -22,6 +25,10 @@ import os
 import socket
 import time
 from pathlib import Path
+
+import jax
+
+from axonn_jax.runtime.checkpoint.handler import allgather_json
 
 NAME = ".axonn_jax_writer"
 
@@ -60,6 +67,26 @@ class WriterLock:
         holder = _read(self.file)
         if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
             self.file.unlink(missing_ok=True)
+
+
+def acquire_for_job(directory: Path, *, takeover: bool, writing_here: bool) -> WriterLock | None:
+    """Process 0 takes ``directory``'s lock (``None`` elsewhere); every process learns the outcome.
+
+    Collective. ``writing_here``: a writer of this process already saves into
+    ``directory`` (then a lock naming this process is not taken over). Raises
+    :class:`WriterLockError` on every process when process 0 was refused.
+    """
+    lock, refusal = None, None
+    if jax.process_index() == 0:
+        mine_but_closed = held_by_this_process(directory) and not writing_here
+        try:
+            lock = WriterLock.acquire(directory, takeover=takeover or mine_but_closed)
+        except WriterLockError as err:
+            refusal = str(err)
+    refusal = allgather_json(refusal)[0]
+    if refusal is not None:
+        raise WriterLockError(refusal)
+    return lock
 
 
 def held_by_this_process(directory: Path) -> bool:

@@ -1,0 +1,339 @@
+"""The :class:`Checkpointer`: orbax's standard layout, asynchronous, atomic, per-process shards, any grid.
+
+User documentation: :mod:`axonn_jax.checkpoint`. A step holds the items
+``params``, ``opt_state`` and ``rng`` written by
+:class:`~axonn_jax.runtime.checkpoint.handler.StandardTreeHandler` and
+``meta`` (JSON: format, step, ``extra``); orbax's ``CheckpointManager`` commits
+each step atomically and keeps ``max_to_keep`` of them. Restores go through
+:mod:`~axonn_jax.runtime.checkpoint.targets`; the writer lock is
+:mod:`~axonn_jax.runtime.checkpoint.writer_lock`; what happens at exit is
+:mod:`~axonn_jax.runtime.checkpoint.lifetime`.
+
+Example::
+
+    with Checkpointer("runs/ckpt", max_to_keep=3) as ckpt:
+        ckpt.save(step, params, opt_state, extra={"loader": loader.state()})
+        r = ckpt.restore(params=pm.param_structs, optimizer=optimizer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import optax
+import orbax.checkpoint as ocp
+
+from axonn_jax.runtime.checkpoint import lifetime, writer_lock
+from axonn_jax.runtime.checkpoint.handler import StandardTreeHandler, StandardTreeRestore, plan_leaves, prepare_shards
+from axonn_jax.runtime.checkpoint.shard_store import DamagedArrayError, LeafMeta
+from axonn_jax.runtime.checkpoint.targets import (ELSEWHERE, check_complete, check_not_donated, check_step, keyed,
+                                                  optimizer_target, targets)  # fmt: skip
+
+_ITEMS = ("params", "opt_state", "rng")
+_FORMAT = "axonn_jax.checkpoint/2"
+_RNG_KEY = "key"  # the rng item is {"key": rng}: orbax items are trees, not bare arrays
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged (the message names step and remedy)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.restore` returns."""
+
+    step: int
+    params: Any
+    opt_state: Any | None
+    rng: jax.Array | None
+    extra: dict
+
+
+class Checkpointer:
+    """Checkpoints of one training run in ``directory`` (one sub-directory per step).
+
+    Args:
+        directory: where the steps live (created if needed).
+        max_to_keep: keep this many most recent steps (``None``: all).
+        asynchronous: return from :meth:`save` once the shards are copied to
+            host memory and write them in a background thread.
+        read_only: only list and restore (never writes, deletes or cleans up).
+        takeover: replace another writer's lock on ``directory`` (a writer of a
+            job that is no longer running on another host; see
+            :mod:`~axonn_jax.runtime.checkpoint.writer_lock`).
+
+    One writer per directory: a second live writer is refused. Close the
+    writer (``with Checkpointer(...) as ckpt:`` or :meth:`close`) to finish the
+    last save; one still open when the script ends is finished then, with a
+    warning, and a save that failed makes the process exit with status 1
+    after naming the step, never hang.
+    """
+
+    def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3,
+                 asynchronous: bool = True, read_only: bool = False,
+                 takeover: bool = False) -> None:  # fmt: skip
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
+                                        or max_to_keep < 1):  # fmt: skip
+            raise ValueError(
+                f"max_to_keep must be a positive number of steps or None (keep all), got "
+                f"{max_to_keep!r}: {max_to_keep!r} would delete every checkpoint it writes. "
+                "Remedy: max_to_keep=1 keeps only the latest step."
+            )
+        self.directory = Path(directory).absolute()
+        self._read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=asynchronous,
+            cleanup_tmp_directories=not read_only,  # remove what killed saves left behind
+            read_only=read_only,
+            create=not read_only,
+        )
+        handlers = {item: StandardTreeHandler() for item in _ITEMS}
+        handlers["meta"] = ocp.JsonCheckpointHandler()
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+        self.pending_step: int | None = None  # the step being saved in the background
+        self._lock = None
+        if not read_only:
+            try:
+                self._lock = writer_lock.acquire_for_job(self.directory, takeover=takeover,
+                                                         writing_here=lifetime.writing_to(self.directory))  # fmt: skip
+            except writer_lock.WriterLockError:
+                self._manager.close()
+                raise
+            lifetime.opened(self)
+
+    # --- saving -----------------------------------------------------------
+    def save(self, step: int, params, opt_state=None, extra: Mapping | None = None, *,
+             rng: jax.Array | None = None) -> None:  # fmt: skip
+        """Start saving ``step``; returns once this process's shards are on the host.
+
+        ``extra`` is JSON (loader position, config, ...). ``rng`` is a PRNG key.
+        Call :meth:`wait` (or the next save/restore, or :meth:`close`) to finish.
+        """
+        check_step(step, "save")
+        if self._read_only:
+            raise ValueError(f"this Checkpointer of {self.directory} is read-only")
+        record = {"format": _FORMAT, "step": int(step), "extra": dict(extra or {})}
+        try:
+            record = json.loads(json.dumps(record))  # exactly what restore will return
+        except TypeError as err:
+            raise TypeError(
+                f"extra must be JSON-serialisable ({err}). Remedy: store numbers, strings, lists "
+                "and dicts there (e.g. loader.state()); arrays belong in params/opt_state."
+            ) from None
+        trees = dict(zip(_ITEMS, (params, opt_state, None if rng is None else {_RNG_KEY: rng})))
+        items = {item: keyed(item, tree) for item, tree in trees.items() if tree is not None}
+        check_not_donated(items)
+        self.wait()  # the previous save's error surfaces here, before a new one starts
+        plans = plan_leaves(items)  # validates, and agrees across processes, first
+        # copied to host before orbax starts the step: a bad leaf fails here, not in its threads
+        saved = {item: prepare_shards(plan) for item, plan in plans.items() if plan.leaves}
+        args = ocp.args.Composite(**saved, meta=ocp.args.JsonSave(record))
+        if int(step) in self.all_steps():
+            raise ValueError(
+                f"{self.directory} already holds step {step}. Remedy: save under a new step "
+                "number (or delete that step's directory first)."
+            )
+        try:  # force: save every step asked for (orbax would skip steps <= the latest)
+            self._manager.save(int(step), args=args, force=True)
+        except ocp.checkpoint_manager.StepAlreadyExistsError:  # written by another process meanwhile
+            raise ValueError(f"{self.directory} already holds step {step}. Remedy: save under a "
+                             "new step number.") from None  # fmt: skip
+        except Exception as err:
+            raise self._failed(int(step), err) from err
+        self.pending_step = int(step)
+
+    def save_train_state(self, step: int, train_step, params, opt_state, extra: Mapping | None = None,
+                         *, rng: jax.Array | None = None) -> None:  # fmt: skip
+        """:meth:`save` the state of ``pm.train_step(...)`` in a form any grid and mode restores.
+
+        Stores float32 parameters (the masters where the step keeps them) and
+        the optimizer state over the whole model, so :meth:`restore_train_state`
+        reads it into a step with another grid, with or without a pipeline,
+        offload or another precision. Plain orbax sees ``params`` and
+        ``opt_state/inner`` as a single-device Flax/optax run would have them.
+        """
+        params, opt_state = train_step.checkpoint_state(params, opt_state)
+        self.save(step, params, opt_state, extra, rng=rng)
+
+    def restore_train_state(self, train_step, params, opt_state, step: int | None = None) -> Restored:
+        """Restore what :meth:`save_train_state` saved into ``train_step``'s layout.
+
+        ``params, opt_state`` come from ``train_step.init(...)`` (they give the
+        shardings and memory kinds); the result holds the restored pair.
+        """
+        params_target, opt_target = train_step.checkpoint_target(params, opt_state)
+        restored = self.restore(step, params=params_target, opt_state=opt_target)
+        params, opt_state = train_step.from_checkpoint(restored.params, restored.opt_state)
+        return dataclasses.replace(restored, params=params, opt_state=opt_state)
+
+    def wait(self) -> None:
+        """Block until the pending save (if any) is committed.
+
+        Raises:
+            CheckpointError: the save failed (I/O error, disk full); names the
+                step and the latest complete one, which is untouched.
+        """
+        step, self.pending_step = self.pending_step, None
+        try:
+            self._manager.wait_until_finished()
+        except Exception as err:
+            raise self._failed(step, err) from err
+        if step is not None:
+            lifetime.committed(self.directory)  # a later step committed: nothing is lost
+
+    def _failed(self, step: int | None, err: BaseException) -> CheckpointError:
+        """Record a failed save (the process will exit 1 rather than hang) and describe it."""
+        steps = self.all_steps()
+        kept = f"the latest complete step is {steps[-1]}" if steps else "no complete step exists yet"
+        message = (f"saving step {step} to {self.directory} failed: {type(err).__name__}: {err}; "
+                   f"{kept} (untouched). Remedy: fix the cause (space, permissions) and save "
+                   "again; restore() reads the complete steps.")  # fmt: skip
+        lifetime.failed(self.directory, message)
+        return CheckpointError(message)
+
+    # --- listing ----------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        """Committed steps on disk, oldest first (in-flight or killed saves are not listed)."""
+        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # --- restoring --------------------------------------------------------
+    def restore(self, step: int | None = None, *, params, opt_state=None,
+                optimizer: optax.GradientTransformation | None = None) -> Restored:  # fmt: skip
+        """Read ``step`` (default: the latest) onto the given shardings.
+
+        Args:
+            params: target pytree matching the saved params; each leaf a
+                ``jax.ShapeDtypeStruct`` with a sharding (``pm.param_structs``:
+                shape and dtype are checked), a ``jax.Array`` (likewise), a bare
+                ``Sharding`` (``pm.param_shardings``: only the layout is checked),
+                or ``None`` for a leaf not on this process.
+            opt_state: target for the optimizer state, like ``params``; or
+            optimizer: derive the optimizer-state target from ``params``: state
+                leaves that mirror a parameter take its sharding (and memory
+                kind), the rest (step counts) are replicated on the first
+                parameter's mesh.
+        Raises:
+            CheckpointError: no such committed step, or the step is damaged.
+            ValueError: the target does not match what was saved (names the path).
+        """
+        if step is not None:
+            check_step(step, "restore")
+        self.wait()
+        self._manager.reload()  # steps written by other Checkpointers since this one opened
+        steps = self.all_steps()
+        if step is None:
+            if not steps:
+                raise CheckpointError(f"no checkpoints in {self.directory}. Remedy: check the path")
+            step = steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"{self.directory} has no complete checkpoint for step {step} (an interrupted save "
+                f"never becomes a step). Remedy: restore one of the complete steps {steps}."
+            )
+        where = f"checkpoint {self.directory} step {step}"
+        try:
+            args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+            record = self._manager.restore(step, args=args)["meta"]
+            if not isinstance(record, dict) or record.get("format") != _FORMAT:
+                raise ValueError(f"not a {_FORMAT} record")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            err = f"its JSON record 'meta' is unreadable ({err})"
+            raise self._damaged(where, step, steps, err) from None
+        try:
+            saved = self._saved_leaves(step)
+        except (DamagedArrayError, OSError, ValueError, KeyError, TypeError) as err:
+            raise self._damaged(where, step, steps, err) from None
+
+        param_targets, param_tree = targets("params", params, saved, where)
+        opt_targets = opt_tree = None
+        if opt_state is not None:
+            opt_targets, opt_tree = targets("opt_state", opt_state, saved, where)
+        elif optimizer is not None:
+            derived = optimizer_target(optimizer, param_targets, param_tree, saved)
+            opt_targets, opt_tree = targets("opt_state", derived, saved, where)
+        check_complete({"params": param_targets, "opt_state": opt_targets}, saved, where)
+        wanted = {**param_targets, **(opt_targets or {})}
+        rng_path = f"rng/{_RNG_KEY}"
+        if saved.get(rng_path) is not None:
+            wanted[rng_path] = None
+        reads = {p: t for p, t in wanted.items() if t is not ELSEWHERE}
+        try:
+            values = self._read(step, reads)
+        except (DamagedArrayError, OSError) as err:
+            raise self._damaged(where, step, steps, err) from None
+
+        def rebuild(targets, tree):
+            return jax.tree.unflatten(tree, [values.get(p) for p in targets])
+
+        return Restored(
+            step=step,
+            params=rebuild(param_targets, param_tree),
+            opt_state=None if opt_targets is None else rebuild(opt_targets, opt_tree),
+            rng=values.get(rng_path),
+            extra=record["extra"],
+        )
+
+    def _saved_leaves(self, step: int) -> dict[str, LeafMeta | None]:
+        """``{path: LeafMeta or None (saved empty)}`` of every item of ``step`` (JSON only)."""
+        saved = {}
+        for item in _ITEMS:
+            directory = self._item_dir(step, item)
+            if directory.exists():
+                metas = StandardTreeHandler().metadata(directory)
+                saved.update({f"{item}/{path}": meta for path, meta in metas.items()})
+        return saved
+
+    def _read(self, step: int, reads: Mapping[str, Any]) -> dict[str, Any]:
+        """``{path: value}`` of the ``reads`` (``{path: sharding or None}``)."""
+        per_item = {}
+        for path, target in reads.items():
+            item, _, rest = path.partition("/")
+            per_item.setdefault(item, {})[rest] = target
+        args = ocp.args.Composite(**{item: StandardTreeRestore(targets)
+                                     for item, targets in per_item.items()})  # fmt: skip
+        restored = self._manager.restore(step, args=args)
+        return {f"{item}/{path}": value for item in per_item for path, value in restored[item].items()}
+
+    def _item_dir(self, step: int, item: str) -> Path:
+        return self.directory / str(step) / item
+
+    def _damaged(self, where: str, step: int, steps: list[int], err) -> CheckpointError:
+        earlier = [s for s in steps if s < step]
+        remedy = (f"restore an earlier step (restore(step={earlier[-1]}); complete steps: {steps})"
+                  if earlier else "no earlier step is available; re-initialise")  # fmt: skip
+        return CheckpointError(f"{where} is damaged or incomplete: {err}. Remedy: {remedy}.")
+
+    # --- lifetime ---------------------------------------------------------
+    def close(self) -> None:
+        """Finish the pending save, release orbax's threads and the writer lock.
+
+        Raises :class:`CheckpointError` if that save failed (after releasing)."""
+        lifetime.closed(self)
+        try:
+            self.wait()
+        finally:
+            with contextlib.suppress(Exception):  # a failed save's error was raised by wait
+                self._manager.close()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
