@@ -45,7 +45,7 @@ def staged(tmp_path_factory) -> Path:
 def test_contracts_hold(staged):
     result = _lint(staged)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert re.search(r"Contracts: 3 kept, 0 broken", result.stdout), result.stdout
+    assert re.search(r"Contracts: 7 kept, 0 broken", result.stdout), result.stdout
 
 
 @pytest.mark.parametrize(
@@ -55,6 +55,16 @@ def test_contracts_hold(staged):
         ("layout.py", "import axonn_jax.partitioned", "never import the face"),
         ("../runtime/mesh.py", "from axonn_jax.checkpoint import Checkpointer", "never import the face"),
         ("stages.py", "from mpi4py import MPI", "speak MPI"),
+        ("../runtime/placement.py", "from mpi4py import MPI", "speak MPI"),
+        ("../runtime/engine/base.py", "import axonn_jax.partitioned", "never import the face"),
+        ("../runtime/train_step.py", "from axonn_jax.partitioned import Partitioned", "never import the face"),
+        ("../runtime/pipeline/dispatch.py", "from axonn_jax.runtime.engine import Engine", "runs below the engine"),
+        ("../runtime/pipeline/setup.py", "from axonn_jax.runtime.train_step import OptState", "runs below the engine"),
+        ("../runtime/pipeline/transport.py", "from axonn_jax.runtime.checkpoint import save", "runs below the engine"),
+        ("../checkpoint.py", "from axonn_jax.runtime.checkpoint.targets import keyed", "only the public API"),
+        ("../partitioned.py", "from axonn_jax.runtime.pipeline.dispatch import DispatchQueue", "never its parts"),
+        ("../health.py", "from axonn_jax.runtime.probe import badness", "never its parts"),
+        ("../perf/memory.py", "from axonn_jax.runtime.pipeline.schedules import make_schedule", "analytical"),
     ],
 )
 def test_a_back_import_breaks_a_contract(tmp_path, module, line, contract):
@@ -115,3 +125,51 @@ print(plan.grid.size, round(plan.total_param_bytes / 4 / 1e9, 1), plan.param_byt
     gpus, billions, per_device = out.stdout.split()
     assert gpus == "1024" and float(billions) > 80
     assert int(per_device) < 4 * float(billions) * 1e9 / 100  # split over ≥ 100 of the 128 shards
+
+
+def _reachable(root):
+    """Every object reachable from ``root`` by reference, not through modules, classes or
+    module namespaces (a function's globals would reach everything)."""
+    import gc
+    import types
+
+    namespaces = {id(m.__dict__) for m in list(sys.modules.values()) if m is not None}
+    seen, todo = set(), [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or id(obj) in namespaces or isinstance(obj, (types.ModuleType, type)):
+            continue
+        seen.add(id(obj))
+        yield obj
+        todo.extend(gc.get_referents(obj))
+
+
+@pytest.mark.parametrize("grid", ["x=2,z=2,data=2", "pipeline=2,x=2,z=2"])
+def test_the_runtime_never_holds_the_face(grid, devices):
+    """Zero face↔runtime crossings: a train step, a gradient function and the engine reach no
+    ``Partitioned`` and no bound method of one (the runtime is handed its engine, never the face)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import linen as nn
+
+    import axonn_jax
+    from axonn_jax.partitioned import Partitioned
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8)(nn.relu(nn.Dense(16)(x)))
+
+    x = jnp.ones((8, 4))
+    pm = axonn_jax.partition(Net(), axonn_jax.Grid.parse(grid), x)
+    loss = lambda out, batch: jnp.mean(out**2)  # noqa: E731
+    step = pm.train_step(loss, optax.adam(1e-3), microbatches=2)
+    params, opt_state = step.init(pm.init(jax.random.key(0)))
+    step(params, opt_state, x)
+    gradients = pm.value_and_grad(loss)
+    gradients(pm.init(jax.random.key(1)), x)
+    for root in (step, gradients, pm.engine):
+        face = [o for o in _reachable(root) if isinstance(o, Partitioned)
+                or isinstance(getattr(o, "__self__", None), Partitioned)]  # fmt: skip
+        assert not face, f"{type(root).__name__} reaches the face: {face[:3]}"

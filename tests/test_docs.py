@@ -51,3 +51,25 @@ def test_headline_figures_are_those_of_the_latest_run():
     cells = [c.strip() for c in offload.split("|")[2:-1]]
     doc_row = re.search(r"\| bf16, offload, update on host \|[^\n]*", memory).group(0)
     assert [c.strip(" *") for c in doc_row.split("|")[2:-1]] == cells
+
+
+def _listed_modules(text: str, heading: str) -> set[str]:
+    """The first-column module names of the table under ``### `heading` ``."""
+    section = text[text.index(f"### `{heading}`"):]
+    rows = []
+    for line in section.splitlines()[3:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return {name for row in rows for name in re.findall(r"`([^`]+\.py)`", row.split("|")[1])}
+
+
+def test_architecture_lists_every_module_once_per_line():
+    """docs/architecture.md has one line per module of partitioner/, runtime/ and axonn_jax/."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    for folder, heading in (("partitioner", "partitioner/"), ("runtime", "runtime/"), ("axonn_jax", "axonn_jax/")):
+        modules = {str(p.relative_to(ROOT / folder)) for p in (ROOT / folder).rglob("*.py")
+                   if "__pycache__" not in p.parts}  # fmt: skip
+        listed = _listed_modules(text, heading)
+        assert modules == listed, (f"{heading}: missing {sorted(modules - listed)}, "
+                                   f"listed but absent {sorted(listed - modules)}")  # fmt: skip

@@ -4,7 +4,8 @@ For every group shape the model can ask about — ``size`` devices nested
 inside groups of product ``inner`` (x varies fastest, as in the grid's mesh)
 — it times ``psum`` over the group at a few message sizes (best of
 ``repeats`` runs, every group of that shape at once, as in a real step) and
-fits ``t = α + wire_bytes / β`` (ring all-reduce: wire = 2(g−1)/g·bytes).
+fits ``t = α + wire_bytes / β`` (the ring all-reduce's wire bytes,
+:func:`~axonn_jax.partitioner.report.ring_wire_bytes`).
 Compute is a float32 GEMM, memory bandwidth a streaming ``a·s + b``, and
 activation work a softmax forward and backward, each run on every device at once (simulated CPU devices share the cores, as they do in
 a step). The result is a
@@ -26,6 +27,7 @@ import time
 
 import numpy as np
 
+from axonn_jax.partitioner.report import ring_wire_bytes
 from axonn_jax.perf.machines import Machine
 
 #: Per-device message sizes (float32 elements) timed for each group.
@@ -79,7 +81,7 @@ def measure_collectives(devices, *, repeats: int = 5, elements=MESSAGE_ELEMENTS)
             for e in elements:
                 x = jax.device_put(np.ones(n * e, np.float32), NamedSharding(mesh, spec))
                 times.append(_time(fn, x, repeats=repeats))
-                wires.append(2 * (size - 1) / size * e * 4)
+                wires.append(ring_wire_bytes("all-reduce", size, e * 4))
             out[(inner, size)] = fit_latency_bandwidth(wires, times)
     return out
 
