@@ -18,7 +18,6 @@ Example (a user-written jitted train step)::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import jax
 
@@ -27,6 +26,7 @@ from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, plan_model
 from axonn_jax.runtime import launch
 from axonn_jax.runtime.engine import Engine, build_engine
+from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import ParamHomes
 from axonn_jax.runtime.step_report import StepReport
@@ -183,8 +183,8 @@ class Partitioned:
         Accepts the params tree or the linen variables dict ``{'params': ...}``
         (returned in the same form).
         """
-        tree, wrapped = self._planned_tree(full_params)
-        return _wrap(self.engine.placed.shard(tree), wrapped)
+        tree, wrapped = self.engine.plan_tree(full_params)
+        return wrap_params(self.engine.placed.shard(tree), wrapped)
 
     def gather(self, params, opt_state=None):
         """Full parameters back as host NumPy arrays, on every process.
@@ -203,8 +203,8 @@ class Partitioned:
         Example:
             >>> full = pm.gather(params, opt_state)   # fp32 masters of a bf16 step  # doctest: +SKIP
         """
-        tree, wrapped = self._planned_tree(params)
-        return _wrap(self.engine.gather(tree, opt_state), wrapped)
+        tree, wrapped = self.engine.plan_tree(params)
+        return wrap_params(self.engine.gather(tree, opt_state), wrapped)
 
     def init_optimizer(self, optimizer, params):
         """``optimizer.init(params)`` laid out as a jitted step returns it, so the step compiles once.
@@ -215,19 +215,8 @@ class Partitioned:
         first step they live on the mesh, and the step compiles a second time.
         With a pipeline, ``pm.train_step(...).init(params)`` places the state per stage.
         """
-        _, wrapped = self._planned_tree(params)
-        return self.engine.init_optimizer(optimizer, params, wrap=lambda tree: _wrap(tree, wrapped))
-
-    def _planned_tree(self, tree) -> tuple[Any, bool]:
-        """``tree`` as the plan holds it, and whether it came as ``{'params': tree}``.
-
-        A model with state is planned over its whole variables dict; a model
-        without state over its params, which linen users also pass wrapped.
-        """
-        if (isinstance(tree, Mapping) and set(tree) == {"params"}
-                and jax.tree.structure(tree["params"]) == self.plan.param_tree):  # fmt: skip
-            return tree["params"], True
-        return tree, False
+        _, wrapped = self.engine.plan_tree(params)
+        return self.engine.init_optimizer(optimizer, params, wrap=lambda tree: wrap_params(tree, wrapped))
 
     def check_params(self, params, *, dtypes: bool = True) -> None:
         """Raise ``ValueError`` naming the first leaf that does not match the plan.
@@ -254,7 +243,6 @@ class Partitioned:
             >>> out, updates = pm.apply(variables, x, rngs={"dropout": key},  # doctest: +SKIP
             ...                         mutable=["batch_stats"])
         """
-        params, _ = self._planned_tree(params)
         return self.engine.apply(params, args, kwargs)
 
     __call__ = apply
@@ -272,7 +260,6 @@ class Partitioned:
         Example:
             >>> logits = pm.forward(params, tokens, microbatches=4)  # doctest: +SKIP
         """
-        params, _ = self._planned_tree(params)
         return self.engine.forward(params, args, kwargs, microbatches=microbatches, timeout=timeout)
 
     # --- training ---------------------------------------------------------
@@ -352,6 +339,3 @@ class Partitioned:
         """
         return self.engine.report(args, kwargs, optimizer_slots=optimizer_slots)
 
-
-def _wrap(tree, wrapped: bool):
-    return {"params": tree} if wrapped else tree

@@ -78,6 +78,27 @@ class ModelCall:
         return result if self.stateful else (result, None)
 
 
+def unwrap_params(tree, param_tree) -> tuple[Any, bool]:
+    """``tree`` as a plan holds it, and whether it came as the linen variables dict ``{'params': tree}``.
+
+    A model with state is planned over its whole variables dict; a model
+    without state over its params, which linen users also pass wrapped.
+
+    Example:
+        >>> unwrap_params({"params": {"w": 1}}, jax.tree.structure({"w": 0}))
+        ({'w': 1}, True)
+    """
+    if (isinstance(tree, Mapping) and set(tree) == {"params"}
+            and jax.tree.structure(tree["params"]) == param_tree):  # fmt: skip
+        return tree["params"], True
+    return tree, False
+
+
+def wrap_params(tree, wrapped: bool):
+    """``tree`` in the form :func:`unwrap_params` found it in."""
+    return {"params": tree} if wrapped else tree
+
+
 def check_differentiable(params: Sequence) -> None:
     """Refuse trainable parameters that ``jax.grad`` cannot differentiate (integer, bool).
 

@@ -173,3 +173,32 @@ def test_the_runtime_never_holds_the_face(grid, devices):
         face = [o for o in _reachable(root) if isinstance(o, Partitioned)
                 or isinstance(getattr(o, "__self__", None), Partitioned)]  # fmt: skip
         assert not face, f"{type(root).__name__} reaches the face: {face[:3]}"
+
+
+def _pipeline_comparisons() -> list[str]:
+    """Code lines (not docs or comments) comparing ``<x>.pipeline`` with an int literal."""
+    import ast
+
+    found = []
+    for folder in ("axonn_jax", "partitioner", "runtime"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                if any(isinstance(s, ast.Attribute) and s.attr == "pipeline" for s in sides) and any(
+                        isinstance(s, ast.Constant) and isinstance(s.value, int) for s in sides):  # fmt: skip
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_pipeline_or_not_is_decided_once():
+    """The engine is chosen in one place (runtime/engine/__init__.py); the few other
+    comparisons are the Grid's own check and the analytical model and grid search, which
+    reason about pipelines without running one."""
+    found = _pipeline_comparisons()
+    files = sorted(line.rsplit(":", 1)[0] for line in found)
+    assert len(found) <= 4, found
+    assert [f for f in files if f.startswith("runtime/")] == ["runtime/engine/__init__.py"], found
+    assert set(files) <= {"runtime/engine/__init__.py", "partitioner/grid.py", "axonn_jax/perf/comm.py",
+                          "axonn_jax/search.py"}, found  # fmt: skip

@@ -29,7 +29,7 @@ def test_eager_apply_and_grad_equal_jitted(name, overlap, grid, devices):
     for a, b in zip(jax.tree.leaves(eager_grads), jax.tree.leaves(jitted_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
     pm.apply(placed, *case.args)  # a second eager call reuses the compiled program
-    (function,) = pm._functions.values()
+    (function,) = pm.engine._functions.values()
     assert function._cache_size() == 1
 
 

@@ -101,7 +101,7 @@ def test_partitioning_is_pure_and_needs_no_devices():
     model = GPT(GPTConfig(vocab_size=512, num_layers=4, hidden=256, num_heads=8, max_seq_len=128))
     tokens = jax.ShapeDtypeStruct((1024, 128), jnp.int32)
     pm = axonn_jax.partition(model, Grid(x=8, y=8, z=4, data=4), tokens)
-    assert pm._placed is None  # no device touched
+    assert pm.engine._placed is None  # no device touched
     assert pm.plan.param("block_0/attn/query/kernel").role == "normal"
     assert pm.plan.param("block_0/attn/out/kernel").role == "transposed"
     assert pm.plan.param("block_0/mlp/fc_in/kernel").role == "normal"

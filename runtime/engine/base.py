@@ -12,7 +12,7 @@ import jax
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program
 from axonn_jax.runtime.microbatches import default_inputs
-from axonn_jax.runtime.model_call import ModelCall, check_differentiable
+from axonn_jax.runtime.model_call import ModelCall, check_differentiable, unwrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.programs import ProgramCache
@@ -72,6 +72,10 @@ class Engine(abc.ABC):
     def mesh(self) -> jax.sharding.Mesh:
         """The one mesh of the model (only a :class:`SingleMesh` has one)."""
 
+    def plan_tree(self, tree) -> tuple[Any, bool]:
+        """``tree`` as the plan holds it, and whether it came as ``{'params': tree}``."""
+        return unwrap_params(tree, self.plan.param_tree)
+
     # --- parameters -----------------------------------------------------------
     def init(self, key: jax.Array):
         """Parameters initialised directly in their layout (nnx modules: their own values, placed)."""
@@ -100,7 +104,7 @@ class Engine(abc.ABC):
     # --- execution ------------------------------------------------------------
     @abc.abstractmethod
     def apply(self, params, args: tuple, kwargs: dict):
-        """The model's outputs, as ``model.apply`` returns them."""
+        """The model's outputs, as ``model.apply`` returns them (``params`` may be ``{'params': tree}``)."""
 
     @abc.abstractmethod
     def forward(self, params, args: tuple, kwargs: dict, *, microbatches: int = 1, timeout: float = 60.0):

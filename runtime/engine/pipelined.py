@@ -51,6 +51,7 @@ class Pipelined(Engine):
                 "pm.apply (or pm.forward) outside jax.jit for evaluation and sampling, and "
                 "train with pm.value_and_grad / pm.train_step."
             )
+        params, _ = self.plan_tree(params)
         return pipelined_forward(self.stages, self.placed, params, args, kwargs,
                                  microbatches=microbatches, timeout=timeout)  # fmt: skip
 

@@ -40,6 +40,7 @@ class SingleMesh(Engine):
 
     # --- execution ------------------------------------------------------------
     def apply(self, params, args, kwargs):
+        params, _ = self.plan_tree(params)
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
         self.placed.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
