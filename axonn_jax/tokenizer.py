@@ -39,8 +39,18 @@ class Tokenizer:
 
 
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    """The tokenizer saved at ``name_or_path`` (local files only)."""
+    """The tokenizer saved at ``name_or_path`` (local files only).
+
+    A ``tokenizer.json`` alone (what ``tokenizers.Tokenizer.save`` writes, as a
+    file or in a directory without ``tokenizer_config.json``) is read with
+    ``tokenizers``; a ``save_pretrained`` directory or a cached name with
+    ``transformers`` (``tokenizers`` when ``transformers`` is missing).
+    """
     name = str(name_or_path)
+    path = Path(name)
+    if path.is_file() or (path.is_dir() and (path / "tokenizer.json").is_file()
+                          and not (path / "tokenizer_config.json").is_file()):  # fmt: skip
+        return _from_tokenizers(name)
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -48,13 +58,21 @@ def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
     try:
         tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(
-            f"no tokenizer at {name!r} on this machine ({type(exc).__name__}: {exc}). Remedy: a "
-            "directory written by tokenizer.save_pretrained(...); nothing is downloaded."
-        ) from exc
+        raise ValueError(_not_found(path, exc)) from exc
     return Tokenizer(name, len(tok),
                      lambda text: tok.encode(text, add_special_tokens=False, verbose=False),
                      lambda ids: tok.decode(ids))  # fmt: skip
+
+
+def _not_found(path: Path, exc: Exception) -> str:
+    """Why no tokenizer could be read at ``path``, and the remedy."""
+    remedy = ("Remedy: a directory written by tokenizer.save_pretrained(...), or a tokenizer.json "
+              "(tokenizers.Tokenizer.save); nothing is downloaded.")  # fmt: skip
+    if path.is_dir():
+        files = sorted(p.name for p in path.iterdir())[:8] or ["nothing"]
+        return (f"{str(path)!r} holds no tokenizer that transformers can read (it holds "
+                f"{', '.join(files)}; transformers: {type(exc).__name__}: {str(exc)[:200]}). {remedy}")
+    return f"no tokenizer at {str(path)!r}: no such directory or file, and no cached name. {remedy}"
 
 
 def _from_tokenizers(name: str) -> Tokenizer:
@@ -69,7 +87,8 @@ def _from_tokenizers(name: str) -> Tokenizer:
     path = Path(name)
     path = path / "tokenizer.json" if path.is_dir() else path
     if not path.is_file():
-        raise ValueError(f"no tokenizer.json at {name!r}. Remedy: a directory holding tokenizer.json.")
+        raise ValueError(f"no tokenizer.json at {name!r}. Remedy: a directory holding tokenizer.json, "
+                         "or the path of a tokenizer.json.")  # fmt: skip
     tok = RawTokenizer.from_file(str(path))
     return Tokenizer(name, tok.get_vocab_size(with_added_tokens=True),
                      lambda text: tok.encode(text, add_special_tokens=False).ids,

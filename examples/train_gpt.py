@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The example's command line (every flag is listed in the README)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default="pipeline=2,x=2,z=2",
                    help="e.g. pipeline=2,x=2,z=2 or x=2,y=2,z=2 or pipeline=2,data=2")
@@ -57,9 +58,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay to 0.1x)")
+    p.add_argument("--schedule-steps", type=int, default=None,
+                   help="steps over which the learning rate decays (default: --steps; after "
+                        "--resume: the checkpoint's, so that extending a run keeps its schedule)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="output directory (default runs/gpt-<grid>)")
+    p.add_argument("--out", default=None,
+                   help="output directory (default runs/gpt-<grid>, runs/gpt-<data name>-<grid> with --data)")
     p.add_argument("--devices-per-process", type=int, default=None,
                    help="simulated CPU devices per process (default: 8 / #processes)")  # fmt: skip
     p.add_argument("--sample-tokens", "--sample-bytes", dest="sample_tokens", type=int, default=200,
@@ -90,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continue from the latest checkpoint in --ckpt-dir (any grid)")
     p.add_argument("--fresh", action="store_true",
                    help="without --resume: delete the checkpoints already in --ckpt-dir and start over")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
@@ -104,8 +114,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--grid {args.grid!r}: {exc}")
     if args.microbatches is None:
         args.microbatches = 4 if grid.pipeline > 1 else 1
-    for name in ("microbatches", "batch", "seq", "layers", "hidden", "heads"):
-        if getattr(args, name) < 1:
+    for name in ("microbatches", "batch", "seq", "layers", "hidden", "heads", "schedule_steps"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     need = args.microbatches * grid.data * grid.z
     if args.batch % need:
@@ -142,17 +152,20 @@ def main(argv=None) -> int:
     import optax
 
     import axonn_jax
+    from axonn_jax.checkpoint import Checkpointer
     from axonn_jax.corpus import load_corpus, split
     from axonn_jax.health import check_replicas
     from axonn_jax.loader import Loader
     from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
+    from axonn_jax.runtime.collectives import host_comm
+    from axonn_jax.runtime.console import silence_stdout
 
     info = axonn_jax.init()
-    if info.distributed and not args.all_ranks:  # rank 0 speaks for the job; errors reach stderr
-        _quiet_stdout(silence=not info.is_main)
+    if info.distributed and not args.all_ranks and not info.is_main:  # rank 0 speaks for the job
+        silence_stdout()  # (errors still reach stderr; init() already drops Gloo's lines)
     check_run_config(args)
     grid = axonn_jax.Grid.parse(args.grid)
-    out = Path(args.out or f"runs/gpt-{args.grid.replace(',', '_').replace('=', '')}")
+    out = Path(args.out or default_out(args))
     try:
         corpus = load_corpus(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
     except (OSError, ValueError, ImportError) as exc:
@@ -175,7 +188,29 @@ def main(argv=None) -> int:
         print(f"data: {corpus}")
         print(pm.plan.table() if args.plan_table else pm.plan)
     params = pm.init(jax.random.key(args.seed))
-    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, args.steps, 0.1), weight_decay=0.01)
+    ckpt_dir = Path(args.ckpt_dir or out / "ckpt")
+    ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
+    run = run_record(args, corpus)
+    previous = read_run_record(ckpt_dir) if ckpt.all_steps() else None
+    if ckpt.all_steps() and not args.resume:
+        if not args.fresh:
+            raise SystemExit(_occupied_message(ckpt_dir, ckpt.all_steps(), previous, run))
+        ckpt.close()
+        host = host_comm()  # every process closed it before one deletes
+        host.barrier()
+        if info.is_main:
+            print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
+            shutil.rmtree(ckpt_dir)
+        host.barrier()
+        ckpt, previous = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume), None
+    resuming = args.resume and ckpt.latest_step() is not None
+    if resuming and previous is not None:
+        check_resumable(previous, run, ckpt_dir)
+    run["schedule_steps"], notes = learning_rate_schedule(args, previous if resuming else None)
+    for note in notes if info.is_main else ():
+        print(note)
+    optimizer = optax.adamw(optax.cosine_decay_schedule(args.lr, run["schedule_steps"], 0.1),
+                            weight_decay=0.01)  # fmt: skip
 
     options = dict(inputs=window_inputs, microbatches=args.microbatches, remat=args.remat)
     if grid.pipeline > 1:
@@ -198,31 +233,15 @@ def main(argv=None) -> int:
     mesh = pm.mesh if grid.pipeline == 1 else None
     loader = Loader(train_tokens, batch=args.batch, seq=args.seq, mesh=mesh, seed=args.seed)
 
-    from axonn_jax.checkpoint import Checkpointer
-    from axonn_jax.runtime.collectives import host_comm
-
-    ckpt_dir = Path(args.ckpt_dir or out / "ckpt")
-    ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
-    if ckpt.all_steps() and not args.resume:
-        if not args.fresh:
-            raise SystemExit(
-                f"error: {ckpt_dir} already holds checkpoints (steps {ckpt.all_steps()}). Remedy: "
-                "--resume to continue from the latest, --fresh to delete them and start over, or "
-                "another --out / --ckpt-dir."
-            )
-        ckpt.close()
-        host = host_comm()  # every process closed it before one deletes
-        host.barrier()
-        if info.is_main:
-            print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
-            shutil.rmtree(ckpt_dir)
-        host.barrier()
-        ckpt = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume)
     first_step = 0
-    if args.resume and ckpt.latest_step() is not None:
+    if resuming:
         # any grid, pipeline or not, offloaded or not: the checkpoint holds float32
         # params and the optimizer state over the whole model
-        restored = ckpt.restore_train_state(train_step, params, opt_state)
+        try:
+            restored = ckpt.restore_train_state(train_step, params, opt_state)
+        except ValueError as exc:  # a checkpoint of another model (written before run.json existed)
+            raise SystemExit(f"error: --resume: {ckpt_dir} holds another model than this run's "
+                             f"--layers/--hidden/--heads/--seq: {exc}") from None  # fmt: skip
         params, opt_state = restored.params, restored.opt_state
         first_step = int(restored.extra["next_step"])
         loader = _resumed_loader(Loader, train_tokens, restored.extra, loader, first_step, mesh)
@@ -232,6 +251,8 @@ def main(argv=None) -> int:
         print(f"--resume: no checkpoint in {ckpt.directory}; starting from step 0")
     # batches are a pure function of (seed, step): resuming at step k replays the same data
     out.mkdir(parents=True, exist_ok=True)
+    if info.is_main:
+        write_run_record(ckpt_dir, run)
     rows = []
     progress = _Progress(first_step, args.steps, enabled=info.is_main, every=args.log_every)
     board = _tensorboard(out / "tensorboard") if info.is_main else None
@@ -245,15 +266,16 @@ def main(argv=None) -> int:
         params, opt_state, loss = train_step(params, opt_state, batch)
         loss = float(loss)
         dt = time.perf_counter() - t0
-        row = {"step": step, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
-        last = step == args.steps - 1
-        if valid is not None and (last or (args.eval_every and step % args.eval_every == 0)):
+        number = step + 1  # steps count from 1 everywhere: console, metrics.csv, loss.png, checkpoints
+        row = {"step": number, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
+        last = number == args.steps
+        if valid is not None and (last or number == 1 or (args.eval_every and number % args.eval_every == 0)):
             row["valid_loss"] = float(evaluate(params, valid))
         rows.append(row)
         if board is not None:
             for key in ("loss", "valid_loss", "tokens_per_s"):
                 if key in row:
-                    board.add_scalar(key, row[key], step)
+                    board.add_scalar(key, row[key], number)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
             ckpt.save_train_state(step + 1, train_step, params, opt_state,
                                   extra={"next_step": step + 1, "loader": loader.state()})  # fmt: skip
@@ -279,7 +301,7 @@ def main(argv=None) -> int:
     if info.is_main:
         ran = rows
         if first_step:  # resumed: keep the rows of the steps before the checkpoint
-            rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] < first_step] + rows
+            rows = [r for r in _read_csv(out / "metrics.csv") if r["step"] <= first_step] + rows
         _write_csv(out / "metrics.csv", rows)
         _plot(out / "loss.png", rows, title=f"GPT {config.num_layers}L/{config.hidden}H on {grid}")
         if not ran:
@@ -287,9 +309,11 @@ def main(argv=None) -> int:
             return 0
         print(_summary(ran, first_step, args.steps, elapsed, progress.compile_seconds))
         files = ["metrics.csv", "loss.png"] + (["timeline.png", "trace.json"] if grid.pipeline > 1 else [])
-        print(f"wrote {out}/: {', '.join(files)}")
+        stale = [] if grid.pipeline > 1 else _remove_stale_timeline(out)
+        print(f"wrote {out}/: {', '.join(files)}" + (f" (removed an earlier pipeline run's "
+              f"{' and '.join(stale)})" if stale else ""))  # fmt: skip
         if board is not None:
-            print(f"TensorBoard: {out / 'tensorboard'} (tensorboard --logdir {out / 'tensorboard'})")
+            print(f"TensorBoard: {out / 'tensorboard'} ({_tensorboard_hint(out / 'tensorboard')})")
         print(f"checkpoints: {ckpt.directory} (steps {', '.join(map(str, ckpt.all_steps()))}; "
               "continue with --resume)")  # fmt: skip
         print("sample:", repr(sample))
@@ -317,6 +341,105 @@ def check_run_config(args: argparse.Namespace) -> None:
         "examples/train_gpt.py ARGS), e.g. no rank-dependent values in a wrapper script."))  # fmt: skip
 
 
+def default_out(args: argparse.Namespace) -> str:
+    """``runs/gpt-<grid>``, or ``runs/gpt-<data name>-<grid>`` with ``--data``.
+
+    Runs on other data get their own directory, so the README's own-data
+    command right after ``make demo`` does not meet the demo's checkpoints.
+
+    >>> default_out(parse_args(["--data", "notes.txt", "--grid", "x=2,z=2"]))
+    'runs/gpt-notes-x2_z2'
+    """
+    grid = args.grid.replace(",", "_").replace("=", "")
+    name = Path(args.data).stem if args.data else ""
+    return f"runs/gpt-{name}-{grid}" if name else f"runs/gpt-{grid}"
+
+
+#: flags a resumed run must share with its checkpoint (model shape, data, batches)
+RESUME_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "seed", "data", "data_dtype", "tokenizer")
+#: the run record next to the checkpoints (written by rank 0)
+RUN_RECORD = "run.json"
+
+
+def run_record(args: argparse.Namespace, corpus) -> dict:
+    """What a checkpoint directory's runs must agree on, plus the learning-rate schedule."""
+    record = {name: getattr(args, name) for name in RESUME_FLAGS}
+    if args.data:  # the same file under another path is the same data; its size tells edits apart
+        record["data"] = str(Path(args.data).resolve())
+    record.update(tokens=int(len(corpus.tokens)), vocab=int(corpus.vocab_size), lr=args.lr)
+    return record
+
+
+def read_run_record(ckpt_dir: Path) -> dict | None:
+    """The record the run that wrote ``ckpt_dir`` left there (``None`` before run records existed)."""
+    import json
+
+    path = Path(ckpt_dir) / RUN_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_run_record(ckpt_dir: Path, record: dict) -> None:
+    import json
+
+    Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+    (Path(ckpt_dir) / RUN_RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _differences(previous: dict, record: dict) -> list[str]:
+    """``--flag old → new`` for every resume flag (and the data's size) that differs."""
+    keys = [*RESUME_FLAGS, "tokens"]
+    return [f"--{k.replace('_', '-')} {previous.get(k)} → {record.get(k)}" if k != "tokens" else
+            f"the data's length {previous.get(k)} → {record.get(k)} tokens"
+            for k in keys if k in previous and previous.get(k) != record.get(k)]  # fmt: skip
+
+
+def _occupied_message(ckpt_dir: Path, steps: list[int], previous: dict | None, record: dict) -> str:
+    """The error for a new run pointed at a directory that already holds checkpoints."""
+    changed = _differences(previous, record) if previous else []
+    if changed:  # another run's checkpoints: --resume would be wrong
+        return (f"error: {ckpt_dir} already holds the checkpoints (steps {steps}) of another run "
+                f"({'; '.join(changed)}). Remedy: another --out (or --ckpt-dir) for this run, or "
+                "--fresh to delete them and start over.")  # fmt: skip
+    return (f"error: {ckpt_dir} already holds checkpoints (steps {steps}). Remedy: --resume to "
+            "continue from the latest, --fresh to delete them and start over, or another --out / "
+            "--ckpt-dir.")  # fmt: skip
+
+
+def check_resumable(previous: dict, record: dict, ckpt_dir: Path) -> None:
+    """Refuse ``--resume`` onto checkpoints of another model, data or batch order, naming the flags."""
+    changed = _differences(previous, record)
+    if changed:
+        raise SystemExit(
+            f"error: --resume: the checkpoints in {ckpt_dir} were trained with other settings: "
+            f"{'; '.join(changed)}. Remedy: the checkpoint's values to continue it, or another "
+            "--out (or --fresh) to train this configuration from scratch."
+        )
+
+
+def learning_rate_schedule(args: argparse.Namespace, previous: dict | None) -> tuple[int, list[str]]:
+    """The cosine schedule's length, and notices for what a resume changes.
+
+    A fresh run decays over ``--schedule-steps`` (default ``--steps``). A resumed
+    run keeps its checkpoint's schedule unless ``--schedule-steps`` says
+    otherwise, so that ``--resume --steps 600`` extends a 300-step run at the
+    learning rate it ended with instead of jumping back up the cosine.
+    """
+    notes = []
+    if previous is None or "schedule_steps" not in previous:
+        return args.schedule_steps or args.steps, notes
+    kept = previous["schedule_steps"]
+    steps = args.schedule_steps or kept
+    if steps != kept:
+        notes.append(f"note: --schedule-steps {steps}: the learning rate now decays over {steps} steps "
+                     f"(the checkpoint's schedule: {kept}); it changes at the resumed step")  # fmt: skip
+    elif args.steps != kept:
+        notes.append(f"note: the learning rate keeps the checkpoint's schedule, a cosine over {kept} "
+                     f"steps (--steps {args.steps}; --schedule-steps N sets another)")  # fmt: skip
+    if previous.get("lr") not in (None, args.lr):
+        notes.append(f"note: --lr {args.lr} (the checkpoint was trained with --lr {previous['lr']})")
+    return steps, notes
+
+
 def compute_dtype(precision: str, backend: str) -> tuple[str, str | None]:
     """The model's computation dtype for ``--precision`` on ``backend``, and a notice if it differs.
 
@@ -336,51 +459,18 @@ def compute_dtype(precision: str, backend: str) -> tuple[str, str | None]:
     return "float32", None
 
 
-def _quiet_stdout(*, silence: bool) -> None:
-    """Under MPI: drop this process's stdout (``silence``), or only Gloo's connection lines.
-
-    Works on file descriptor 1, so it covers what C++ libraries print too. For
-    the filter, a thread copies whole lines from a pipe to the real stdout (it
-    is a pipe to mpiexec anyway), until the process exits.
-    """
-    import atexit
-    import threading
-
-    sys.stdout.flush()
-    if silence:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.close(devnull)
-        return
-    real, restore = os.dup(1), os.dup(1)
-    read, write = os.pipe()
-    os.dup2(write, 1)
-    os.close(write)
-
-    def pump() -> None:
-        with os.fdopen(read, "rb") as lines, os.fdopen(real, "wb", buffering=0) as out:
-            for line in lines:
-                if not line.startswith(b"[Gloo] "):
-                    out.write(line)
-
-    thread = threading.Thread(target=pump, name="stdout-filter", daemon=True)
-    thread.start()
-
-    def finish() -> None:  # closing the pipe's last writer ends the pump
-        sys.stdout.flush()
-        os.dup2(restore, 1)
-        os.close(restore)
-        thread.join(timeout=10)
-
-    atexit.register(finish)
-
-
 def _summary(ran: list[dict], first_step: int, steps: int, elapsed: float, compile_s: float) -> str:
-    """One line: the loss over the steps this run executed (after --resume, only those)."""
-    last = sum(r["loss"] for r in ran[-10:]) / len(ran[-10:])
+    """The loss over the steps this run executed (after --resume, only those), labelled.
+
+    The end is the mean of the last (up to) 10 steps: one step's loss is one batch's.
+    """
+    tail = ran[-10:]
+    last = sum(r["loss"] for r in tail) / len(tail)
+    span = f"steps {tail[0]['step']}-{tail[-1]['step']}" if len(tail) > 1 else f"step {tail[0]['step']}"
     resumed = f", resumed from the checkpoint of step {first_step}" if first_step else ""
-    return (f"\nloss {ran[0]['loss']:.3f} -> {last:.3f} in {len(ran)} steps ({first_step + 1}-{steps} "
-            f"of {steps}{resumed}), {elapsed:.0f} s of which {compile_s:.0f} s compiling")
+    return (f"\nloss {ran[0]['loss']:.3f} (step {ran[0]['step']}) -> {last:.3f} (mean of {span}) in "
+            f"{len(ran)} steps ({first_step + 1}-{steps} of {steps}{resumed}), {elapsed:.0f} s of "
+            f"which {compile_s:.0f} s compiling")
 
 
 class _Progress:
@@ -407,25 +497,25 @@ class _Progress:
             if self.enabled:
                 print(f"{'done' if self.tty else 'compiled and ran it'} in {seconds:.1f} s "
                       f"(loss {row['loss']:.3f})", flush=True)  # fmt: skip
-            if self.tty and row["step"] + 1 < self.total:
+            if self.tty and row["step"] < self.total:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=self.total, initial=row["step"] + 1, desc="train",
+                self.bar = tqdm(total=self.total, initial=row["step"], desc="train",
                                 unit="step", file=sys.stdout)  # fmt: skip
             return
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
-        elif self.enabled and ((row["step"] - self.first) % self.every == 0 or row["step"] == self.total - 1):
+        elif self.enabled and ((row["step"] - 1 - self.first) % self.every == 0 or row["step"] == self.total):
             print(self._line(row), flush=True)
 
     def _line(self, row: dict) -> str:
-        done = row["step"] - self.first  # steps since the compiling one
+        done = row["step"] - 1 - self.first  # steps since the compiling one
         per_step = (time.perf_counter() - self.started) / max(done, 1)
         valid = f"  valid {row['valid_loss']:.3f}" if "valid_loss" in row else ""
-        return (f"step {row['step'] + 1}/{self.total}  loss {row['loss']:.3f}{valid}  "
+        return (f"step {row['step']}/{self.total}  loss {row['loss']:.3f}{valid}  "
                 f"tok/s {row['tokens_per_s']:,.0f}  {per_step:.2f} s/step  "
-                f"eta {_clock(per_step * (self.total - 1 - row['step']))}")
+                f"eta {_clock(per_step * (self.total - row['step']))}")
 
     def close(self) -> None:
         if self.bar is not None:
@@ -444,6 +534,26 @@ def _tensorboard(directory: Path):
     except ImportError:
         return None
     return SummaryWriter(str(directory))
+
+
+def _tensorboard_hint(directory: Path) -> str:
+    """How to view the events: the command, and how to get it when it is not installed."""
+    import importlib.util
+
+    command = f"tensorboard --logdir {directory}"
+    if importlib.util.find_spec("tensorboard") is None:  # tensorboardX writes events, it does not show them
+        return f"to view: pip install tensorboard, then {command}"
+    return command
+
+
+def _remove_stale_timeline(out: Path) -> list[str]:
+    """Delete the timeline of an earlier pipelined run in ``out`` (this run's grid has no pipeline)."""
+    removed = []
+    for name in ("timeline.png", "trace.json"):
+        if (out / name).exists():
+            (out / name).unlink()
+            removed.append(name)
+    return removed
 
 
 def _write_csv(path: Path, rows: list[dict]) -> None:

@@ -3,7 +3,7 @@
 A :class:`Grid` names how many devices each parallel dimension uses. It is pure
 configuration: building one needs no devices, so the partitioner can plan for
 1,024 GPUs on a laptop. Meshes are built from it by :mod:`axonn_jax.runtime.mesh`
-(``axonn_jax.mesh(grid)``, ``axonn_jax.stage_meshes(grid)``).
+(``axonn_jax.build_mesh(grid)``, ``axonn_jax.stage_meshes(grid)``).
 
 Hierarchy, innermost (fastest links) to outermost: ``x``, ``y``, ``z``, ``data``,
 ``pipeline``. In a JAX mesh the last axis varies fastest, so the mesh axis order

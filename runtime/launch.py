@@ -112,6 +112,10 @@ def init(
         )
     if distributed and abort_on_exception:
         install_abort_hook()
+    if distributed:  # Gloo reports each connection on stdout; AXONN_SHOW_GLOO=1 keeps them
+        from axonn_jax.runtime.console import drop_gloo_lines
+
+        drop_gloo_lines()
     _INFO = ProcessInfo(jax.process_index(), jax.process_count(), distributed)
     return _INFO
 

@@ -51,14 +51,17 @@ def test_example_log_without_a_terminal_is_line_oriented_and_resume_counts_its_s
     progress = re.findall(r"^step (\d)/5  loss \d\.\d{3}(  valid \d\.\d{3})?  tok/s [\d,]+  "
                           r"[\d.]+ s/step  eta \d:\d\d:\d\d$", first, re.M)  # fmt: skip
     assert [int(step) for step, _ in progress] == [3, 5]  # every 2 steps after the compiling one
-    assert re.search(r"^loss \d\.\d{3} -> \d\.\d{3} in 5 steps \(1-5 of 5\)", first, re.M)
+    assert re.search(r"^loss \d\.\d{3} \(step 1\) -> \d\.\d{3} \(mean of steps 1-5\) in 5 steps "
+                     r"\(1-5 of 5\)", first, re.M)  # fmt: skip
+    assert [r["step"] for r in _metrics(tmp_path)] == ["1", "2", "3", "4", "5"]  # as the console counts
     assert f"TensorBoard: {tmp_path / 'tensorboard'}" in first
     assert f"checkpoints: {tmp_path / 'ckpt'} (steps 5;" in first
     assert first.count("Plan for Grid(") == 1 and "every parameter's layout" in first
 
     resumed = run_example(tmp_path, "--steps", "7", "--resume", *args).stdout
-    assert re.search(r"^loss \d\.\d{3} -> \d\.\d{3} in 2 steps \(6-7 of 7, resumed from the "
-                     r"checkpoint of step 5\)", resumed, re.M)  # fmt: skip
+    assert re.search(r"^loss \d\.\d{3} \(step 6\) -> \d\.\d{3} \(mean of steps 6-7\) in 2 steps "
+                     r"\(6-7 of 7, resumed from the checkpoint of step 5\)", resumed, re.M)  # fmt: skip
+    assert [r["step"] for r in _metrics(tmp_path)] == [str(i) for i in range(1, 8)]
     assert "\r" not in resumed
 
 
@@ -77,3 +80,37 @@ def test_rerunning_without_resume_is_refused_before_training(tmp_path):
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 1 and "already holds checkpoints (steps [1])" in again.stderr
     assert "--resume to continue" in again.stderr and "--fresh" in again.stderr
+
+
+def _metrics(out) -> list[dict]:
+    import csv
+
+    with (out / "metrics.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+GLOO = b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+
+
+def test_gloo_lines_are_stripped_also_mid_line_and_across_chunks():
+    from axonn_jax.runtime.console import strip_gloo
+
+    assert strip_gloo(b"a\n" + GLOO + b"b\n") == (b"a\nb\n", b"")
+    assert strip_gloo(b"compiling... " + GLOO + b"done\n") == (b"compiling... done\n", b"")
+    ready, held = strip_gloo(b"step 1 " + GLOO[:20])  # a report cut by the pipe: held back
+    assert ready == b"step 1 " and held == GLOO[:20]
+    assert strip_gloo(held + GLOO[20:] + b"x") == (b"x", b"")
+    assert strip_gloo(b"[Glo") == (b"", b"[Glo") and strip_gloo(b"[x]\n") == (b"[x]\n", b"")
+
+
+def test_a_process_that_drops_gloo_lines_prints_everything_else():
+    """What C++ writes to file descriptor 1 is filtered too, and nothing is lost at exit."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\nfrom axonn_jax.runtime.console import drop_gloo_lines\ndrop_gloo_lines()\n"
+            "print('before', end=' ', flush=True)\n"
+            f"os.write(1, {GLOO!r} * 3)\n"
+            "print('after')\nsys.stdout.write('tail without newline')\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).stdout
+    assert out == b"before after\ntail without newline"

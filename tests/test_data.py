@@ -177,3 +177,27 @@ def _save_tiny_tokenizer(directory: Path, text: str) -> Path:
     else:
         tok.save(str(directory / "tokenizer.json"))
     return directory
+
+
+@pytest.mark.skipif(not HAS_TOKENIZERS, reason="needs transformers or tokenizers")
+@pytest.mark.parametrize("given", ["directory", "file"])
+def test_a_bare_tokenizer_json_is_read(tmp_path, text_file, given):
+    """What ``tokenizers.Tokenizer.save`` writes, alone in a directory or named as a file."""
+    tokenizers = pytest.importorskip("tokenizers")
+    saved = _save_tiny_tokenizer(tmp_path / "full", text_file.read_text())
+    raw = tokenizers.Tokenizer.from_file(str(saved / "tokenizer.json"))
+    (tmp_path / "bare").mkdir()
+    raw.save(str(tmp_path / "bare" / "tokenizer.json"))
+    path = tmp_path / "bare" if given == "directory" else tmp_path / "bare" / "tokenizer.json"
+    corpus = load_corpus(text_file, tokenizer=path)
+    assert corpus.decode(corpus.tokens[:20]).startswith("note 0: the quick")
+    assert corpus.vocab_size == raw.get_vocab_size(with_added_tokens=True)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("transformers"), reason="needs transformers")
+def test_a_directory_without_a_tokenizer_names_what_it_holds(tmp_path, text_file):
+    (tmp_path / "notes.md").write_text("not a tokenizer")
+    with pytest.raises(ValueError) as err:
+        load_corpus(text_file, tokenizer=tmp_path)
+    assert "holds no tokenizer that transformers can read (it holds notes.md" in str(err.value)
+    assert "no tokenizer at" not in str(err.value) and "tokenizers.Tokenizer.save" in str(err.value)

@@ -73,3 +73,34 @@ def test_architecture_lists_every_module_once_per_line():
         listed = _listed_modules(text, heading)
         assert modules == listed, (f"{heading}: missing {sorted(modules - listed)}, "
                                    f"listed but absent {sorted(listed - modules)}")  # fmt: skip
+
+
+def test_planner_doc_lists_every_plan_option_and_json_key(capsys):
+    import json
+
+    from axonn_jax.cli import _parser, main
+
+    _, commands = _parser()
+    flags = {o for a in commands["plan"]._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    text = " ".join((ROOT / "docs" / "planner.md").read_text().split())
+    missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text))
+    assert not missing, f"docs/planner.md omits {missing}"
+    assert main(["plan", "--gpus", "8", "--machine", "perlmutter", "--layers", "2", "--hidden", "128",
+                 "--heads", "4", "--seq", "64", "--batch", "16", "--vocab", "256", "--top", "1", "--json"]) == 0
+    [first] = json.loads(capsys.readouterr().out)
+    start = text.index("`--json` (one object per configuration: ")
+    segment = text[start + len("`--json`") : text.index(")", start)]
+    documented = set(re.findall(r"\w+", " ".join(re.findall(r"`([^`]*)`", segment))))
+    assert documented == set(first) | set(first["bytes_per_gpu"])
+
+
+def test_in_flight_figures_in_the_docs_are_the_models():
+    """docs/pipeline.md and docs/planner.md quote rank 0's in-flight activations."""
+    from axonn_jax.perf.memory import in_flight
+
+    assert (in_flight(16, 4), in_flight(16, 4, virtual=2)) == (5.0, 7.0)
+    for doc in ("pipeline.md", "planner.md"):
+        text = " ".join((ROOT / "docs" / doc).read_text().split())
+        assert "min(m, p + 1)" in text and "Σ_c min(m, p·v + 1 − c·p) / v" in text, doc
+        assert re.search(r"5 (at p=4, m=16 — )?and 7 at p=4", text), doc
+        assert "min(m, p)`" not in text and "up to `pipeline`" not in text, doc

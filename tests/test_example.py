@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import os
 import subprocess
 import sys
@@ -187,5 +188,82 @@ def test_interrupted_and_resumed_runs_equal_the_uninterrupted_one_also_on_anothe
         shutil.rmtree(tmp_path / name / "ckpt" / "4")  # as if killed after the save of step 2
         result = run_example(tmp_path / name, *small, "--grid", grid, "--resume")
         assert "resumed from" in result.stdout and "at step 2" in result.stdout
+    assert not (tmp_path / "flat" / "timeline.png").exists()  # the pipelined run's, removed
+    assert "removed an earlier pipeline run's timeline.png and trace.json" in result.stdout
     np.testing.assert_array_equal(_losses(tmp_path / "cut"), straight)
     np.testing.assert_allclose(_losses(tmp_path / "flat"), straight, rtol=1e-5)
+
+
+# --- a run's directory, resuming, and what the example prints -----------------------------
+
+
+def test_own_data_gets_its_own_default_directory():
+    example = _example_module()
+    assert example.default_out(example.parse_args([])) == "runs/gpt-pipeline2_x2_z2"  # the demo's
+    assert example.default_out(example.parse_args(["--data", "my/notes.txt"])) == "runs/gpt-notes-pipeline2_x2_z2"
+
+
+def test_checkpoints_of_another_run_are_named_without_suggesting_resume(tmp_path):
+    example = _example_module()
+    demo = {"layers": 4, "hidden": 128, "data": None, "tokens": 1000}
+    mine = {"layers": 4, "hidden": 128, "data": "/d/notes.txt", "tokens": 50}
+    message = example._occupied_message(tmp_path, [300], demo, mine)
+    assert "of another run (--data None → /d/notes.txt; the data's length 1000 → 50 tokens)" in message
+    assert "--resume" not in message and "another --out" in message
+    same = example._occupied_message(tmp_path, [300], demo, dict(demo))
+    assert "--resume to continue" in same
+
+
+def test_resume_keeps_the_checkpoints_learning_rate_schedule_unless_told():
+    example = _example_module()
+    previous = {"schedule_steps": 300, "lr": 3e-3}
+    steps, notes = example.learning_rate_schedule(example.parse_args(["--steps", "600"]), previous)
+    assert steps == 300 and "keeps the checkpoint's schedule, a cosine over 300 steps" in notes[0]
+    steps, notes = example.learning_rate_schedule(
+        example.parse_args(["--steps", "600", "--schedule-steps", "600"]), previous)
+    assert steps == 600 and "now decays over 600 steps" in notes[0]
+    assert example.learning_rate_schedule(example.parse_args(["--steps", "600"]), None) == (600, [])
+
+
+def test_the_tensorboard_hint_says_how_to_get_tensorboard(monkeypatch, tmp_path):
+    import importlib.util
+
+    example = _example_module()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    assert example._tensorboard_hint(tmp_path) == f"to view: pip install tensorboard, then tensorboard --logdir {tmp_path}"
+
+
+def test_readme_lists_every_flag_of_the_example():
+    parser = _example_module().build_parser()
+    parser_flags = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("Flags of the example:"):]
+    listed = listed[: listed.index("\n\n")]
+    missing = sorted(f for f in parser_flags - {"--help", "--sample-bytes"}
+                     if not re.search(rf"{re.escape(f)}(?![\w-])", listed))  # fmt: skip
+    assert not missing, f"README's flag list omits {missing}"
+
+
+@pytest.mark.slow
+def test_resume_extends_a_run_on_its_schedule_and_refuses_another_model(tmp_path):
+    """2 steps, then --resume --steps 4: the same losses as 4 steps on a 2-step schedule;
+    --resume with another --hidden is an error line naming the flag, not a traceback."""
+    from test_data import run_example
+
+    small = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--sample-tokens", "1",
+             "--grid", "z=4,data=2", "--ckpt-every", "0", "--eval-every", "0"]  # fmt: skip
+    run_example(tmp_path / "straight", "--steps", "4", "--schedule-steps", "2", *small)
+    run_example(tmp_path / "cut", "--steps", "2", *small)
+    resumed = run_example(tmp_path / "cut", "--steps", "4", "--resume", *small)
+    assert "keeps the checkpoint's schedule, a cosine over 2 steps" in resumed.stdout
+    np.testing.assert_array_equal(_losses(tmp_path / "cut"), _losses(tmp_path / "straight"))
+    assert [int(r["step"]) for r in csv.DictReader((tmp_path / "cut" / "metrics.csv").open())] == [1, 2, 3, 4]
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    other = [a if a != "32" else "64" for a in small]
+    refused = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "6",
+                              "--resume", *other, "--out", str(tmp_path / "cut")],
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "error: --resume: the checkpoints in" in refused.stderr and "--hidden 32 → 64" in refused.stderr

@@ -98,3 +98,16 @@ def test_readme_convenient_form_runs(readme):
     namespace = dict(readme)
     exec(compile(readme_blocks()[1], "README.md (convenient form)", "exec"), namespace)
     assert np.isfinite(float(namespace["loss"]))
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_readme_example_runs_under_mpiexec_as_written_without_gloo_lines():
+    """The README says the same script runs under MPI: two ranks of 4 devices, one loss."""
+    from mpi_util import run_mpi
+
+    result = run_mpi(2, "readme_example.py", devices_per_process=4, timeout=400)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    losses = re.findall(r"^rank (\d) of 2: loss (\S+)$", result.stdout, re.M)
+    assert sorted(rank for rank, _ in losses) == ["0", "1"] and losses[0][1] == losses[1][1]
+    assert "[Gloo]" not in result.stdout + result.stderr
