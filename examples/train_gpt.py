@@ -147,7 +147,9 @@ def main(argv=None) -> int:
     from axonn_jax.loader import Loader
     from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
 
-    info = axonn_jax.init()
+    # joins the MPI job, if any; knowing the grid first lets a pipeline whose stages each fit in
+    # one process keep its collectives in-process (gloo would carry them over TCP)
+    info = axonn_jax.init(grid=axonn_jax.Grid.parse(args.grid))
     if info.distributed and not args.all_ranks:  # rank 0 speaks for the job; errors reach stderr
         _quiet_stdout(silence=not info.is_main)
     check_run_config(args)
