@@ -104,13 +104,14 @@ def table(result: dict) -> str:
     lines = [f"`{result['grid']}`, GPT {result['layers']}L/{result['hidden']}H, median of "
              f"{result['rounds']} launches × {result['steps']} steps (load average "
              f"{result['load'][0]:.1f}):", "",
-             "| configuration | CPU collectives | step time / one process | step | stage task | "
-             "loss difference |",
+             "| configuration | CPU collectives | step time / one process (rounds) | step | "
+             "stage task | loss difference |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for c in result["configs"]:
-        task = "" if c["task_s"] is None else f"{c['task_s'] * 1e3:.1f} ms"
-        lines.append(f"| {c['label']} | {c['collectives']} | **{c['ratio']:.2f}** | "
-                     f"({c['step_s'] * 1e3:.0f} ms) | ({task}) | {c['loss_diff']:.1e} |")  # fmt: skip
+        task = "–" if c["task_s"] is None else f"({c['task_s'] * 1e3:.1f} ms)"
+        rounds = " / ".join(f"{x:.2f}" for x in c["ratios"])
+        lines.append(f"| {c['label']} | {c['collectives']} | **{c['ratio']:.2f}** ({rounds}) | "
+                     f"({c['step_s'] * 1e3:.0f} ms) | {task} | {c['loss_diff']:.1e} |")  # fmt: skip
     return "\n".join(lines)
 
 
