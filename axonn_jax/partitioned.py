@@ -72,8 +72,8 @@ def partition(
             no repeated work between layers (docs/partitioning.md). False keeps
             the all-reduce form that ``axonn_jax.perf`` models and OAR overlaps.
     """
-    if launch.mpi_world_size() > 1:  # join the job before tracing can start JAX's backends
-        launch.init()
+    if launch.mpi_world_size() > 1:  # join the job (and choose its collectives) before tracing
+        launch.init(grid=grid)  # can start JAX's backends
     options = PlanOptions(strict=strict, rules=dict(rules or {}), replicate=tuple(replicate),
                           stages=None if stages is None else tuple(stages),
                           scatter_batch=scatter_batch)  # fmt: skip

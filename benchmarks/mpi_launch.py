@@ -22,16 +22,21 @@ def is_worker(flag: str) -> bool:
     return bool(os.environ.get(flag))
 
 
-def relaunch(script: str, ranks: int, argv: list[str], flag: str, timeout: float) -> object:
-    """Runs ``script argv`` on ``ranks`` processes (one CPU device each, ``flag`` set in their
-    environment) and returns the JSON rank 0 printed after ``RESULTS``; exits naming the
+def relaunch(script: str, ranks: int, argv: list[str], flag: str, timeout: float, *,
+             devices_per_process: int = 1) -> object:
+    """Runs ``script argv`` on ``ranks`` processes (``devices_per_process`` simulated CPU
+    devices each, ``flag`` set in their environment; ``ranks=1``: one plain process, no
+    ``mpiexec``) and returns the JSON rank 0 printed after ``RESULTS``; exits naming the
     output on a failure."""
     sys.path.insert(0, str(ROOT / "tests"))
     from mpi_util import mpiexec
 
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}")  # fmt: skip
     env[flag] = "1"
-    command = [mpiexec(), "-n", str(ranks), sys.executable, script, *argv]
+    command = [sys.executable, script, *argv]
+    if ranks > 1:
+        command = [mpiexec(), "-n", str(ranks), *command]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     line = next((l for l in done.stdout.splitlines() if l.startswith(PREFIX)), None)
     if done.returncode != 0 or line is None:

@@ -84,6 +84,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("pipeline_hop", "One pipeline hop: MpiTransport vs raw mpi4py",
               ("--rounds", "6", "--trips", "20"), ("--rounds", "2", "--trips", "10"),
               devices=1, timeout_s=600),  # fmt: skip
+    Benchmark("mpi_step", "Pipelined step: one process vs mpiexec -n 2 (CPU collectives)",
+              ("--rounds", "3", "--steps", "10"), ("--rounds", "1", "--steps", "4"),
+              devices=1, timeout_s=1500),  # fmt: skip
     Benchmark("grid_prediction", "Predicted vs measured step time over 8-device grids",
               ("--rounds", "2", "--per-round", "2"), None, timeout_s=1200,
               markdown_flag="--out"),  # fmt: skip

@@ -166,6 +166,12 @@ def hop_section(r: dict) -> str:
             "times (half a round trip):\n\n" + r["table"])
 
 
+def mpi_step_summary(r: dict) -> Rows:
+    return [(f"`{r['grid']}` step under {c['label']} / in one process ({c['collectives']} "
+             "CPU collectives)", f"{c['ratio']:.2f}")
+            for c in r["configs"][1:]]  # fmt: skip
+
+
 def checkpoint_summary(r: dict) -> Rows:
     return [("checkpoint: save committed / orbax async save committed",
              f"{r['committed_vs_orbax']:.2f} (save() returns {r['returns_vs_orbax']:.2f}, "
@@ -257,6 +263,7 @@ FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
     "pipeline_bubble": (bubble_summary, bubble_section),
     "pipeline_async": (async_summary, lambda r: r["table"]),
     "pipeline_hop": (hop_summary, hop_section),
+    "mpi_step": (mpi_step_summary, lambda r: r["table"]),
     "checkpoint_save": (checkpoint_summary, checkpoint_section),
     "memory_offload": (offload_summary, offload_section),
     "gpu_mfu": (mfu_summary, mfu_section),

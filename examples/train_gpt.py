@@ -160,17 +160,19 @@ def main(argv=None) -> int:
     from axonn_jax.runtime.collectives import host_comm
     from axonn_jax.runtime.console import silence_stdout
 
-    info = axonn_jax.init()
+    # joins the MPI job, if any; knowing the grid first lets a pipeline whose stages each fit in
+    # one process keep its collectives in-process (gloo would carry them over TCP)
+    grid = axonn_jax.Grid.parse(args.grid)
+    info = axonn_jax.init(grid=grid)
     if info.distributed and not args.all_ranks and not info.is_main:  # rank 0 speaks for the job
         silence_stdout()  # (errors still reach stderr; init() already drops Gloo's lines)
     check_run_config(args)
-    grid = axonn_jax.Grid.parse(args.grid)
     out = Path(args.out or default_out(args))
     try:
         corpus = load_corpus(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
     except (OSError, ValueError, ImportError) as exc:
         raise SystemExit(f"error: {exc}") from None
-    compute, notice = compute_dtype(args.precision, jax.default_backend())
+    compute, notice = compute_dtype(args.precision)
     if notice and info.is_main:
         print(notice)
     config = GPTConfig(vocab_size=corpus.vocab_size, num_layers=args.layers, hidden=args.hidden,
@@ -440,19 +442,15 @@ def learning_rate_schedule(args: argparse.Namespace, previous: dict | None) -> t
     return steps, notes
 
 
-def compute_dtype(precision: str, backend: str) -> tuple[str, str | None]:
-    """The model's computation dtype for ``--precision`` on ``backend``, and a notice if it differs.
+def compute_dtype(precision: str) -> tuple[str, str | None]:
+    """The model's computation dtype for ``--precision``, and a notice if it differs.
 
-    bf16 stores parameters and gradients in bf16 and computes in bf16 on GPU
-    and TPU. XLA:CPU fails on bf16 all-reduces inside the x/y layers, so on CPU
-    the model computes in fp32 (storage stays bf16). fp16 is storage only:
-    fp16 activations overflow where the loss scale cannot help.
+    bf16 stores parameters and gradients in bf16 and computes in bf16, on every
+    backend (CPU included). fp16 is storage only: fp16 activations overflow where
+    the loss scale cannot help.
     """
-    if precision == "bf16" and backend in ("gpu", "tpu", "cuda", "rocm"):
-        return "bfloat16", None
     if precision == "bf16":
-        return "float32", (f"note: --precision bf16 stores parameters and gradients in bf16; the "
-                           f"model computes in fp32 on {backend} (bf16 compute needs a GPU or TPU)")
+        return "bfloat16", None
     if precision == "fp16":
         return "float32", ("note: --precision fp16 stores parameters and gradients in fp16; the "
                            "model computes in fp32")

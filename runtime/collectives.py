@@ -169,9 +169,11 @@ _WORLD: HostComm | None = None
 def world() -> HostComm | None:
     """A :class:`HostComm` over every process of the job, or ``None`` in a single process."""
     global _WORLD
-    from axonn_jax.runtime.launch import mpi_world_size
+    from axonn_jax.runtime.launch import mpi_world_size, process_info
 
-    if mpi_world_size() <= 1 or jax.process_count() <= 1:
+    # process_info(), not jax.process_count(): that would start the backends before a
+    # grid can choose their collectives (runtime/launch.py)
+    if mpi_world_size() <= 1 or process_info().process_count <= 1:
         return None
     if _WORLD is None:
         _WORLD = HostComm.duplicate_world()

@@ -36,6 +36,10 @@ def ordered_devices(devices: Sequence[jax.Device] | None = None) -> list[jax.Dev
 
 def device_array(grid: Grid, devices: Sequence[jax.Device] | None = None) -> np.ndarray:
     """Devices as an array of shape ``(pipeline, data, z, y, x)``."""
+    if devices is None:
+        from axonn_jax.runtime.launch import init
+
+        init(grid=grid)  # joins the job; checks the grid against the CPU collectives chosen
     devs = ordered_devices(devices)
     grid.check_devices(len(devs))
     shape = tuple(grid.shape.values())
@@ -60,6 +64,23 @@ def stage_meshes(grid: Grid, devices: Sequence[jax.Device] | None = None) -> lis
     array = device_array(grid, devices)
     ranks = [Mesh(array[r], STAGE_AXES) for r in range(grid.pipeline)]
     return [ranks[grid.pipeline_rank(s)] for s in range(grid.stages)]
+
+
+def stages_stay_in_processes(grid: Grid, devices_per_process: int, process_count: int) -> bool:
+    """Whether each pipeline rank's devices all belong to one process.
+
+    Devices are ordered by process, so pipeline rank ``r`` holds the
+    ``grid.stage_size`` devices from ``r·stage_size`` on; such a grid runs no XLA
+    collective across processes (messages between stages go over MPI).
+
+    Example: ``Grid(pipeline=2, x=2, z=2)`` on 2 processes of 4 devices: True; on
+    4 processes of 2 devices: False (each stage spans two processes).
+    """
+    if devices_per_process * process_count != grid.size:
+        return False
+    size = grid.stage_size
+    return all(r * size // devices_per_process == ((r + 1) * size - 1) // devices_per_process
+               for r in range(grid.pipeline))  # fmt: skip
 
 
 def local_stages(meshes: Sequence[Mesh]) -> list[int]:

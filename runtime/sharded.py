@@ -1,10 +1,15 @@
 """The one ``shard_map`` around planned code: layouts in, layouts out, manual over live axes.
 
 Axes of size 1 are logical only (they carry the normal/transposed alternation
-but move nothing), so ``shard_map`` is manual over the other axes alone; with
-no such axis (one device) the body runs as it is. Every program that runs the
-4D executor — ``pm.apply``, the pipeline's stage programs, the NaN finder's
-probed stages — goes through :func:`on_mesh`.
+but move nothing): specs and collectives name the other axes alone, and with
+no such axis (one device) the body runs as it is, without ``shard_map``.
+Otherwise ``shard_map`` is manual over *every* mesh axis, size-1 axes included:
+manual over only some, JAX puts a sharding annotation into the body of every
+reduction, and XLA:CPU's promotion of bf16 all-reduces / reduce-scatters to
+fp32 aborts the process on such a body ("Invalid binary instruction opcode
+copy", tests/test_bf16_compute.py). Every program that runs the 4D executor —
+``pm.apply``, the pipeline's stage programs, the NaN finder's probed stages —
+goes through :func:`on_mesh`.
 
 Example:
     >>> body = on_mesh(lambda ps, xs: executor(ps, xs), mesh, grid,        # doctest: +SKIP
@@ -43,7 +48,7 @@ def sharding(mesh, grid: Grid, layout: Layout) -> NamedSharding:
 
 
 def manual_axes(mesh, grid: Grid) -> frozenset[str]:
-    """The mesh axes ``shard_map`` is manual over: those of size > 1 in ``grid``."""
+    """The mesh axes that move data: those of size > 1 in ``grid`` (collectives name these)."""
     return frozenset(a for a in mesh.axis_names if grid.axis_size(a) > 1)
 
 
@@ -70,7 +75,7 @@ def on_mesh(body: Callable, mesh, grid: Grid, *, in_layouts: Sequence[LayoutGrou
     else:
         out_specs = tuple(_specs(g, grid) for g in out_layouts)
     return jax.shard_map(body, mesh=mesh, in_specs=tuple(_specs(g, grid) for g in in_layouts),
-                         out_specs=out_specs, axis_names=manual)  # fmt: skip
+                         out_specs=out_specs)  # fmt: skip
 
 
 def apply_program(program: Program, mesh, params: Sequence[jax.Array], args: Sequence[jax.Array],

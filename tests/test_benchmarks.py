@@ -175,6 +175,26 @@ def test_pipeline_hop_runs_both_methods_under_mpiexec():
     assert r["table"] in FORMATTERS["pipeline_hop"][1](r)
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_mpi_step_compares_one_process_and_mpiexec():
+    """The three configurations run; the in-process one matches the one-process losses bit
+    for bit (the same collectives), gloo within its reordered sums."""
+    import mpi_step
+
+    r = mpi_step.main(["--rounds", "1", "--steps", "2", "--warmup", "1", "--layers", "2",
+                       "--hidden", "64"])  # fmt: skip
+    one, local, gloo = r["configs"]
+    assert (one["collectives"], local["collectives"], gloo["collectives"]) == (
+        "in-process (one process)", "local", "gloo")
+    assert one["ratio"] == 1.0 and local["ratio"] > 0 and gloo["ratio"] > 0
+    assert local["loss_diff"] == 0.0 and gloo["loss_diff"] < 1e-5
+    assert "| mpiexec -n 2 | local |" in r["table"]
+    summary = FORMATTERS["mpi_step"][0](r)
+    assert len(summary) == 2 and summary[0][0].startswith("`pipeline=2,x=2,z=2` step under mpiexec -n 2")
+
+
 def test_gpu_mfu_skips_without_a_gpu():
     import gpu_mfu
 

@@ -245,20 +245,25 @@ def saved_references(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.mpi
 @pytest.mark.timeout(960)  # the job's own 900 s timeout fires first, with its output
-@pytest.mark.parametrize("n,model,grid,options", [
-    (2, "gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"]),
-    (2, "hf_gpt2", "pipeline=4", []),  # two stages per process
-    (2, "gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b"]),  # interleaved: 0,2 | 1,3
-    (4, "gpt", "pipeline=2,data=2", []),  # data parallel across processes in a stage
-    (4, "hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"]),
+@pytest.mark.parametrize("n,model,grid,options,collectives", [
+    (2, "gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"], "local"),
+    (2, "hf_gpt2", "pipeline=4", [], "local"),  # two stages per process
+    (2, "gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b"], "local"),  # interleaved: 0,2 | 1,3
+    (2, "gpt", "pipeline=2,x=2,z=2", [], "local"),  # tensor-parallel collectives inside each process
+    (4, "gpt", "pipeline=2,data=2", [], "gloo"),  # data parallel across processes in a stage
+    (4, "hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"], "local"),
 ])  # fmt: skip
-def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, saved_references):
+def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, collectives,
+                                                      saved_references):  # fmt: skip
+    """The CPU collectives follow the grid: in-process ("local") where every stage fits in
+    one process, gloo where a stage spans processes; training equals the plain run in both."""
     per_process = axonn_jax.Grid.parse(grid).size // n
     result = run_mpi(n, "pipeline_equivalence.py", model, grid, *options,
                      f"--references={saved_references(model)}",
                      devices_per_process=per_process, timeout=900)  # fmt: skip
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert result.stdout.count("OK rank") == n, result.stdout
+    assert result.stdout.count(f"collectives={collectives}") == n, result.stdout
 
 
 @pytest.mark.slow

@@ -30,7 +30,8 @@ import optax
 import orbax.checkpoint as ocp
 
 from axonn_jax.runtime.checkpoint import lifetime, writer_lock
-from axonn_jax.runtime.checkpoint.handler import StandardTreeHandler, StandardTreeRestore, plan_leaves, prepare_shards
+from axonn_jax.runtime.checkpoint.handler import (StandardTreeHandler, StandardTreeRestore, allgather_json, plan_leaves,
+                                                 prepare_shards)
 from axonn_jax.runtime.checkpoint.shard_store import DamagedArrayError, LeafMeta
 from axonn_jax.runtime.checkpoint.targets import (ELSEWHERE, check_complete, check_not_donated, check_step, keyed,
                                                   optimizer_target, targets)  # fmt: skip
@@ -53,6 +54,19 @@ class Restored:
     opt_state: Any | None
     rng: jax.Array | None
     extra: dict
+
+
+def _create_directory(directory: Path) -> None:
+    """Process 0 creates ``directory``; every process returns once it exists (collective)."""
+    made = None
+    if jax.process_index() == 0:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            made = f"cannot create the checkpoint directory {directory}: {err}"
+    made = allgather_json(made)[0]
+    if made is not None:
+        raise OSError(made)
 
 
 class Checkpointer:
@@ -87,12 +101,19 @@ class Checkpointer:
             )
         self.directory = Path(directory).absolute()
         self._read_only = read_only
+        processes = jax.process_count()
+        if processes > 1 and not read_only:
+            _create_directory(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=asynchronous,
             cleanup_tmp_directories=not read_only,  # remove what killed saves left behind
             read_only=read_only,
-            create=not read_only,
+            create=not read_only and processes == 1,
+            # orbax's barriers through jax.distributed's coordination service, not an XLA
+            # program over every device (a job with process-local CPU collectives has none)
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                active_processes=set(range(processes)) if processes > 1 else None),
         )
         handlers = {item: StandardTreeHandler() for item in _ITEMS}
         handlers["meta"] = ocp.JsonCheckpointHandler()

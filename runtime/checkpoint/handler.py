@@ -41,10 +41,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
-from jax.experimental import multihost_utils
 
 from axonn_jax.runtime.checkpoint import shard_store
 from axonn_jax.runtime.checkpoint.shard_store import DamagedArrayError, LeafMeta
+from axonn_jax.runtime.collectives import world
 
 FORMAT = "axonn_jax.standard_tree/2"
 METADATA = "_METADATA"
@@ -282,16 +282,13 @@ def plan_leaves(items: Mapping[str, Sequence[tuple[LeafKey, Any]]]) -> dict[str,
 
 
 def allgather_json(value: Any) -> list[Any]:
-    """``value`` (JSON-able) of every process, in process order (collective)."""
-    if jax.process_count() == 1:
-        return [value]
-    data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([data.size], np.int32)))
-    sizes = sizes.reshape(-1)
-    padded = np.zeros(max(1, int(sizes.max())), np.uint8)
-    padded[: data.size] = data
-    table = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), -1)
-    return [json.loads(bytes(row[:size])) for row, size in zip(table, sizes)]
+    """``value`` (JSON-able) of every process, in process order (collective).
+
+    Over MPI (:func:`~axonn_jax.runtime.collectives.world`), not an XLA program: a job
+    whose CPU collectives stay inside each process cannot run one across processes.
+    """
+    comm = world()
+    return [value] if comm is None else comm.allgather(value)
 
 
 def _check_keys(item: str, leaves: Sequence[tuple[LeafKey, Any]]) -> None:

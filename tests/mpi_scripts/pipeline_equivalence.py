@@ -3,6 +3,10 @@
 Usage: mpiexec -n P python pipeline_equivalence.py MODEL GRID [--schedules message,1f1b]
 [--offload] [--references FILE]
 
+The grid is announced to ``axonn_jax.init`` first, so a grid whose stages each fit in
+one process runs with in-process CPU collectives ("local") and any other with gloo;
+the OK line names the choice.
+
 GRID is like pipeline=2,data=2; ``--offload`` keeps the AdamW state and master
 weights in host memory; ``--references`` reads the plain Flax/optax results
 written by ``pipeline_cases.save_references`` instead of computing them on every
@@ -13,12 +17,9 @@ rank. Every rank checks the gradients and parameters it holds; each rank prints
 import argparse
 
 import axonn_jax
+from axonn_jax.runtime import launch
 from pipeline_cases import load_references, run_case
 
-info = axonn_jax.init()
-import jax  # noqa: E402
-
-assert info.distributed and jax.process_count() > 1, "expected a multi-process launch"
 parser = argparse.ArgumentParser()
 parser.add_argument("model")
 parser.add_argument("grid", type=axonn_jax.Grid.parse)
@@ -26,11 +27,13 @@ parser.add_argument("--schedules", default="message", type=lambda s: tuple(s.spl
 parser.add_argument("--offload", action="store_true")
 parser.add_argument("--references")
 args = parser.parse_args()
+info = axonn_jax.init(grid=args.grid)  # the grid chooses the CPU collectives
+assert info.distributed and info.process_count > 1, "expected a multi-process launch"
 refs = load_references(args.references) if args.references else None
 failures = run_case(args.model, args.grid, schedules=args.schedules, offload=args.offload,
                     refs=refs)  # fmt: skip
 if failures:
     print(f"FAIL rank {info.process_index}:\n  " + "\n  ".join(failures), flush=True)
     raise SystemExit(1)
-print(f"OK rank {info.process_index} {args.model} {args.grid} {','.join(args.schedules)}",
-      flush=True)  # fmt: skip
+print(f"OK rank {info.process_index} {args.model} {args.grid} {','.join(args.schedules)} "
+      f"collectives={launch.cpu_collectives()}", flush=True)  # fmt: skip
