@@ -22,34 +22,50 @@ import re
 import sys
 import threading
 
+_PREFIX = b"[Gloo] "
 #: one Gloo connection report, with its line end
 GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
                        rb"connected peer ranks is : \d+\r?\n?")  # fmt: skip
-_PREFIX = b"[Gloo] "
+#: the pieces of a report, as they appear when Gloo's threads interleave their writes
+GLOO_PIECES = re.compile(rb"\[Gloo\] Rank ?\d*|\s?is connected to ?\d*|\d* ?peer ranks\.\s?|"
+                         rb"Expected number of connected peer ranks is : ?\d*")  # fmt: skip
+#: what a line that held only reports is left with once its pieces are gone
+_LEFTOVER = re.compile(rb"[\d\s.]*")
+#: text that may begin a report piece: a partial line holding one waits for its line end
+_MARKERS = (b"[Glo", b"Gloo]", b"connected", b"peer ranks", b"Expected number")
 _FILTERING: list[threading.Thread] = []
 
 
 def strip_gloo(chunk: bytes) -> tuple[bytes, bytes]:
-    """``chunk`` without Gloo's lines: ``(ready to write, held back)``.
+    """``chunk`` without Gloo's reports: ``(ready to write, held back)``.
 
-    What may be the start of a Gloo line not yet complete is held back (to be
-    prefixed to the next chunk); everything else is ready at once, so a
-    progress line without a line end still shows.
+    Complete lines are cleaned; a line that held only reports (whole or in the
+    interleaved pieces of Gloo's threads) is dropped with its line end. Of a
+    line not yet complete, what may belong to a report is held back (to be
+    prefixed to the next chunk); the rest is ready at once, so a progress line
+    without a line end still shows.
 
     >>> strip_gloo(b"compiling... [Gloo] Rank 0 is connected to 1 peer ranks. Expected "
     ...            b"number of connected peer ranks is : 1\\ndone\\n")
     (b'compiling... done\\n', b'')
-    >>> strip_gloo(b"step 1 [Glo")
+    >>> strip_gloo(b"[Gloo] Rank 1\\n is connected to 1 peer ranks. Expected number of connected peer "
+    ...            b"ranks is : 1\\nstep 1 [Glo")
     (b'step 1 ', b'[Glo')
     """
-    chunk = GLOO_LINE.sub(b"", chunk)
-    start = chunk.rfind(_PREFIX)
-    if start >= 0 and b"\n" not in chunk[start:]:  # a report still being written
-        return chunk[:start], chunk[start:]
-    for size in range(min(len(_PREFIX) - 1, len(chunk)), 0, -1):  # "[Glo" at the very end
-        if chunk.endswith(_PREFIX[:size]):
-            return chunk[:-size], chunk[-size:]
-    return chunk, b""
+    *lines, partial = chunk.split(b"\n")
+    ready = [_clean_line(line + b"\n") for line in lines]
+    starts = [partial.find(m) for m in _MARKERS if m in partial]
+    starts += [len(partial) - size for size in range(1, len(_PREFIX)) if partial.endswith(_PREFIX[:size])]
+    cut = min(starts, default=len(partial))
+    return b"".join(ready) + partial[:cut], partial[cut:]
+
+
+def _clean_line(line: bytes) -> bytes:
+    """One line (with its line end) without Gloo's reports; ``b""`` if it held nothing else."""
+    if b"Gloo" not in line and b"peer ranks" not in line:
+        return line
+    kept = GLOO_PIECES.sub(b"", GLOO_LINE.sub(b"", line))
+    return b"" if _LEFTOVER.fullmatch(kept) else kept
 
 
 def drop_gloo_lines() -> None:
@@ -76,7 +92,7 @@ def drop_gloo_lines() -> None:
             if ready:
                 os.write(real, ready)
         if held:
-            os.write(real, held)
+            os.write(real, _clean_line(held))
         os.close(read)
         os.close(real)
 

@@ -103,6 +103,17 @@ def test_gloo_lines_are_stripped_also_mid_line_and_across_chunks():
     assert strip_gloo(b"[Glo") == (b"", b"[Glo") and strip_gloo(b"[x]\n") == (b"[x]\n", b"")
 
 
+def test_gloo_reports_interleaved_by_its_threads_are_dropped():
+    """Gloo's threads write their reports in pieces that interleave (seen under mpiexec -n 2)."""
+    from axonn_jax.runtime.console import strip_gloo
+
+    mixed = (b"[Gloo] Rank 0 is connected to [Gloo] Rank 11 peer ranks.  is connected to Expected number "
+             b"of connected peer ranks is : 11 peer ranks. Expected number of connected peer ranks is : \n"
+             b"[Gloo] Rank 1\n is connected to 1 peer ranks. Expected number of connected peer ranks is : 1\n"
+             b"loss 4.6 after 3 steps\n")  # fmt: skip
+    assert strip_gloo(mixed) == (b"loss 4.6 after 3 steps\n", b"")
+
+
 def test_a_process_that_drops_gloo_lines_prints_everything_else():
     """What C++ writes to file descriptor 1 is filtered too, and nothing is lost at exit."""
     import subprocess

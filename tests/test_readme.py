@@ -109,5 +109,6 @@ def test_readme_example_runs_under_mpiexec_as_written_without_gloo_lines():
     result = run_mpi(2, "readme_example.py", devices_per_process=4, timeout=400)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     losses = re.findall(r"^rank (\d) of 2: loss (\S+)$", result.stdout, re.M)
-    assert sorted(rank for rank, _ in losses) == ["0", "1"] and losses[0][1] == losses[1][1]
+    assert sorted(rank for rank, _ in losses) == ["0", "1"], (result.stdout + result.stderr)[-3000:]
+    assert losses[0][1] == losses[1][1], losses
     assert "[Gloo]" not in result.stdout + result.stderr
