@@ -31,6 +31,7 @@ from jax.sharding import AbstractMesh
 
 from axonn_jax.partitioner.flops import ComputeReport, count
 from axonn_jax.partitioner.grid import STAGE_AXES, Grid
+from axonn_jax.partitioner.jaxprs import open_jaxpr, subjaxprs
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
@@ -180,13 +181,13 @@ def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> lis
             continue
         inner_sizes = dict(eqn.params["mesh"].shape) if name == "shard_map" else sizes
         if name == "scan":
-            body = _open(eqn.params["jaxpr"]).eqns
+            body = open_jaxpr(eqn.params["jaxpr"]).eqns
             found.extend(collect(body, inner_sizes, times * eqn.params["length"]))
             continue
         if name == "cond":
             found.extend(_one_branch(eqn, inner_sizes, times))
             continue
-        for sub in _subjaxprs(eqn):
+        for sub in subjaxprs(eqn):
             inner = collect(sub.eqns, inner_sizes, times)
             if inner and name == "while":
                 raise NotImplementedError(
@@ -225,7 +226,7 @@ def saved_bytes(jaxpr, *, num_params: int, num_residuals: int) -> Saved:
     local: dict = {}  # outer var -> the body var that holds its local shard
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            body = _open(eqn.params["jaxpr"])
+            body = open_jaxpr(eqn.params["jaxpr"])
             for outer, inner in zip(eqn.invars, body.invars):
                 kind[inner] = _kind_of([outer], kind)
                 if _is_var(outer) and outer in alias:
@@ -288,24 +289,13 @@ def _transfers(eqn, sizes: Mapping[str, int], times: int) -> list[Transfer]:
 
 
 def _one_branch(eqn, sizes, times) -> list[Transfer]:
-    branches = [collect(_open(b).eqns, sizes, times) for b in eqn.params["branches"]]
+    branches = [collect(open_jaxpr(b).eqns, sizes, times) for b in eqn.params["branches"]]
     if any(Counter(b) != Counter(branches[0]) for b in branches[1:]):
         raise NotImplementedError(
             "the branches of a lax.cond communicate differently; the report cannot know "
             "which one runs. Remedy: make the branches communicate alike."
         )
     return branches[0]
-
-
-def _open(jaxpr):
-    return jaxpr.jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else jaxpr
-
-
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                yield _open(item)
 
 
 def _is_var(v) -> bool:
