@@ -52,12 +52,19 @@ class Flops:
 def count(closed_jaxpr) -> Flops:
     """FLOPs of ``closed_jaxpr`` (a ``ClosedJaxpr`` or ``Jaxpr``), per source line."""
     lines: Counter = Counter()
-    _walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), 1, lines)
+    _walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr).eqns, 1, lines)
     return Flops(int(sum(lines.values())), dict(lines))
 
 
-def _walk(jaxpr, times: int, lines: Counter) -> None:
-    for eqn in jaxpr.eqns:
+def nested_flops(eqn) -> int:
+    """FLOPs of one equation, its sub-jaxprs included (control flow: as :func:`count`)."""
+    lines: Counter = Counter()
+    _walk([eqn], 1, lines)
+    return int(sum(lines.values()))
+
+
+def _walk(eqns, times: int, lines: Counter) -> None:
+    for eqn in eqns:
         subs = subjaxprs(eqn)
         if subs:
             name = eqn.primitive.name
@@ -67,7 +74,7 @@ def _walk(jaxpr, times: int, lines: Counter) -> None:
                 continue
             repeat = int(eqn.params.get("length", 1)) if name == "scan" else 1
             for sub in subs:
-                _walk(sub, times * repeat, lines)
+                _walk(sub.eqns, times * repeat, lines)
             continue
         flops = equation_flops(eqn)
         if flops:

@@ -35,7 +35,7 @@ from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, dependents
 from axonn_jax.partitioner.layout import Layout, common_prefix, factor, live, local_shape, use_layout, used_axes
 from axonn_jax.partitioner.program import Program
-from axonn_jax.partitioner.stages import param_like_producers, param_origins
+from axonn_jax.partitioner.stages import is_layer_range, param_like_producers, param_origins
 from axonn_jax.partitioner.trace import source_context
 from axonn_jax.runtime import loops
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
@@ -329,7 +329,8 @@ class Executor:
         stored shards: each iteration reads (depth-gathers) one layer, and the
         backward reduce-scatters its gradient, inside the loop.
         """
-        layouts = [((),) * len(R.shape_of(v)) if R.is_literal(v) else lay[v] for v in eqn.invars]
+        layouts = [((),) * len(R.shape_of(v)) if R.is_literal(v) else self._layout(v, env, lay)
+                   for v in eqn.invars]  # fmt: skip
         step = R.rule(eqn, layouts, self.ctx)
         found = CF.bodies(eqn)
         sliced = {k for body in found for kind, k in body.inputs if kind == CF.SLICE}
@@ -337,9 +338,10 @@ class Executor:
         for k, (var, target) in enumerate(zip(eqn.invars, step.targets)):
             if R.is_literal(var):
                 values.append(jnp.asarray(var.val, dtype=var.aval.dtype))
-            elif k in sliced and isinstance(env[var], _Stored):
-                values.append(env[var].shard)
-                storage[k] = env[var].storage[1:]
+            elif k in sliced and isinstance(self._stored_layers(var, env), _Stored):
+                stored = self._stored_layers(var, env)
+                values.append(stored.shard)
+                storage[k] = stored.storage[1:]
             else:
                 value = env[var] if isinstance(env[var], _Lazy) else self.value(var, env, lay)
                 values.append(self._materialise(value, layouts[k], target, frozenset()))
@@ -353,6 +355,28 @@ class Executor:
         outs = loops.run(eqn, values, run_body)
         for var, out, layout in zip(eqn.outvars, outs, step.outs):
             env[var], lay[var] = out, layout
+
+    def _layout(self, var, env: dict, lay: dict) -> Layout:
+        """The layout of ``var``, also when it is a parameter cast chain not run yet."""
+        if var not in lay and isinstance(env.get(var), _Deferred):
+            eqn = env[var].eqn
+            ins = [((),) * len(R.shape_of(v)) if R.is_literal(v) else self._layout(v, env, lay)
+                   for v in eqn.invars]  # fmt: skip
+            for out, layout in zip(eqn.outvars, R.rule(eqn, ins, self.ctx).outs):
+                lay[out] = layout
+        return lay[var]
+
+    def _stored_layers(self, var, env):
+        """The stored shard of a stacked parameter, or of the range of its layers a pipeline
+        stage runs (a deferred ``slice`` along dim 0 of it), else None."""
+        value = env[var]
+        if isinstance(value, _Deferred) and is_layer_range(value.eqn):
+            source = value.eqn.invars[0]
+            inner = env.get(source)
+            if isinstance(inner, _Stored):
+                start, limit = value.eqn.params["start_indices"][0], value.eqn.params["limit_indices"][0]
+                return _Stored(lax.slice_in_dim(inner.shard, start, limit), inner.storage)
+        return value if isinstance(value, _Stored) else None
 
     def run_body(self, jaxpr, consts, layouts: CF.BodyLayouts, inputs: Sequence) -> list:
         """Outputs of a control-flow body on local ``inputs``, in the layouts it leaves in."""
