@@ -314,13 +314,12 @@ class _Walk:
                 self.layout[bvar] = replicated(len(R.shape_of(bvar)))
             elif var in self.pending and self.layout_of(var) is None:
                 p, dim_map = self.pending[var]
-                if kind == CF.SLICE:
-                    if dim_map[0] is not None:
-                        self.stacked.setdefault(p, set()).add(dim_map[0])
-                    dim_map = dim_map[1:]
+                self._note_stacked(var, kind)
+                dim_map = dim_map[1:] if kind == CF.SLICE else dim_map
                 self.pending[bvar] = (p, dim_map)
                 self.lineage[bvar] = {p: dim_map}
             else:
+                self._note_stacked(var, kind)
                 lay = self.layout_of(var)
                 self.layout[bvar] = without(lay, {0})[1:] if kind == CF.SLICE else lay
                 lineage = self.lineage.get(var, {})
@@ -328,6 +327,12 @@ class _Walk:
         for inner in jaxpr.eqns:
             self.step(inner)
         return [self.layout_of(v) or replicated(len(R.shape_of(v))) for v in jaxpr.outvars]
+
+    def _note_stacked(self, var, kind: str) -> None:
+        """Record the dim of a parameter that a scan slices (it holds the stacked layers)."""
+        if kind == CF.SLICE and var in self.pending and self.pending[var][1][0] is not None:
+            p, dim_map = self.pending[var]
+            self.stacked.setdefault(p, set()).add(dim_map[0])
 
     _STATE = ("decided", "layout", "pending", "lineage", "fallbacks", "layers", "hints",
               "depth_split", "weights_only", "problems", "stacked")  # fmt: skip

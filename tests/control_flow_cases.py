@@ -67,6 +67,39 @@ class ScanGPT(nn.Module):
         return embed.attend(nn.LayerNorm()(x))
 
 
+class LoopGPT(nn.Module):
+    """:class:`ScanGPT` unrolled: the same blocks in a Python loop (its redundancy is the bar)."""
+
+    layers: int = LAYERS
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(VOCAB, HIDDEN)
+        pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, HIDDEN))
+        x = embed(tokens) + pos[: tokens.shape[1]]
+        for i in range(self.layers):
+            x, _ = Block(name=f"block_{i}")(x, None)
+        return embed.attend(nn.LayerNorm()(x))
+
+
+class DenseStep(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return jnp.tanh(nn.Dense(HIDDEN)(h)), None
+
+
+class ScanDense(nn.Module):
+    """One Dense per scanned layer: consecutive layers alternate normal/transposed, so the
+    carry's layout has no fixed point and settles on the common part of the two."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(HIDDEN)(x)
+        h, _ = nn.scan(DenseStep, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=3)()(h, None)  # fmt: skip
+        return nn.Dense(8)(h)
+
+
 # --- nnx: nnx.scan over a stack made by nnx.vmap ----------------------------------------
 class BlockNNX(nnx.Module):
     def __init__(self, hidden: int, heads: int, *, rngs: nnx.Rngs):
@@ -227,7 +260,7 @@ def _mse(out, target):
 #: scan-over-layers transformers (they also pipeline: the scan is cut into iteration ranges)
 SCANNED = ["scan_gpt", "scan_gpt_remat", "scan_gpt_nnx"]
 RECURRENT = ["lstm", "lstm_plain", "gru"]
-LOOPS = ["fori_refiner", "while_normalised", "cond_switch"]
+LOOPS = ["fori_refiner", "while_normalised", "cond_switch", "scan_dense"]
 MODELS = SCANNED + RECURRENT + LOOPS
 
 
@@ -242,6 +275,8 @@ def build(name: str):
         return Case(ScanGPT(), (tokens,), lm)
     if name == "scan_gpt_remat":
         return Case(ScanGPT(remat=True), (tokens,), lm)
+    if name == "loop_gpt":
+        return Case(LoopGPT(), (tokens,), lm)
     if name == "scan_gpt_nnx":
         return Case(ScanGPTNNX(rngs=nnx.Rngs(0)), (tokens,), lm)
     if name in RECURRENT:
@@ -255,6 +290,8 @@ def build(name: str):
         return Case(WhileNormalised(), (4.0 * x,), loss)
     if name == "cond_switch":
         return Case(BranchModel(), (x, np.int32(2)), loss)
+    if name == "scan_dense":
+        return Case(ScanDense(), (x,), loss)
     if name == "while_decode":
         return Case(DecodeWhile(), (x,), loss)
     raise KeyError(name)
