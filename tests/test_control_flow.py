@@ -72,6 +72,19 @@ def test_scanned_transformer_splits_4d_like_its_unrolled_form(model, grid):
             assert np.prod(p.local_shape(grid)) * tensor == np.prod(p.shape), (p.path, p.storage)
 
 
+def test_stacked_weights_are_gathered_one_layer_per_iteration():
+    """FSDP inside the loop: the depth (z) all-gathers of stacked weights run in the scan, one
+    layer at a time (count = layers), and no gather moves the whole stack."""
+    case = build("scan_gpt")
+    pm = axonn_jax.partition(case.model, Grid(x=2, y=2, z=2), *case.args)
+    gathers = [t for t in pm.report().communication.transfers
+               if t.kind == "all-gather" and t.axes == ("z",) and t.phase == "forward"]  # fmt: skip
+    per_layer = [t for t in gathers if t.count % case.model.layers == 0 and t.count > 0]
+    assert len(per_layer) >= 4, gathers  # q, k, v, out, up, down kernels
+    whole = {p.local_shape(pm.plan.grid) for p in pm.plan.params if p.path.startswith("blocks/")}
+    assert not [t for t in gathers if t.operand_shape in whole], gathers
+
+
 def _scan_equation(pm):
     program = pm.program
     layouts = variable_layouts(program.jaxpr, program.grid, program.param_storage, program.arg_layouts)
@@ -191,6 +204,31 @@ def test_pipeline_stages_cut_the_scanned_stack(model, grid, devices):
     np.testing.assert_allclose(trained, losses, rtol=1e-5)
     failures += compare_params(pm.gather(p), final, params, grads, f"{model} {grid}")
     assert not failures, "\n".join(failures)
+
+
+def test_pipeline_stage_gathers_its_layers_one_per_iteration():
+    """A stage's range of a stacked weight is parameter-like: the stage slices the stored
+    shard and depth-gathers one layer per iteration inside its scan (no whole-range gather)."""
+    from axonn_jax.runtime.executor import Executor
+    from axonn_jax.runtime.pipeline.stage_program import StageProgram
+    from axonn_jax.runtime.step_report import abstract_stage_mesh, collect
+
+    case = build("scan_gpt")
+    (tokens,) = case.args
+    pm = axonn_jax.partition(case.model, Grid(pipeline=2, x=2, z=2), tokens)
+    program, grid = pm.program, pm.plan.grid
+    flow = program.stage_flows[0]
+    stage = StageProgram(flow, Executor(program), abstract_stage_mesh(grid), last=False)
+    params = [jax.ShapeDtypeStruct(pm.plan.params[i].shape, pm.plan.params[i].dtype) for i in flow.params]
+    args = [jax.ShapeDtypeStruct(program.traced.arg_avals[j].shape, program.traced.arg_avals[j].dtype)
+            for j in flow.args]  # fmt: skip
+    closed = jax.make_jaxpr(stage.forward_only)(params, args, [])
+    gathers = [t for t in collect(closed.jaxpr.eqns) if t.kind == "all-gather" and t.axes == ("z",)]
+    layers = dict(pm.plan.scan_cuts)[next(iter(dict(pm.plan.scan_cuts)))][0]  # stage 0's range
+    per_layer = [t for t in gathers if t.count == layers]
+    assert len(per_layer) >= 4, gathers
+    whole = {(layers, *p.local_shape(grid)[1:]) for p in pm.plan.params if p.path.startswith("blocks/")}
+    assert not [t for t in gathers if t.operand_shape in whole], gathers
 
 
 def test_one_list_of_call_primitives():
