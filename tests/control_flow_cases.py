@@ -50,35 +50,28 @@ class Block(nn.Module):
 
 
 class ScanGPT(nn.Module):
-    """Embedding, ``layers`` blocks as one ``nn.scan`` (params stacked on axis 0), tied head."""
+    """Embedding, ``layers`` blocks as one ``nn.scan`` (params stacked on axis 0), tied head.
+
+    ``unrolled=True``: the same blocks in a Python loop (its redundancy is the bar).
+    """
 
     layers: int = LAYERS
     remat: bool = False
+    unrolled: bool = False
 
     @nn.compact
     def __call__(self, tokens):
         embed = nn.Embed(VOCAB, HIDDEN)
         pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, HIDDEN))
         x = embed(tokens) + pos[: tokens.shape[1]]
-        block = nn.remat(Block) if self.remat else Block
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=self.layers)  # fmt: skip
-        x, _ = stack(name="blocks")(x, None)
-        return embed.attend(nn.LayerNorm()(x))
-
-
-class LoopGPT(nn.Module):
-    """:class:`ScanGPT` unrolled: the same blocks in a Python loop (its redundancy is the bar)."""
-
-    layers: int = LAYERS
-
-    @nn.compact
-    def __call__(self, tokens):
-        embed = nn.Embed(VOCAB, HIDDEN)
-        pos = self.param("pos", nn.initializers.normal(0.02), (SEQ, HIDDEN))
-        x = embed(tokens) + pos[: tokens.shape[1]]
-        for i in range(self.layers):
-            x, _ = Block(name=f"block_{i}")(x, None)
+        if self.unrolled:
+            for i in range(self.layers):
+                x, _ = Block(name=f"block_{i}")(x, None)
+        else:
+            block = nn.remat(Block) if self.remat else Block
+            stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=self.layers)  # fmt: skip
+            x, _ = stack(name="blocks")(x, None)
         return embed.attend(nn.LayerNorm()(x))
 
 
@@ -276,7 +269,7 @@ def build(name: str):
     if name == "scan_gpt_remat":
         return Case(ScanGPT(remat=True), (tokens,), lm)
     if name == "loop_gpt":
-        return Case(LoopGPT(), (tokens,), lm)
+        return Case(ScanGPT(unrolled=True), (tokens,), lm)
     if name == "scan_gpt_nnx":
         return Case(ScanGPTNNX(rngs=nnx.Rngs(0)), (tokens,), lm)
     if name in RECURRENT:
