@@ -24,6 +24,7 @@ import dataclasses
 import math
 from collections import Counter
 
+from axonn_jax.partitioner.jaxprs import subjaxprs
 from axonn_jax.partitioner.trace import user_line
 
 #: primitives that move or relabel data without arithmetic
@@ -51,13 +52,20 @@ class Flops:
 def count(closed_jaxpr) -> Flops:
     """FLOPs of ``closed_jaxpr`` (a ``ClosedJaxpr`` or ``Jaxpr``), per source line."""
     lines: Counter = Counter()
-    _walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr), 1, lines)
+    _walk(getattr(closed_jaxpr, "jaxpr", closed_jaxpr).eqns, 1, lines)
     return Flops(int(sum(lines.values())), dict(lines))
 
 
-def _walk(jaxpr, times: int, lines: Counter) -> None:
-    for eqn in jaxpr.eqns:
-        subs = _subjaxprs(eqn)
+def nested_flops(eqn) -> int:
+    """FLOPs of one equation, its sub-jaxprs included (control flow: as :func:`count`)."""
+    lines: Counter = Counter()
+    _walk([eqn], 1, lines)
+    return int(sum(lines.values()))
+
+
+def _walk(eqns, times: int, lines: Counter) -> None:
+    for eqn in eqns:
+        subs = subjaxprs(eqn)
         if subs:
             name = eqn.primitive.name
             if name == "cond":
@@ -66,7 +74,7 @@ def _walk(jaxpr, times: int, lines: Counter) -> None:
                 continue
             repeat = int(eqn.params.get("length", 1)) if name == "scan" else 1
             for sub in subs:
-                _walk(getattr(sub, "jaxpr", sub), times * repeat, lines)
+                _walk(sub.eqns, times * repeat, lines)
             continue
         flops = equation_flops(eqn)
         if flops:
@@ -92,16 +100,6 @@ def equation_flops(eqn) -> int:
     if name.startswith("reduce_") and eqn.invars:
         return math.prod(getattr(eqn.invars[0].aval, "shape", ()))
     return out
-
-
-def _subjaxprs(eqn) -> list:
-    found = []
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
-                found.append(item)
-    return found
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.control_flow import layouts_of
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, use_layout
 from axonn_jax.partitioner.stages import param_like_producers
@@ -32,20 +33,7 @@ def variable_layouts(jaxpr, grid: Grid, param_storage: Sequence[Layout],
                      arg_layouts: Sequence[Layout], *, scatter_batch: bool = True) -> dict:  # fmt: skip
     """Layout of every variable of the inlined ``jaxpr`` (params first), by the rules alone."""
     ctx = R.Context(grid, scatter_batch=scatter_batch)
-    lay: dict = {}
-    n = len(param_storage)
-    for var, storage in zip(jaxpr.invars[:n], param_storage):
-        lay[var] = use_layout(storage)
-    for var, layout in zip(jaxpr.invars[n:], arg_layouts):
-        lay[var] = layout
-    for var in jaxpr.constvars:
-        lay[var] = ((),) * len(var.aval.shape)
-    for eqn in jaxpr.eqns:
-        layouts = [((),) * len(R.shape_of(v)) if R.is_literal(v) else lay[v] for v in eqn.invars]
-        step = R.rule(eqn, layouts, ctx)
-        for var, out in zip(eqn.outvars, step.outs):
-            lay[var] = out
-    return lay
+    return layouts_of(jaxpr, [use_layout(s) for s in param_storage] + list(arg_layouts), ctx)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,9 +59,11 @@ class Plan:
     fallbacks: tuple[Fallback, ...]
     notes: tuple[str, ...]
     stages: tuple[Stage, ...] = ()
+    #: scans over stacked layers split between pipeline stages (partitioner.scan_cuts)
+    scan_cuts: tuple = ()
 
     @classmethod
-    def build(cls, traced, grid: Grid, layouts: PlannedLayouts, stages=()) -> Plan:
+    def build(cls, traced, grid: Grid, layouts: PlannedLayouts, stages=(), scan_cuts=()) -> Plan:
         params = [
             ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)), layouts.storage[path],
                       layouts.use[path], layouts.roles[path], trainable)  # fmt: skip
@@ -77,6 +79,7 @@ class Plan:
             fallbacks=layouts.fallbacks,
             notes=layouts.notes + _shared_stage_notes(stages),
             stages=tuple(stages),
+            scan_cuts=tuple(scan_cuts),
         )
 
     # --- views ------------------------------------------------------------

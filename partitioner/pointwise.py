@@ -23,11 +23,8 @@ Example:
 
 from __future__ import annotations
 
-from jax.extend import core as jex_core
-
+from axonn_jax.partitioner.jaxprs import CALL_PRIMITIVES, CONTROL_FLOW, call_body, subjaxprs
 from axonn_jax.partitioner.rules import ELEMENTWISE, POINTWISE_CALLS, is_literal, shape_of
-#: call primitives a pointwise body may nest (their bodies are checked too)
-NESTED_CALLS = frozenset(["jit", "pjit", "closed_call", "core_call", "custom_jvp_call"])
 
 
 def keeps_whole(eqn) -> bool:
@@ -41,7 +38,7 @@ def keeps_whole(eqn) -> bool:
     if any(shape_of(v) not in (shape, ()) for v in eqn.invars):
         return False
     num_primals = len(eqn.invars) - eqn.params["num_consts"]
-    return is_pointwise(body(eqn)[0], shape) and is_pointwise(
+    return is_pointwise(call_body(eqn)[0], shape) and is_pointwise(
         jvp_rule(eqn.params, num_primals)[0], shape
     )
 
@@ -56,25 +53,14 @@ def jvp_rule(params: dict, num_primals: int) -> tuple:
     return params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_primals)
 
 
-def body(eqn) -> tuple | None:
-    """``(jaxpr, consts)`` of a call equation's body (None for a plain primitive)."""
-    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-        inner = eqn.params.get(key)
-        if inner is not None:
-            if isinstance(inner, jex_core.ClosedJaxpr):
-                return inner.jaxpr, inner.consts
-            return inner, ()
-    return None
-
-
 def is_pointwise(jaxpr, shape: tuple[int, ...]) -> bool:
     """Every value of ``jaxpr`` has ``shape`` or is a scalar; every operation is elementwise."""
     values = [*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars]
     for eqn in jaxpr.eqns:
         values += [v for v in eqn.invars if not is_literal(v)] + list(eqn.outvars)
         name = eqn.primitive.name
-        if name in NESTED_CALLS:
-            if not is_pointwise(body(eqn)[0], shape):
+        if name in CALL_PRIMITIVES:  # a nested call: its body is checked too
+            if not is_pointwise(call_body(eqn)[0], shape):
                 return False
         elif name == "broadcast_in_dim":
             if any(shape_of(v) != () for v in eqn.invars):
@@ -98,7 +84,7 @@ def replaced_rules(closed) -> tuple[str, ...]:
             name = eqn.primitive.name
             if keeps_whole(eqn):
                 continue
-            inner = body(eqn)
+            inner = call_body(eqn)
             if name.startswith("custom_") and name.endswith("_call"):
                 info = getattr(inner[0], "debug_info", None) if inner else None
                 function = getattr(info, "func_name", None) or "?"
@@ -110,6 +96,9 @@ def replaced_rules(closed) -> tuple[str, ...]:
                 )
             if inner is not None:
                 walk(inner[0])
+            elif name in CONTROL_FLOW:  # loop bodies and branches are inlined too
+                for sub in subjaxprs(eqn):
+                    walk(sub)
 
     walk(closed.jaxpr)
     return tuple(dict.fromkeys(notes))

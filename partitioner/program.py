@@ -29,6 +29,7 @@ from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, output_layout
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.propagation import PlannedLayouts, batch_problems, plan_layouts
+from axonn_jax.partitioner.scan_cuts import cut_stages, with_cuts
 from axonn_jax.partitioner.stages import plan_stages
 from axonn_jax.partitioner.trace import TracedModel, abstract, call_leaves, inline_calls, trace_model
 
@@ -100,10 +101,10 @@ def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOpti
     traced = trace_model(model, *example_args, **example_kwargs)
     closed = inline_calls(traced.jaxpr)
     layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
-    stages = plan_stages(traced, closed.jaxpr, grid.stages, boundaries=options.stages,
-                         where=f"{type(model).__name__} on {grid}")  # fmt: skip
-    plan = Plan.build(traced, grid, layouts, stages)
-    return plan, _program(traced, closed, grid, plan, layouts)
+    jaxpr, stages, cuts = cut_stages(traced, closed.jaxpr, grid.stages, boundaries=options.stages,
+                                     where=f"{type(model).__name__} on {grid}")  # fmt: skip
+    plan = Plan.build(traced, grid, layouts, stages, cuts)
+    return plan, _program(traced, with_cuts(closed, cuts), grid, plan, layouts)
 
 
 def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), **kwargs) -> Program:
@@ -126,7 +127,7 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
             "parameter layout than the example inputs given to partition(). Remedy: partition "
             "with example inputs of these shapes."
         )
-    return _program(traced, closed, grid, plan, layouts)
+    return _program(traced, with_cuts(closed, plan.scan_cuts), grid, plan, layouts)
 
 
 def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: PlannedLayouts) -> Program:

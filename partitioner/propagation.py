@@ -26,13 +26,16 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from collections.abc import Mapping, Sequence
 
 from axonn_jax.partitioner.grid import BATCH_AXES, Z, Grid
+from axonn_jax.partitioner import control_flow as CF
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
+from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes, without
 from axonn_jax.partitioner.pointwise import replaced_rules
 from axonn_jax.partitioner.roles import DEPTH_SPLIT_PRIMITIVES, ParamRole
 from axonn_jax.partitioner.trace import TracedModel, inline_calls, user_line
@@ -172,6 +175,8 @@ class _Walk:
         self.depth_split: set[int] = set()  # weights of a matmul or an embedding lookup
         self.weights_only: set = set()  # values computed from parameters alone (not activations)
         self.problems: list[str] = []
+        #: param index → dims a scan iterates over (stacked layers): never split
+        self.stacked: dict[int, set[int]] = {}
 
     def _problem(self, message: str) -> None:
         """Something left unsplit: a warning in the plan, an error when strict."""
@@ -220,6 +225,9 @@ class _Walk:
     # --- one equation -----------------------------------------------------
     def step(self, eqn) -> None:
         name = eqn.primitive.name
+        if name in CONTROL_FLOW:
+            self._control_flow(eqn)
+            return
         layouts = [self.layout_of(v) for v in eqn.invars]
         live = [v for v in eqn.invars if not R.is_literal(v)]
         if (
@@ -255,6 +263,89 @@ class _Walk:
         if operands and all(v in self.pending or v in self.weights_only for v in operands):
             self.weights_only.update(eqn.outvars)
         self._propagate_lineage(eqn)
+
+    # --- control flow: bodies planned with the same rules (partitioner.control_flow) ---
+    def _control_flow(self, eqn) -> None:
+        """Plan a scan / while / cond: its bodies walked like the model, the carry at a fixed point.
+
+        Parameters entering a body stay undecided there, so that the body's
+        equations decide them (a stacked weight sliced per iteration becomes a
+        4D layer weight; its stacked dim is recorded and never split). The
+        carry's layout is searched with trial walks whose decisions are undone
+        (:func:`~axonn_jax.partitioner.control_flow.fixed_point`), then the
+        bodies are walked once for good. The outputs take the layouts the
+        runtime computes them in (the pure rule, now that parameters are decided).
+        """
+        operands = [self.layout_of(v) for v in eqn.invars]
+        found = CF.bodies(eqn)
+        carry_at = CF.carry_operands(eqn)
+        carry = {k: operands[k] or replicated(len(R.shape_of(eqn.invars[k]))) for k in carry_at}
+        carrying = [b for b in found if b.carry_outs]
+        if carrying:
+            body = carrying[0]
+
+            def trial(layouts: list) -> list:
+                saved = self._snapshot()
+                outs = self._walk_body(eqn, body, dict(zip(carry_at, layouts)))
+                self._restore(saved)
+                return outs[: body.carry_outs]
+
+            carry = dict(zip(carry_at, CF.fixed_point(trial, [carry[k] for k in carry_at])))
+        for body in found:
+            self._walk_body(eqn, body, carry)
+        for k, var in enumerate(eqn.invars):  # operands no body decided: as the runtime gets them
+            if not R.is_literal(var) and var in self.pending and self.layout_of(var) is None:
+                self.decide(var, carry.get(k) or replicated(len(R.shape_of(var))))
+        step = R.rule(eqn, [self.layout_of(v) for v in eqn.invars], self.ctx)
+        for var, lay in zip(eqn.outvars, step.outs):
+            self.layout[var] = lay
+
+    def _walk_body(self, eqn, body, carry: dict) -> list:
+        """Walk ``body`` with its inputs bound (parameters left pending); its output layouts."""
+        jaxpr = body.jaxpr
+        for var in jaxpr.constvars:
+            self.layout[var] = replicated(len(R.shape_of(var)))
+        for bvar, (kind, k) in zip(jaxpr.invars, body.inputs):
+            var = eqn.invars[k]
+            self.pending.pop(bvar, None)
+            if kind == CF.CARRY:
+                self.layout[bvar] = carry[k]
+            elif R.is_literal(var):
+                self.layout[bvar] = replicated(len(R.shape_of(bvar)))
+            elif var in self.pending and self.layout_of(var) is None:
+                p, dim_map = self.pending[var]
+                self._note_stacked(var, kind)
+                dim_map = dim_map[1:] if kind == CF.SLICE else dim_map
+                self.pending[bvar] = (p, dim_map)
+                self.lineage[bvar] = {p: dim_map}
+            else:
+                self._note_stacked(var, kind)
+                lay = self.layout_of(var)
+                self.layout[bvar] = without(lay, {0})[1:] if kind == CF.SLICE else lay
+                lineage = self.lineage.get(var, {})
+                self.lineage[bvar] = {p: m[1:] for p, m in lineage.items()} if kind == CF.SLICE else lineage
+        for inner in jaxpr.eqns:
+            self.step(inner)
+        return [self.layout_of(v) or replicated(len(R.shape_of(v))) for v in jaxpr.outvars]
+
+    def _note_stacked(self, var, kind: str) -> None:
+        """Record the dim of a parameter that a scan slices (it holds the stacked layers)."""
+        if kind == CF.SLICE and var in self.pending and self.pending[var][1][0] is not None:
+            p, dim_map = self.pending[var]
+            self.stacked.setdefault(p, set()).add(dim_map[0])
+
+    _STATE = ("decided", "layout", "pending", "lineage", "fallbacks", "layers", "hints",
+              "depth_split", "weights_only", "problems", "stacked")  # fmt: skip
+
+    def _snapshot(self) -> dict:
+        """A copy of the walk's state (values are immutable; containers are copied)."""
+        saved = {name: copy.copy(getattr(self, name)) for name in self._STATE}
+        saved["stacked"] = {p: set(d) for p, d in self.stacked.items()}
+        return saved
+
+    def _restore(self, saved: dict) -> None:
+        for name, value in saved.items():
+            setattr(self, name, value)
 
     def decide(self, var, target: Layout, *, depth: bool = False) -> None:
         """Fix the use layout of the parameter behind ``var``; ``depth``: also split it over z."""
@@ -334,6 +425,7 @@ class _Walk:
         use, storage, unused = {}, {}, []
         for i, (path, aval) in enumerate(zip(paths, avals)):
             use[path] = self.decided.get(i, replicated(len(aval.shape)))
+            self._check_stacked(i, use[path])
             storage[path] = self._depth_split(i, path, aval.shape, use[path])
             if i not in self.decided:
                 unused.append(f"{path}: never used by the model; kept replicated")
@@ -368,13 +460,27 @@ class _Walk:
                     f"smaller {axis}."
                 )
 
+    def _check_stacked(self, p: int, lay: Layout) -> None:
+        """A scan reads a stacked parameter one layer per iteration: its layer dim stays whole."""
+        split = sorted(d for d in self.stacked.get(p, ()) if lay[d])
+        if split:
+            path, shape = self.traced.param_paths[p], tuple(self.traced.param_avals[p].shape)
+            raise ValueError(
+                f"parameter '{path}' {shape} is stacked along dim {split[0]} (a scan runs one "
+                f"slice per iteration), but rules= split that dim over {lay[split[0]]} on "
+                f"{self.grid}. Remedy: leave the stacked dim unsplit in rules=, e.g. "
+                f"{tuple(None if d == split[0] else (a or None) for d, a in enumerate(lay))}."
+            )
+
     def _depth_split(self, p, path, shape, lay: Layout) -> Layout:
         """Add z to the largest divisible dim of a matmul or embedding weight."""
         if p not in self.depth_split or len(shape) < 2 or self.grid.z == 1 or Z in used_axes(lay):
             return lay
+        stacked = self.stacked.get(p, set())  # a scan's layer dim: each iteration reads one
         candidates = [
-            d for d in range(len(shape)) if divides(shape[d], lay[d] + (Z,), self.grid)
-        ]
+            d for d in range(len(shape))
+            if d not in stacked and divides(shape[d], lay[d] + (Z,), self.grid)
+        ]  # fmt: skip
         if not candidates:
             self._problem(
                 f"{path} {tuple(shape)}: no dim divisible by its tensor split × z={self.grid.z};"

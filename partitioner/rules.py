@@ -22,6 +22,7 @@ import dataclasses
 from typing import Any
 
 from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
 from axonn_jax.partitioner.layout import (
     Layout,
     common_prefix,
@@ -50,6 +51,8 @@ class Step:
     #: non-empty: the runtime computes this equation with its local kernel of that name
     #: (``runtime/local_ops``) instead of binding the primitive on the local shards
     local: str = ""
+    #: control flow: how each body runs (``partitioner.control_flow.LoopLayouts``)
+    loop: Any = None
 
 
 ELEMENTWISE = frozenset(
@@ -112,6 +115,10 @@ def rule(eqn, layouts: list[Layout | None], ctx: Context) -> Step:
     handler = _RULES.get(name)
     if handler is not None:
         return handler(eqn, layouts, ctx)
+    if name in CONTROL_FLOW:  # bodies walked with these rules (partitioner.control_flow)
+        from axonn_jax.partitioner import control_flow
+
+        return control_flow.rule(eqn, layouts, ctx)
     if name in REDUCTIONS:
         return reduction(eqn, layouts, ctx)
     if name in NEEDS_WHOLE_AXIS:

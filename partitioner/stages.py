@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.flops import nested_flops
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
 
 #: boundaries whose crossing bytes are within this factor of the minimum are candidates
 SLACK = 1.25
@@ -52,6 +54,8 @@ def equation_flops(eqn) -> float:
     """Forward FLOPs of one equation (matmuls and convolutions exact, others 1/element)."""
     out = math.prod(R.shape_of(eqn.outvars[0])) if eqn.outvars else 0
     name = eqn.primitive.name
+    if name in CONTROL_FLOW:  # its bodies, times the iterations (a range of a scan of layers)
+        return float(nested_flops(eqn))
     if name == "dot_general":
         (lc, _), _ = eqn.params["dimension_numbers"]
         lhs = R.shape_of(eqn.invars[0])
@@ -68,7 +72,8 @@ def param_origins(jaxpr, num_params: int) -> dict:
     origin = {v: i for i, v in enumerate(jaxpr.invars[:num_params])}
     for eqn in jaxpr.eqns:
         live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1 and live[0] in origin:
+        follows = eqn.primitive.name in R.LAYOUT_PRESERVING or is_layer_range(eqn)
+        if follows and len(live) == 1 and live[0] in origin:
             origin[eqn.outvars[0]] = origin[live[0]]
     return origin
 
@@ -81,10 +86,22 @@ def param_like_producers(jaxpr, num_params: int) -> dict:
     made_by: dict = {}
     for eqn in jaxpr.eqns:
         live = [v for v in eqn.invars if not R.is_literal(v)]
-        if eqn.primitive.name in R.LAYOUT_PRESERVING and live and all(v in roots for v in live):
+        follows = eqn.primitive.name in R.LAYOUT_PRESERVING or is_layer_range(eqn)
+        if follows and live and all(v in roots for v in live):
             roots.update(eqn.outvars)
             made_by.update((v, eqn) for v in eqn.outvars)
     return made_by
+
+
+def is_layer_range(eqn) -> bool:
+    """A ``slice`` along dim 0 only: the layers of a stacked parameter one pipeline stage
+    runs (``partitioner.scan_cuts``); like a cast, it travels with the parameter."""
+    if eqn.primitive.name != "slice":
+        return False
+    shape = R.shape_of(eqn.invars[0])
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    return tuple(start[1:]) == (0,) * (len(shape) - 1) and tuple(limit[1:]) == shape[1:] \
+        and not any(s != 1 for s in (eqn.params.get("strides") or ()))  # fmt: skip
 
 
 def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
@@ -94,7 +111,8 @@ def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
     for k, eqn in enumerate(jaxpr.eqns):
         live = [v for v in eqn.invars if not R.is_literal(v)]
         sources = {origin[v] for v in live if v in origin}
-        if not sources or (eqn.primitive.name in R.LAYOUT_PRESERVING and len(live) == 1):
+        chain = eqn.primitive.name in R.LAYOUT_PRESERVING or is_layer_range(eqn)
+        if not sources or (chain and len(live) == 1):
             continue  # no parameter, or a parameter's own cast/reshape chain
         for p in sources:
             users[p].append(k)
@@ -161,6 +179,14 @@ def plan_stages(
         else:
             cuts = _balanced_cuts(flops, crossing, candidates, num_stages, where)
     return _stages(traced, eqns, flops, users, crossing, cuts)
+
+
+def stages_at(traced, jaxpr, cuts: Sequence[int]) -> tuple[Stage, ...]:
+    """The stages of ``jaxpr`` cut after each equation index in ``cuts`` (no balancing)."""
+    eqns = jaxpr.eqns
+    flops = np.array([equation_flops(e) for e in eqns], dtype=np.float64)
+    users = _param_consumers(jaxpr, traced.num_params)
+    return _stages(traced, eqns, flops, users, crossing_bytes(jaxpr, traced.num_params), list(cuts))
 
 
 def _candidates(crossing: np.ndarray, users) -> list[int]:

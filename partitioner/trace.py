@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from axonn_jax.partitioner.pointwise import body, keeps_whole
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, call_body, with_subjaxprs
+from axonn_jax.partitioner.pointwise import keeps_whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,10 +319,11 @@ def _rng_leaf_flags(abstract_args) -> list[bool]:
 def inline_calls(closed) -> Any:
     """Flatten nested ``jit``/``pjit``/``custom_jvp``/``custom_vjp``/``remat`` calls.
 
-    Returns a new ClosedJaxpr whose equations are primitives only (control flow
-    such as ``scan``/``while``/``cond`` is kept as one opaque equation), except
+    Returns a new ClosedJaxpr whose equations are primitives only, except
     pointwise custom-JVP calls such as ``jax.nn.relu``, kept whole so that
     their derivative rule survives (:mod:`~axonn_jax.partitioner.pointwise`).
+    Control flow (``scan``/``while``/``cond``) stays one equation whose bodies
+    are inlined the same way.
     """
     inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(
         *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
@@ -329,15 +331,9 @@ def inline_calls(closed) -> Any:
     return inlined
 
 
-_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat", "checkpoint", "custom_lin"}
-
-
 def inlined_body(eqn) -> tuple | None:
     """``(jaxpr, consts)`` of a call that :func:`inline_calls` flattens, else None."""
-    name = eqn.primitive.name
-    if not (name in _CALLS or name.startswith("custom_")) or keeps_whole(eqn):
-        return None
-    return body(eqn)
+    return None if keeps_whole(eqn) else call_body(eqn)
 
 
 def _eval_inlined(jaxpr, consts, args, outer=None):
@@ -360,8 +356,11 @@ def _eval_inlined(jaxpr, consts, args, outer=None):
             outs = _eval_inlined(inner_jaxpr, inner_consts, invals[-len(inner_jaxpr.invars) :],
                                  source)  # fmt: skip
         else:  # a primitive, or a call kept whole (partitioner.pointwise)
+            params = eqn.params
+            if eqn.primitive.name in CONTROL_FLOW:  # one equation, its bodies inlined
+                params = with_subjaxprs(eqn, inline_calls)
             with source_context(source):  # warnings then name the model's line, not this one
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for var, val in zip(eqn.outvars, outs):

@@ -30,11 +30,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
+from axonn_jax.partitioner import control_flow as CF
 from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, dependents
 from axonn_jax.partitioner.layout import Layout, common_prefix, factor, live, local_shape, use_layout, used_axes
 from axonn_jax.partitioner.program import Program
-from axonn_jax.partitioner.stages import param_like_producers, param_origins
+from axonn_jax.partitioner.stages import is_layer_range, param_like_producers, param_origins
 from axonn_jax.partitioner.trace import source_context
+from axonn_jax.runtime import loops
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
 from axonn_jax.runtime.pointwise import bind_custom_jvp
 from axonn_jax.runtime.shard_index import shard_index
@@ -130,8 +133,8 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
     layer_of: dict = {}
     layers: list = []
     for eqn in jaxpr.eqns:
-        if eqn.outvars and eqn.outvars[0] in made_by:
-            continue
+        if eqn.outvars and eqn.outvars[0] in made_by or eqn.primitive.name in CONTROL_FLOW:
+            continue  # a cast chain runs when needed; a loop reads its parameters inside
         read = sorted({origin[v] for v in eqn.invars if not R.is_literal(v) and v in origin})
         if not read:
             continue
@@ -161,7 +164,7 @@ class Executor:
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
         self._needs, self._prefetch = gather_points(jaxpr, n, self._made_by)
-        self._param_dependent = _dependents(jaxpr, jaxpr.invars[:n])
+        self._param_dependent = dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
         env, lay = self.bind(params, args)
@@ -263,6 +266,9 @@ class Executor:
             self._run_here(eqn, env, lay)
 
     def _run_here(self, eqn, env, lay) -> None:
+        if eqn.primitive.name in CONTROL_FLOW:
+            self._run_control_flow(eqn, env, lay)
+            return
         for var in eqn.invars:
             if not R.is_literal(var):
                 self.value(var, env, lay)
@@ -316,6 +322,79 @@ class Executor:
                 out = lax.psum(out, axes)
             env[var], lay[var] = out, step.outs[k]
 
+    def _run_control_flow(self, eqn, env, lay) -> None:
+        """A scan / while / cond rebuilt around its bodies run on local shards (runtime.loops).
+
+        Stacked parameters a scan slices (``xs``) enter the loop as their
+        stored shards: each iteration reads (depth-gathers) one layer, and the
+        backward reduce-scatters its gradient, inside the loop.
+        """
+        layouts = [((),) * len(R.shape_of(v)) if R.is_literal(v) else self._layout(v, env, lay)
+                   for v in eqn.invars]  # fmt: skip
+        step = R.rule(eqn, layouts, self.ctx)
+        found = CF.bodies(eqn)
+        sliced = {k for body in found for kind, k in body.inputs if kind == CF.SLICE}
+        values, storage = [], {}
+        for k, (var, target) in enumerate(zip(eqn.invars, step.targets)):
+            if R.is_literal(var):
+                values.append(jnp.asarray(var.val, dtype=var.aval.dtype))
+            elif k in sliced and isinstance(self._stored_layers(var, env), _Stored):
+                stored = self._stored_layers(var, env)
+                values.append(stored.shard)
+                storage[k] = stored.storage[1:]
+            else:
+                value = env[var] if isinstance(env[var], _Lazy) else self.value(var, env, lay)
+                values.append(self._materialise(value, layouts[k], target, frozenset()))
+
+        def run_body(b: int, inputs: list) -> list:
+            body = found[b]
+            inputs = [_Stored(x, storage[k]) if kind == CF.SLICE and k in storage else x
+                      for x, (kind, k) in zip(inputs, body.inputs)]  # fmt: skip
+            return self.run_body(body.jaxpr, body.consts, step.loop.bodies[b], inputs)
+
+        outs = loops.run(eqn, values, run_body)
+        for var, out, layout in zip(eqn.outvars, outs, step.outs):
+            env[var], lay[var] = out, layout
+
+    def _layout(self, var, env: dict, lay: dict) -> Layout:
+        """The layout of ``var``, also when it is a parameter cast chain not run yet."""
+        if var not in lay and isinstance(env.get(var), _Deferred):
+            eqn = env[var].eqn
+            ins = [((),) * len(R.shape_of(v)) if R.is_literal(v) else self._layout(v, env, lay)
+                   for v in eqn.invars]  # fmt: skip
+            for out, layout in zip(eqn.outvars, R.rule(eqn, ins, self.ctx).outs):
+                lay[out] = layout
+        return lay[var]
+
+    def _stored_layers(self, var, env):
+        """The stored shard of a stacked parameter, or of the range of its layers a pipeline
+        stage runs (a deferred ``slice`` along dim 0 of it), else None."""
+        value = env[var]
+        if isinstance(value, _Deferred) and is_layer_range(value.eqn):
+            source = value.eqn.invars[0]
+            inner = env.get(source)
+            if isinstance(inner, _Stored):
+                start, limit = value.eqn.params["start_indices"][0], value.eqn.params["limit_indices"][0]
+                return _Stored(lax.slice_in_dim(inner.shard, start, limit), inner.storage)
+        return value if isinstance(value, _Stored) else None
+
+    def run_body(self, jaxpr, consts, layouts: CF.BodyLayouts, inputs: Sequence) -> list:
+        """Outputs of a control-flow body on local ``inputs``, in the layouts it leaves in."""
+        env: dict = {}
+        lay: dict = {}
+        for var, x in zip(jaxpr.constvars, consts):
+            env[var], lay[var] = x, ((),) * jnp.ndim(x)
+        for var, x, layout in zip(jaxpr.invars, inputs, layouts.ins):
+            env[var], lay[var] = x, layout
+        self.run(jaxpr.eqns, env, lay)
+        outs = []
+        for var, target in zip(jaxpr.outvars, layouts.outs):
+            if R.is_literal(var):
+                outs.append(jnp.asarray(var.val, dtype=var.aval.dtype))
+                continue
+            outs.append(self._materialise(self.value(var, env, lay), lay[var], target, frozenset()))
+        return outs
+
     def _bind(self, eqn, values: list, params: dict) -> list:
         """Bind the primitive on local shards (operands marked varying alike)."""
         if eqn.primitive.name == "dot_general" and all(
@@ -358,15 +437,6 @@ class Executor:
             operand = vary(operand, together)
         shape = local_shape(value.out_shape, dst, self.grid)
         return lax.broadcast_in_dim(operand, shape, value.dims)
-
-
-def _dependents(jaxpr, roots) -> frozenset:
-    """Variables of ``jaxpr`` computed (transitively) from any of ``roots``."""
-    found = set(roots)
-    for eqn in jaxpr.eqns:
-        if any(not R.is_literal(v) and v in found for v in eqn.invars):
-            found.update(eqn.outvars)
-    return frozenset(found)
 
 
 def _one_copy(x: jax.Array, layout: Layout) -> jax.Array:

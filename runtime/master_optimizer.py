@@ -56,6 +56,7 @@ from jax.experimental.compute_on import compute_on
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axonn_jax.partitioner.jaxprs import dependencies
 from axonn_jax.runtime.precision import Precision, cast_floating
 
 #: Memory kind of offloaded arrays.
@@ -418,7 +419,8 @@ def coupling(optimizer: optax.GradientTransformation, params) -> str:
     out_labels = own + labels
     if len(closed.jaxpr.invars) != len(in_labels) or len(closed.jaxpr.outvars) != len(out_labels):
         return "its state could not be matched to the parameters"
-    depends = _dependencies(closed.jaxpr, [frozenset() if lab < 0 else frozenset({lab}) for lab in in_labels])
+    found = dependencies(closed.jaxpr, [frozenset() if lab < 0 else frozenset({lab}) for lab in in_labels])
+    depends = [frozenset() if isinstance(v, Literal) else found.get(v, frozenset()) for v in closed.jaxpr.outvars]
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     for label, deps in zip(out_labels, depends):
         foreign = deps - {label}
@@ -426,22 +428,6 @@ def coupling(optimizer: optax.GradientTransformation, params) -> str:
             what = f"the update of {paths[label]}" if label >= 0 else "a shared state entry"
             return f"{what} depends on {paths[min(foreign)]}"
     return ""
-
-
-def _dependencies(jaxpr, inputs: list[frozenset]) -> list[frozenset]:
-    """Which input labels each output of ``jaxpr`` depends on (sub-jaxprs as a whole)."""
-    env: dict = dict(zip(jaxpr.invars, inputs))
-    read = lambda v: env.get(v, frozenset()) if not isinstance(v, Literal) else frozenset()  # noqa: E731
-    for eqn in jaxpr.eqns:
-        inner = eqn.params.get("jaxpr")
-        if eqn.primitive.name in ("pjit", "closed_call", "core_call") and inner is not None:
-            sub = getattr(inner, "jaxpr", inner)
-            outs = _dependencies(sub, [read(v) for v in eqn.invars])
-        else:
-            union = frozenset().union(*(read(v) for v in eqn.invars))
-            outs = [union] * len(eqn.outvars)
-        env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
 
 
 def _abstract(tree, dtype):

@@ -19,7 +19,8 @@ import jax
 from jax import lax
 from jax.extend import core as jex_core
 
-from axonn_jax.partitioner.pointwise import NESTED_CALLS, body, jvp_rule
+from axonn_jax.partitioner.jaxprs import CALL_PRIMITIVES, call_body
+from axonn_jax.partitioner.pointwise import jvp_rule
 from axonn_jax.runtime.varying import match_vma
 
 
@@ -34,8 +35,8 @@ def evaluate(jaxpr, consts, args: Sequence, shape: tuple[int, ...]) -> list:
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         values = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in NESTED_CALLS:  # an inner custom rule is not the one in force
-            inner, inner_consts = body(eqn)
+        if eqn.primitive.name in CALL_PRIMITIVES:  # an inner custom rule is not the one in force
+            inner, inner_consts = call_body(eqn)
             outs = evaluate(inner, inner_consts, values[-len(inner.invars):], shape)
         else:
             params = dict(eqn.params)

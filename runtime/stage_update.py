@@ -40,15 +40,12 @@ from jax.extend.core import Literal
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axonn_jax.partitioner.jaxprs import call_body
 from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, state_labels
 
 #: The most elements of one value exchanged between stages (reductions such as a
 #: per-stage sum of squares are scalars; whole parameters are refused).
 MAX_EXCHANGED_ELEMENTS = 256
-#: Call-like primitives whose body is inlined, and the parameter that holds it.
-_CALLS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
-_CALL_PRIMITIVES = {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
-                    "custom_vjp_call", "remat", "checkpoint"}  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -95,9 +92,9 @@ class _Tracer:
         read = lambda v: self.const(v.val) if isinstance(v, Literal) else env[v]  # noqa: E731
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
-            body = _call_body(eqn)
+            body = call_body(eqn)
             if body is not None:
-                outs = self.flatten(body.jaxpr, body.consts, ins)
+                outs = self.flatten(*body, ins)
             elif eqn.primitive.name == "cond" and self._spans_stages(ins):
                 outs = self._cond_as_select(eqn, ins)
             else:
@@ -149,16 +146,6 @@ class _Tracer:
                 "stages only through small values (e.g. optax.clip_by_global_norm), "
                 "optax.multi_transform so that this one runs within a stage, or a grid with pipeline=1."
             )
-
-
-def _call_body(eqn):
-    if eqn.primitive.name not in _CALL_PRIMITIVES:
-        return None
-    for key in _CALLS:
-        body = eqn.params.get(key)
-        if body is not None:
-            return body if hasattr(body, "consts") else jax.extend.core.ClosedJaxpr(body, ())
-    return None
 
 
 def _where(eqn) -> str:

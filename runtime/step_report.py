@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping
 
 import jax
@@ -31,6 +30,7 @@ from jax.sharding import AbstractMesh
 
 from axonn_jax.partitioner.flops import ComputeReport, count
 from axonn_jax.partitioner.grid import STAGE_AXES, Grid
+from axonn_jax.partitioner.jaxprs import open_jaxpr, subjaxprs
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
@@ -159,7 +159,10 @@ def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> lis
     """Every collective in ``eqns`` and their sub-jaxprs (phase: "forward").
 
     ``sizes`` are the mesh axis sizes of the enclosing ``shard_map``; a
-    ``scan`` multiplies the counts of its body by its length.
+    ``scan`` multiplies the counts of its body by its length, a ``while`` loop
+    counts one trip (as the FLOP count does: the trip count is not known before
+    it runs), a ``cond`` its most communicating branch (the FLOP count: its
+    most expensive one).
     """
     found: list[Transfer] = []
     for eqn in eqns:
@@ -174,20 +177,14 @@ def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> lis
             continue
         inner_sizes = dict(eqn.params["mesh"].shape) if name == "shard_map" else sizes
         if name == "scan":
-            body = _open(eqn.params["jaxpr"]).eqns
+            body = open_jaxpr(eqn.params["jaxpr"]).eqns
             found.extend(collect(body, inner_sizes, times * eqn.params["length"]))
             continue
         if name == "cond":
             found.extend(_one_branch(eqn, inner_sizes, times))
             continue
-        for sub in _subjaxprs(eqn):
-            inner = collect(sub.eqns, inner_sizes, times)
-            if inner and name == "while":
-                raise NotImplementedError(
-                    "collectives inside a while loop: the trip count is unknown, so the "
-                    "report cannot count them. Remedy: use lax.scan with a fixed length."
-                )
-            found.extend(inner)
+        for sub in subjaxprs(eqn):  # a while loop's trip count is unknown: one trip counted
+            found.extend(collect(sub.eqns, inner_sizes, times))
     return found
 
 
@@ -219,7 +216,7 @@ def saved_bytes(jaxpr, *, num_params: int, num_residuals: int) -> Saved:
     local: dict = {}  # outer var -> the body var that holds its local shard
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "shard_map":
-            body = _open(eqn.params["jaxpr"])
+            body = open_jaxpr(eqn.params["jaxpr"])
             for outer, inner in zip(eqn.invars, body.invars):
                 kind[inner] = _kind_of([outer], kind)
                 if _is_var(outer) and outer in alias:
@@ -282,24 +279,9 @@ def _transfers(eqn, sizes: Mapping[str, int], times: int) -> list[Transfer]:
 
 
 def _one_branch(eqn, sizes, times) -> list[Transfer]:
-    branches = [collect(_open(b).eqns, sizes, times) for b in eqn.params["branches"]]
-    if any(Counter(b) != Counter(branches[0]) for b in branches[1:]):
-        raise NotImplementedError(
-            "the branches of a lax.cond communicate differently; the report cannot know "
-            "which one runs. Remedy: make the branches communicate alike."
-        )
-    return branches[0]
-
-
-def _open(jaxpr):
-    return jaxpr.jaxpr if isinstance(jaxpr, jex_core.ClosedJaxpr) else jaxpr
-
-
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for item in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(item, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                yield _open(item)
+    """The collectives of the branch that sends the most (an upper bound on what runs)."""
+    branches = [collect(open_jaxpr(b).eqns, sizes, times) for b in eqn.params["branches"]]
+    return max(branches, key=lambda found: sum(t.wire_bytes for t in found))
 
 
 def _is_var(v) -> bool:

@@ -22,8 +22,14 @@ from jax import lax
 
 
 def vma(x) -> frozenset:
-    """The mesh axes ``x`` varies over (shard_map's varying-manual-axes type)."""
-    mat = getattr(jax.typeof(x), "mat", None)
+    """The mesh axes ``x`` varies over (shard_map's varying-manual-axes type).
+
+    ``x``: a value, or the ``ShapeDtypeStruct`` of one (``jax.eval_shape``).
+    """
+    if isinstance(x, jax.ShapeDtypeStruct):
+        mat = getattr(x, "manual_axis_type", None)
+    else:
+        mat = getattr(jax.typeof(x), "mat", None)
     return frozenset(getattr(mat, "varying", ()) or ())
 
 

@@ -174,7 +174,9 @@ def build(name: str) -> Case:
         return Case(BatchMixing(name.removeprefix("batch_")), (x,), lambda out, _: _mse(out, target))
     if name in THIRD_PARTY:
         return third_party(name)
-    raise KeyError(name)
+    import control_flow_cases  # scan, while and cond models (tests/test_control_flow.py)
+
+    return control_flow_cases.build(name)
 
 
 #: models whose rows depend on other rows of the batch (run on the grids that split it twice)

@@ -1,0 +1,241 @@
+"""Control flow (scan, while_loop/fori_loop, cond/switch) partitioned like the rest of the model.
+
+The models (tests/control_flow_cases.py) are written the way Flax users write
+them: a transformer as ``nn.scan`` / ``nnx.scan`` over stacked layers, LSTM and
+GRU language models (``nn.RNN``), a weight-tied ``fori_loop``, a data
+``while_loop``, ``nn.cond`` + ``nn.switch``. Bounds: those of test_partition.py
+(loss, step-1 gradients, parameters after 5 AdamW steps) and of
+tests/pipeline_cases.py on pipeline grids.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import grid_id
+from control_flow_cases import LOOPS, RECURRENT, SCANNED, ScanGPT, _tokens, build
+from partition_cases import GRIDS, adamw_trajectory, assert_matches_reference, reference_apply, trajectories
+
+import axonn_jax
+from axonn_jax import Grid
+from axonn_jax.partitioner import control_flow as CF
+from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.flows import variable_layouts
+
+#: the five grids of test_partition plus the two of the redundancy table it lacks
+CONTROL_GRIDS = GRIDS + [dict(x=4, data=2), dict(z=2, data=4)]
+#: variants of a model already run on every grid: two grids that use all four axes
+VARIANTS = {"scan_gpt_remat", "lstm_plain"}
+#: the transformers (about a minute per grid on 2 CPU cores) on the grids of the
+#: redundancy table by default; the others are marked slow (still run in CI)
+QUICK = {"scan_gpt": CONTROL_GRIDS[:1] + CONTROL_GRIDS[2:3] + CONTROL_GRIDS[5:],
+         "scan_gpt_nnx": CONTROL_GRIDS[:1] + CONTROL_GRIDS[2:3] + CONTROL_GRIDS[5:]}  # fmt: skip
+CASES = [(m, g) if (m not in VARIANTS or g in (GRIDS[0], GRIDS[2])) and g in QUICK.get(m, [g])
+         else pytest.param(m, g, marks=pytest.mark.slow)
+         for m in SCANNED + RECURRENT + LOOPS for g in CONTROL_GRIDS]  # fmt: skip
+_ids = lambda v: grid_id(v) if isinstance(v, dict) else v  # noqa: E731
+
+
+@pytest.mark.parametrize("model,grid", CASES, ids=_ids)
+def test_control_flow_trains_like_the_plain_model(model, grid, devices):
+    """Loss, gradients and 5 AdamW steps equal the plain model; nothing falls back to replication."""
+    result = trajectories(model, grid)
+    assert_matches_reference(result, f"{model} {grid}")
+    assert result["pm"].plan.fallbacks == (), result["pm"].plan.fallbacks
+
+
+REDUNDANCY_GRIDS = ["x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "y=2,z=2,data=2"]
+
+
+@pytest.mark.parametrize("grid", REDUNDANCY_GRIDS)
+@pytest.mark.parametrize("model", ["scan_gpt", "scan_gpt_nnx"])
+def test_scanned_transformer_splits_4d_like_its_unrolled_form(model, grid):
+    """No warning, redundancy ≤ 1.05 (and no worse than the same blocks unrolled), every
+    stacked matmul weight held 1/(x·y·z) per device with its layer dim whole."""
+    grid = Grid.parse(grid)
+    case = build(model)
+    pm = axonn_jax.partition(case.model, grid, *case.args)
+    report = pm.report().compute
+    assert pm.plan.warnings == (), pm.plan.warnings
+    assert report.redundancy <= 1.05, (report.redundancy, report.repeated(3))
+    unrolled = axonn_jax.partition(build("loop_gpt").model, grid, *case.args).report().compute
+    assert report.redundancy <= unrolled.redundancy + 0.01, (report.redundancy, unrolled.redundancy)
+    tensor = grid.x * grid.y * grid.z
+    stacked = [p for p in pm.plan.params if p.path.startswith("blocks/")]
+    assert len(stacked) >= 12
+    for p in stacked:
+        assert p.storage[0] == (), (p.path, p.storage)
+        if p.path.endswith("kernel"):
+            assert np.prod(p.local_shape(grid)) * tensor == np.prod(p.shape), (p.path, p.storage)
+
+
+def test_stacked_weights_are_gathered_one_layer_per_iteration():
+    """FSDP inside the loop: the depth (z) all-gathers of stacked weights run in the scan, one
+    layer at a time (count = layers), and no gather moves the whole stack."""
+    case = build("scan_gpt")
+    pm = axonn_jax.partition(case.model, Grid(x=2, y=2, z=2), *case.args)
+    gathers = [t for t in pm.report().communication.transfers
+               if t.kind == "all-gather" and t.axes == ("z",) and t.phase == "forward"]  # fmt: skip
+    per_layer = [t for t in gathers if t.count % case.model.layers == 0 and t.count > 0]
+    assert len(per_layer) >= 4, gathers  # q, k, v, out, up, down kernels
+    whole = {p.local_shape(pm.plan.grid) for p in pm.plan.params if p.path.startswith("blocks/")}
+    assert not [t for t in gathers if t.operand_shape in whole], gathers
+
+
+def _scan_equation(pm):
+    program = pm.program
+    layouts = variable_layouts(program.jaxpr, program.grid, program.param_storage, program.arg_layouts)
+    (eqn,) = [e for e in program.jaxpr.eqns if e.primitive.name == "scan"]
+    return eqn, [layouts[v] for v in eqn.invars], R.Context(program.grid)
+
+
+@pytest.mark.parametrize("model", ["scan_gpt", "lstm"])
+def test_carry_layout_is_a_fixed_point_of_the_body(model):
+    """The body returns its carry in the layout it received it in (no relayout per
+    iteration), though the carry arrives otherwise: the embedding's output is not yet
+    reduce-scattered onto the batch; an LSTM's zero state is not split at all."""
+    case = build(model)
+    pm = axonn_jax.partition(case.model, Grid(x=2, y=2, z=2), *case.args)
+    eqn, operands, ctx = _scan_equation(pm)
+    step = R.rule(eqn, operands, ctx)
+    nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
+    carry = step.outs[:nk]
+    assert carry != operands[nc:nc + nk]  # the search had to move
+    outs = CF.out_layouts(CF.bodies(eqn)[0], step.loop.bodies[0].ins, ctx)
+    assert outs[:nk] == carry
+    assert all(lay[0][:2] == ("data", "z") for lay in carry)  # batch split over data·z
+
+
+def test_fixed_point_search_settles_on_the_common_part_of_a_cycle():
+    swap = {(("x",), ("y",)): (("y",), ("x",)), (("y",), ("x",)): (("x",), ("y",))}
+    assert CF.fixed_point(lambda c: [swap[c[0]]], [(("x",), ("y",))]) == [((), ())]
+    assert CF.fixed_point(lambda c: [(("data", "z"), ())], [((), ())]) == [(("data", "z"), ())]
+    assert CF.meet([[(("data", "z", "x"), ())], [(("data", "z"), ("x",))]]) == [(("data", "z"), ())]
+
+
+def test_stacked_layer_dim_is_never_split():
+    """32 stacked layers: the layer dim is the largest a depth split could take; it stays whole."""
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    plan, _ = axonn_jax.partitioner.plan_model(ScanGPT(layers=32), Grid(x=2, y=2, z=2), tokens)
+    stacked = [p for p in plan.params if p.path.startswith("blocks/")]
+    assert stacked and all(p.storage[0] == () for p in stacked), [(p.path, p.storage) for p in stacked]
+    attention = [p for p in stacked if "query/kernel" in p.path][0]
+    assert "z" in {a for axes in attention.storage for a in axes}, attention.storage
+    with pytest.raises(ValueError, match=r"'blocks/Dense_0/kernel' \(32, 32, 128\) is stacked along dim 0"):
+        axonn_jax.partitioner.plan_model(
+            ScanGPT(layers=32), Grid(x=2, y=2, z=2), tokens,
+            options=axonn_jax.partitioner.PlanOptions(rules={"blocks/Dense_0/kernel": ("z", "y", "x")}))
+
+
+@pytest.mark.parametrize("grid", ["x=2,y=2,z=2", "x=4,data=2", "z=2,data=4"], ids=str)
+def test_while_loop_carrying_parameters_runs_forward_exactly(grid, devices):
+    """Reverse mode cannot enter a while loop, so its parameters are checked in the forward pass."""
+    case = build("while_decode")
+    params, apply = reference_apply(case)
+    pm = axonn_jax.partition(case.model, Grid.parse(grid), *case.args)
+    want = np.asarray(apply(params, *case.args))
+    got = np.asarray(pm.apply(pm.shard(params), *case.args))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert pm.plan.fallbacks == ()
+
+
+@pytest.mark.parametrize("model", ["cond_switch", "while_normalised", "lstm"])
+def test_step_report_covers_branches_and_loops(model):
+    """A cond counts its most communicating branch, a while loop one trip (as FLOPs do)."""
+    case = build(model)
+    report = axonn_jax.partition(case.model, Grid(x=2, y=2, z=2), *case.args).report()
+    assert report.communication.transfers and report.compute.redundancy >= 0.99
+
+
+def test_split_scans_equals_the_scan_forward_and_reverse():
+    from axonn_jax.partitioner.scan_cuts import split_scans
+
+    def f(c, xs, w):
+        c, ys = jax.lax.scan(lambda c, xw: (jnp.tanh(c @ xw[1]) + xw[0], c.sum()), c, (xs, w))
+        d, zs = jax.lax.scan(lambda d, x: (d * 0.5 + x, d), c, xs, reverse=True)
+        return c, ys, d, zs
+
+    rng = np.random.default_rng(0)
+    args = (rng.standard_normal(4), rng.standard_normal((5, 4)), rng.standard_normal((5, 4, 4)))
+    closed = jax.make_jaxpr(f)(*args)
+    scans = [k for k, e in enumerate(closed.jaxpr.eqns) if e.primitive.name == "scan"]
+    split, origins = split_scans(closed.jaxpr, {k: (1, 3) for k in scans})
+    pieces = [o for o in origins if o[1] == "piece"]
+    assert len(pieces) == 6 and {(a, b) for _, _, a, b in pieces} == {(0, 1), (1, 3), (3, 5)}
+    want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+    got = jax.core.eval_jaxpr(split, closed.consts, *args)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+PIPELINES = [("scan_gpt", "pipeline=2,x=2,z=2"), ("scan_gpt", "pipeline=4,z=2"),
+             ("scan_gpt_nnx", "pipeline=2,y=2,z=2")]  # fmt: skip
+
+
+@pytest.mark.parametrize("model,grid", PIPELINES, ids=str)
+def test_pipeline_stages_cut_the_scanned_stack(model, grid, devices):
+    """Each stage runs its range of the stacked layers; gradients (2 microbatches) and 5 AdamW
+    steps equal the plain model; stages within 10% of an even share of the FLOPs."""
+    from pipeline_cases import LR, STEPS, compare_grads, compare_params
+
+    grid = Grid.parse(grid)
+    case = build(model)
+    params, apply = reference_apply(case)
+    (tokens,) = case.args
+    losses, grads, final = adamw_trajectory(lambda p: case.loss(apply(p, tokens), tokens), params,
+                                            STEPS, LR)  # fmt: skip
+    pm = axonn_jax.partition(case.model, grid, tokens[: len(tokens) // 2])
+    assert pm.plan.scan_cuts and pm.plan.fallbacks == ()
+    shares = np.array([s.flops for s in pm.plan.stages]) / sum(s.flops for s in pm.plan.stages)
+    assert np.all(np.abs(shares - 1 / grid.pipeline) <= 0.1 / grid.pipeline + 0.02), shares
+    inputs = lambda t: (t,)  # noqa: E731
+    loss, got = pm.value_and_grad(case.loss, inputs=inputs, microbatches=2)(pm.shard(params), tokens)
+    assert abs(float(loss) - losses[0]) <= 1e-5 * abs(losses[0])
+    failures = compare_grads(pm.gather(got), grads, f"{model} {grid}")
+    step = pm.train_step(case.loss, optax.adamw(LR), inputs=inputs, microbatches=2)
+    p, state = step.init(pm.shard(params))
+    trained = []
+    for _ in range(STEPS):
+        p, state, loss = step(p, state, tokens)
+        trained.append(float(loss))
+    np.testing.assert_allclose(trained, losses, rtol=1e-5)
+    failures += compare_params(pm.gather(p), final, params, grads, f"{model} {grid}")
+    assert not failures, "\n".join(failures)
+
+
+def test_pipeline_stage_gathers_its_layers_one_per_iteration():
+    """A stage's range of a stacked weight is parameter-like: the stage slices the stored
+    shard and depth-gathers one layer per iteration inside its scan (no whole-range gather)."""
+    from axonn_jax.runtime.executor import Executor
+    from axonn_jax.runtime.pipeline.stage_program import StageProgram
+    from axonn_jax.runtime.step_report import abstract_stage_mesh, collect
+
+    case = build("scan_gpt")
+    (tokens,) = case.args
+    pm = axonn_jax.partition(case.model, Grid(pipeline=2, x=2, z=2), tokens)
+    program, grid = pm.program, pm.plan.grid
+    flow = program.stage_flows[0]
+    stage = StageProgram(flow, Executor(program), abstract_stage_mesh(grid), last=False)
+    params = [jax.ShapeDtypeStruct(pm.plan.params[i].shape, pm.plan.params[i].dtype) for i in flow.params]
+    args = [jax.ShapeDtypeStruct(program.traced.arg_avals[j].shape, program.traced.arg_avals[j].dtype)
+            for j in flow.args]  # fmt: skip
+    closed = jax.make_jaxpr(stage.forward_only)(params, args, [])
+    gathers = [t for t in collect(closed.jaxpr.eqns) if t.kind == "all-gather" and t.axes == ("z",)]
+    layers = dict(pm.plan.scan_cuts)[next(iter(dict(pm.plan.scan_cuts)))][0]  # stage 0's range
+    per_layer = [t for t in gathers if t.count == layers]
+    assert len(per_layer) >= 4, gathers
+    whole = {(layers, *p.local_shape(grid)[1:]) for p in pm.plan.params if p.path.startswith("blocks/")}
+    assert not [t for t in gathers if t.operand_shape in whole], gathers
+
+
+def test_one_list_of_call_primitives():
+    """partitioner/jaxprs.py is the only module that names call-like primitives."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    naming = [str(p.relative_to(root)) for folder in ("partitioner", "runtime")
+              for p in sorted((root / folder).rglob("*.py")) if '"closed_call"' in p.read_text()]  # fmt: skip
+    assert naming == ["partitioner/jaxprs.py"], naming
