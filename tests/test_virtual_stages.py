@@ -62,13 +62,15 @@ def test_too_few_cut_points_names_model_grid_and_remedy():
 def test_plan_cuts_p_times_v_stages_balanced():
     case = build("gpt")
     example = case.inputs(case.batch(1))
-    plain = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=4, z=2), *example).plan
+    plain = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=4, z=2, x=2), *example).plan
     virtual = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2), *example).plan
-    # the same DP: p·v stages over the same equations as a pipeline of p·v ranks
+    # the same DP: p·v stages over the same equations as a pipeline of p·v ranks (stages of
+    # the same size: a stage's devices split its FLOPs, not its kernels' least times)
     assert [(s.start, s.stop) for s in virtual.stages] == [(s.start, s.stop) for s in plain.stages]
     text = str(virtual)
-    assert "pipeline stages (4 = pipeline 2 × virtual 2, balanced by FLOPs; stage s runs on " \
-           "pipeline rank s mod 2)" in text  # fmt: skip
+    assert "pipeline stages (4 = pipeline 2 × virtual 2, cut for the fastest slowest stage: " \
+           "compute + boundary transfer; slowest: stage " in text  # fmt: skip
+    assert "; stage s runs on pipeline rank s mod 2):" in text
     for s in range(4):
         assert f"  stage {s} (rank {s % 2}): " in text
 
