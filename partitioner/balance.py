@@ -24,7 +24,8 @@ with the compute before it and the bytes crossing it (built by
 :func:`~axonn_jax.partitioner.stages.cut_points`; any other enumeration, e.g.
 iteration boundaries inside a scan, may add points), and returns those that
 minimise the slowest stage's time; among choices within :data:`TOLERANCE` of
-that time, the one whose stages' compute is the most even.
+that time, the one whose stage times are the most even (smallest sum of
+squares).
 
 The rates come from a machine profile (:class:`StageCosts`; the face's
 ``axonn_jax.perf.machines.Machine.stage_costs`` builds one from a profile);
@@ -50,7 +51,7 @@ from axonn_jax.partitioner.flops import MATMULS, equation_total, primitive_flops
 #: forward + backward ≈ 3 forward passes
 PASSES = 3
 #: cuts whose slowest stage is within this fraction of the fastest possible count as
-#: equally fast (the times are estimates); among them the most even compute wins
+#: equally fast (the times are estimates); among them the most even stage times win
 TOLERANCE = 0.02
 
 
@@ -140,21 +141,31 @@ def choose_cuts(points: Sequence[CutPoint], total_seconds: float, num_stages: in
     programming over the points, exact: first the least possible
     slowest-stage time ``T``, then, among the cuts whose every stage takes at
     most ``T · (1 + TOLERANCE)``, the one with the smallest sum of squared
-    stage compute times: transfers decide a cut only where they change the
-    slowest stage, and the work is otherwise spread as evenly as the cut
-    points allow. ``len(points) >= num_stages - 1`` is the caller's to check.
+    stage times: the other stages as even as the cut points allow, and of
+    two equally even cuts the one that sends less. Memory stays within
+    :data:`BLOCK` numbers however many points there are.
+    ``len(points) >= num_stages - 1`` is the caller's to check.
     """
     if num_stages == 1:
         return []
     n = len(points) + 2  # node 0: the model's start; node n-1: its end
     before = np.array([0.0, *(p.seconds_before for p in points), total_seconds])
     edge = np.array([0.0, *(costs.transfer_seconds(p, devices) for p in points), 0.0])
-    compute = np.maximum(before[None, :] - before[:, None], 0.0)
-    cost = compute + edge[:, None] + edge[None, :]  # cost[i, j]: a stage from node i to node j
-    cost[np.tril_indices(n)] = np.inf  # a stage runs forward: i < j
-    slowest = _minimise(cost, num_stages, lambda best, c: np.maximum(best[:, None], c))[0]
-    square = np.where(cost <= slowest * (1 + TOLERANCE), cost * cost, np.inf)
-    _, back = _minimise(square, num_stages, lambda best, c: best[:, None] + c)
+    nodes = np.arange(n)
+
+    def stage_time(cols: slice) -> np.ndarray:
+        """``[i, j]``: the time of a stage from node ``i`` to node ``j`` (∞ unless i < j)."""
+        time = before[None, cols] - before[:, None] + edge[:, None] + edge[None, cols]
+        return np.where(nodes[:, None] < nodes[None, cols], time, np.inf)
+
+    slowest = _minimise(n, stage_time, num_stages, lambda best, t: np.maximum(best[:, None], t))[0]
+    limit = slowest * (1 + TOLERANCE)
+
+    def squared(cols: slice) -> np.ndarray:
+        time = stage_time(cols)
+        return np.where(time <= limit, time * time, np.inf)
+
+    _, back = _minimise(n, squared, num_stages, lambda best, t: best[:, None] + t)
     chosen, j = [], n - 1
     for s in range(num_stages - 1, 0, -1):
         j = back[s][j]
@@ -162,16 +173,30 @@ def choose_cuts(points: Sequence[CutPoint], total_seconds: float, num_stages: in
     return chosen[::-1]
 
 
-def _minimise(cost: np.ndarray, num_stages: int, combine) -> tuple[float, list[np.ndarray]]:
-    """DP over stages: ``best[j]``, the best value of a split of nodes ``0..j`` so far."""
-    n = cost.shape[0]
-    best = cost[0].copy()  # one stage: node 0 to node j
+#: how many stage times the DP holds at once (column blocks of the node × node table)
+BLOCK = 1 << 22
+
+
+def _minimise(n: int, stage_value, num_stages: int, combine) -> tuple[float, list[np.ndarray]]:
+    """DP over stages: ``best[j]``, the best value of a split of nodes ``0..j`` so far.
+
+    ``stage_value(cols)``: the ``[n, len(cols)]`` values of single stages ending at
+    ``cols``; ``combine(best, values)``: the value of adding such a stage to ``best``.
+    """
+    width = max(1, BLOCK // n)
+    blocks = [slice(a, min(a + width, n)) for a in range(0, n, width)]
+    kept = [stage_value(b) for b in blocks] if n * n <= BLOCK else None  # small: compute once
+    values = (lambda k: kept[k]) if kept else (lambda k: stage_value(blocks[k]))  # noqa: E731
+    best = np.concatenate([values(k)[0] for k in range(len(blocks))])  # one stage: node 0 to node j
     back = [np.zeros(n, dtype=np.int64)]
     for _ in range(1, num_stages):
-        total = combine(best, cost)
-        total[:, 0] = np.inf
-        back.append(np.argmin(total, axis=0))
-        best = total[back[-1], np.arange(n)]
+        step, new = np.zeros(n, dtype=np.int64), np.full(n, np.inf)
+        for k, b in enumerate(blocks):
+            total = combine(best, values(k))
+            step[b] = np.argmin(total, axis=0)
+            new[b] = total[step[b], np.arange(b.stop - b.start)]
+        back.append(step)
+        best = new
     value = float(best[n - 1])
     if not math.isfinite(value):
         raise ValueError(f"no way to cut into {num_stages} stages")  # callers check beforehand

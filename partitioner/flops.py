@@ -10,7 +10,10 @@ Control flow is counted once per iteration it names (``scan`` length), and
 
 Each count is attributed to the user's source line of the equation (through
 inlined calls), so the per-line counts of a partitioned step and of the plain
-model show where work is repeated.
+model show where work is repeated. :func:`equation_flops` is the same count
+for one equation: pipeline stages are balanced with it
+(:mod:`~axonn_jax.partitioner.stages`), so a stage's share and this report
+agree.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -135,7 +138,6 @@ def _subjaxprs(eqn) -> list:
             if hasattr(item, "eqns") or hasattr(getattr(item, "jaxpr", None), "eqns"):
                 found.append(item)
     return found
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 :func:`cut_points` lists where the model can be cut: one place between each
 two consecutive equations that use parameters (so every stage holds
 parameters) — there, the boundary where the fewest activation bytes cross —
-each with the FLOPs before it and the bytes crossing it. No boundary is
+each with the compute before it and the bytes crossing it. No boundary is
 filtered out by its size: :func:`~axonn_jax.partitioner.balance.choose_cuts`
 prices every stage as its compute plus its boundary transfers (a machine
 profile's rates, :class:`~axonn_jax.partitioner.balance.StageCosts`) and picks
@@ -18,8 +18,8 @@ Updated model state (BatchNorm statistics) never travels between stages (it
 stays on the stage that computes it), so it is not counted as crossing.
 
 Example:
-    >>> stages = plan_stages(traced, jaxpr, 2)                 # doctest: +SKIP
-    >>> [s.params[:2] for s in stages]                         # doctest: +SKIP
+    >>> split = plan_stages(traced, jaxpr, 2)                  # doctest: +SKIP
+    >>> [s.params[:2] for s in split.stages]                   # doctest: +SKIP
     [('block_0/...', ...), ('block_2/...', ...)]
 """
 
