@@ -25,7 +25,7 @@ with the compute before it and the bytes crossing it (built by
 iteration boundaries inside a scan, may add points), and returns those that
 minimise the slowest stage's time; among choices within :data:`TOLERANCE` of
 that time, the one whose stage times are the most even (smallest sum of
-squares).
+squares), then the one most even in FLOPs.
 
 The rates come from a machine profile (:class:`StageCosts`; the face's
 ``axonn_jax.perf.machines.Machine.stage_costs`` builds one from a profile);
@@ -34,7 +34,7 @@ the default is the built-in ``h100-node`` profile.
 Example:
     >>> pts = [CutPoint(after=k, seconds_before=1e-3 * (k + 1), flops_before=1e9 * (k + 1),
     ...                 send_bytes=8, grad_bytes=8) for k in range(7)]
-    >>> [p.after for p in choose_cuts(pts, 8e-3, 4)]
+    >>> [p.after for p in choose_cuts(pts, 8e-3, 4, total_flops=8e9)]
     [1, 3, 5]
 """
 
@@ -53,6 +53,8 @@ PASSES = 3
 #: cuts whose slowest stage is within this fraction of the fastest possible count as
 #: equally fast (the times are estimates); among them the most even stage times win
 TOLERANCE = 0.02
+#: weight of the FLOPs' evenness among equally fast cuts (a tie-breaker)
+FLOP_TIES = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,22 +136,28 @@ def stage_times(points: Sequence[CutPoint], total_seconds: float, costs: StageCo
 
 
 def choose_cuts(points: Sequence[CutPoint], total_seconds: float, num_stages: int,
-                costs: StageCosts = StageCosts(), devices: int = 1) -> list[CutPoint]:  # fmt: skip
+                costs: StageCosts = StageCosts(), devices: int = 1, *,
+                total_flops: float = 0.0) -> list[CutPoint]:  # fmt: skip
     """The ``num_stages - 1`` of ``points`` (in model order) that minimise the slowest stage.
 
-    ``total_seconds``: the compute time of the whole model. Dynamic
-    programming over the points, exact: first the least possible
-    slowest-stage time ``T``, then, among the cuts whose every stage takes at
-    most ``T · (1 + TOLERANCE)``, the one with the smallest sum of squared
-    stage times: the other stages as even as the cut points allow, and of
-    two equally even cuts the one that sends less. Memory stays within
-    :data:`BLOCK` numbers however many points there are.
-    ``len(points) >= num_stages - 1`` is the caller's to check.
+    ``total_seconds`` and ``total_flops``: the compute time and forward FLOPs
+    of the whole model. Dynamic programming over the points, exact: first the
+    least possible slowest-stage time ``T``, then, among the cuts whose every
+    stage takes at most ``T · (1 + TOLERANCE)``, the one with the smallest sum
+    of squared stage times — the other stages as even as the cut points
+    allow, of two equally even cuts the one that sends less — plus
+    :data:`FLOP_TIES` × the sum of squared FLOP times (of two equally fast
+    cuts, the one more even in FLOPs: FLOPs are certain, the kernel time is
+    an estimate). Memory stays within :data:`BLOCK` numbers however many
+    points there are. ``len(points) >= num_stages - 1`` is the caller's to
+    check.
     """
     if num_stages == 1:
         return []
     n = len(points) + 2  # node 0: the model's start; node n-1: its end
     before = np.array([0.0, *(p.seconds_before for p in points), total_seconds])
+    flops = np.array([0.0, *(p.flops_before for p in points), total_flops])
+    flops *= PASSES / (devices * costs.tflops * 1e12)  # as seconds
     edge = np.array([0.0, *(costs.transfer_seconds(p, devices) for p in points), 0.0])
     nodes = np.arange(n)
 
@@ -163,7 +171,8 @@ def choose_cuts(points: Sequence[CutPoint], total_seconds: float, num_stages: in
 
     def squared(cols: slice) -> np.ndarray:
         time = stage_time(cols)
-        return np.where(time <= limit, time * time, np.inf)
+        work = flops[None, cols] - flops[:, None]
+        return np.where(time <= limit, time * time + FLOP_TIES * work * work, np.inf)
 
     _, back = _minimise(n, squared, num_stages, lambda best, t: best[:, None] + t)
     chosen, j = [], n - 1

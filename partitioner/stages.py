@@ -219,7 +219,8 @@ def plan_stages(
             f"pipeline stages (pipeline × virtual). Remedy: at most {len(points) + 1} "
             "stages (fewer virtual stages per rank, or a smaller pipeline), or a deeper model."
         )
-    cuts = choose_cuts(points, float(seconds.sum()), num_stages, costs, devices)
+    cuts = choose_cuts(points, float(seconds.sum()), num_stages, costs, devices,
+                       total_flops=float(flops.sum()))  # fmt: skip
     stages = _stages(traced, flops, seconds, users, cuts, costs, devices)
     by_flops = choose_cuts([dataclasses.replace(p, seconds_before=p.flops_before) for p in points],
                            float(flops.sum()), num_stages,

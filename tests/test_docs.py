@@ -51,3 +51,23 @@ def test_headline_figures_are_those_of_the_latest_run():
     cells = [c.strip() for c in offload.split("|")[2:-1]]
     doc_row = re.search(r"\| bf16, offload, update on host \|[^\n]*", memory).group(0)
     assert [c.strip(" *") for c in doc_row.split("|")[2:-1]] == cells
+
+
+def _table_after(text: str, heading: str) -> list[str]:
+    """The rows of the first markdown table after ``heading``."""
+    start = text.index(heading)
+    lines = text[start:].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_stage_balance_table_is_that_of_the_latest_run():
+    results = (ROOT / "benchmarks" / "results" / "results.md").read_text()
+    pipeline = (ROOT / "docs" / "pipeline.md").read_text()
+    want = _table_after(results, "## Pipeline stage balance by model kind")
+    assert len(want) > 2 and _table_after(pipeline, "**Stage balance by model kind**") == want
