@@ -90,3 +90,23 @@ def test_the_reference_search_is_right():
     assert splits_within(bounds, total, 4, 0.0, 0.49) is False  # the 3 is one layer
     assert most_even(bounds, total, 4) == pytest.approx(0.5, abs=1e-6)
     assert most_even([1.0, 2.0], total, 2) == pytest.approx(4 / 6, abs=1e-6)
+
+
+def test_the_issues_mlp():
+    """The issue's report: 8 × Dense(2048)+relu, Dense(10), here on 32 rows of 784 inputs. Before:
+    100/0 at pipeline=2, refused at pipeline=4. Kernel-bound at this batch (each matmul under
+    the 1 µs floor), so FLOPs break the ties: the most even split the layers allow."""
+    import jax
+    import jax.numpy as jnp
+
+    model = stage_balance._deep_mlp(batchnorm=False)
+    x = jax.ShapeDtypeStruct((32, 784), jnp.float32)
+    traced = trace_model(model, x)
+    jaxpr = inline_calls(traced.jaxpr).jaxpr
+    flops = np.array([equation_flops(e) for e in jaxpr.eqns], dtype=np.float64)
+    for pipeline in (2, 4):
+        plan = axonn_jax.partition(model, axonn_jax.Grid(pipeline=pipeline), x).plan
+        shares = [flops[s.start : s.stop].sum() / flops.sum() for s in plan.stages]
+        possible = most_even(np.cumsum(flops)[:-1], flops.sum(), pipeline)
+        assert max(shares) <= possible + 1e-3, (pipeline, shares, possible)
+        assert not plan.warnings, plan.warnings
