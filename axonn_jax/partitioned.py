@@ -17,10 +17,13 @@ Example (a user-written jitted train step)::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 
+from axonn_jax.partitioner.balance import StageCosts
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, plan_model
@@ -31,6 +34,9 @@ from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import ParamHomes
 from axonn_jax.runtime.step_report import StepReport
 
+if TYPE_CHECKING:
+    from axonn_jax.perf.machines import Machine
+
 
 def partition(
     model,
@@ -40,6 +46,7 @@ def partition(
     rules: Mapping[str, Sequence] | None = None,
     replicate: Sequence[str] = (),
     stages: Sequence[str] | None = None,
+    machine: str | Machine | StageCosts | None = None,
     overlap: Overlap | str = Overlap(),
     scatter_batch: bool = True,
     **example_kwargs,
@@ -61,7 +68,13 @@ def partition(
         replicate: path regexes of parameters to keep replicated.
         stages: with ``grid.pipeline > 1``, explicit stage boundaries: one
             parameter-path regex per stage after the first (e.g. ``["block_6"]``);
-            by default stages are balanced by dynamic programming.
+            by default the cuts minimise the slowest stage (compute plus
+            boundary transfers, docs/pipeline.md).
+        machine: the machine profile automatic stage cuts are priced with: a
+            built-in name (``"perlmutter"``, ``"frontier"``, ``"h100-node"``),
+            a profile JSON from ``axonn-jax profile``, an
+            ``axonn_jax.perf.Machine``, or the planner's ``StageCosts``
+            themselves; default: the ``h100-node`` rates.
         overlap: which communication overlaps to set up (OAG, ORS, OAR; all on
             by default): an :class:`~axonn_jax.runtime.overlap.Overlap` or a
             string such as ``"none"`` or ``"oag,ors"``. Values are identical
@@ -77,10 +90,21 @@ def partition(
     options = PlanOptions(strict=strict, rules=dict(rules or {}), replicate=tuple(replicate),
                           stages=None if stages is None else tuple(stages),
                           scatter_batch=scatter_batch)  # fmt: skip
+    if machine is not None:
+        options = dataclasses.replace(options, stage_costs=_stage_costs(machine, grid))
     plan, program = plan_model(model, grid, *example_args, options=options, **example_kwargs)
     if isinstance(overlap, str):
         overlap = Overlap.parse(overlap)
     return Partitioned(model, plan, program, options, overlap=overlap)
+
+
+def _stage_costs(machine, grid: Grid) -> StageCosts:
+    """The planner's stage rates from a profile name or path, a ``Machine``, or ``StageCosts``."""
+    if isinstance(machine, StageCosts):
+        return machine
+    from axonn_jax.perf.machines import get
+
+    return (get(machine) if isinstance(machine, str) else machine).stage_costs(grid.stage_size)
 
 
 class Partitioned:

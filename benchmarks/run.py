@@ -70,6 +70,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               devices=1, timeout_s=300),  # fmt: skip
     Benchmark("report_time", "Communication report cost", (), ("--layers", "12"),
               devices=1, timeout_s=300),  # fmt: skip
+    # before: the last revision with the 25%-crossing filter and its own FLOP count
+    Benchmark("stage_balance", "Pipeline stage balance by model kind", ("--baseline", "74591ed"),
+              ("--models", "mlp,cnn,gpt"), devices=1, timeout_s=1800),  # fmt: skip
     Benchmark("gspmd_compare", "axonn_jax 4D grids vs GSPMD (Megatron TP, FSDP)",
               ("--layers", "2", "--hidden", "256", "--rounds", "8"),
               ("--layers", "2", "--hidden", "128", "--grids", "data=8;x=2,y=2,z=2;z=8",

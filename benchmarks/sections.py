@@ -253,11 +253,33 @@ def redundancy_section(r: dict) -> str:
     return head + "\n\n" + r.get("table", "")
 
 
+def balance_summary(r: dict) -> Rows:
+    rows = [row for row in r.get("rows") or [] if not row.get("small")]
+    if not rows:
+        return []
+    share = lambda row: max(row["after"]) * row["pipeline"]  # noqa: E731
+    worst = max(rows, key=share)
+    median = sorted(share(row) for row in rows)[len(rows) // 2]
+    return [(f"automatic pipeline stages, {len(rows)} model × pipeline pairs at training sizes: "
+             "largest FLOP share × stages (1.00 = even)",
+             f"median {median:.2f}; worst {share(worst):.2f} ({worst['model']}, pipeline={worst['pipeline']})")]  # fmt: skip
+
+
+def balance_section(r: dict) -> str:
+    base = f" vs the partitioner of `{r['baseline']}` (before)" if r.get("baseline") else ""
+    head = (f"Automatic pipeline stages{base}, planned from abstract shapes on `Grid(pipeline=p)`: "
+            "each stage's share of the forward FLOPs (`partitioner.flops.equation_flops`), the "
+            "largest share × p, and the modelled slowest stage (h100-node rates, one microbatch, "
+            "forward + backward):")
+    return head + "\n\n" + r.get("table", "")
+
+
 FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
     "redundancy": (redundancy_summary, redundancy_section),
     "partition_overhead": (overhead_summary, overhead_section),
     "planning_time": (planning_summary, planning_section),
     "report_time": (report_summary, report_section),
+    "stage_balance": (balance_summary, balance_section),
     "gspmd_compare": (gspmd_summary, gspmd_section),
     "grid_prediction": (prediction_summary, prediction_section),
     "pipeline_bubble": (bubble_summary, bubble_section),

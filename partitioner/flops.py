@@ -10,7 +10,10 @@ Control flow is counted once per iteration it names (``scan`` length), and
 
 Each count is attributed to the user's source line of the equation (through
 inlined calls), so the per-line counts of a partitioned step and of the plain
-model show where work is repeated.
+model show where work is repeated. :func:`equation_flops` is the same count
+for one equation: pipeline stages are balanced with it
+(:mod:`~axonn_jax.partitioner.stages`), so a stage's share and this report
+agree.
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -27,6 +30,8 @@ from collections import Counter
 from axonn_jax.partitioner.jaxprs import subjaxprs
 from axonn_jax.partitioner.trace import user_line
 
+#: primitives whose FLOPs are products (each runs as its own device kernel)
+MATMULS = frozenset(["dot_general", "conv_general_dilated"])
 #: primitives that move or relabel data without arithmetic
 _FREE = frozenset("""reshape transpose broadcast_in_dim squeeze expand_dims slice dynamic_slice
     dynamic_update_slice concatenate pad gather scatter copy copy_p convert_element_type
@@ -56,33 +61,58 @@ def count(closed_jaxpr) -> Flops:
     return Flops(int(sum(lines.values())), dict(lines))
 
 
-def nested_flops(eqn) -> int:
-    """FLOPs of one equation, its sub-jaxprs included (control flow: as :func:`count`)."""
+def equation_flops(eqn) -> int:
+    """FLOPs of one equation, its sub-jaxprs included (the one count per equation).
+
+    What :func:`count` adds up for ``eqn``: pipeline stages are balanced with
+    it (:mod:`~axonn_jax.partitioner.stages`) and the compute report sums it,
+    so a stage's share and the report can never disagree.
+
+    >>> import jax, jax.numpy as jnp
+    >>> eqn = jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((4, 8)), jnp.ones((8, 2))).eqns[0]
+    >>> equation_flops(eqn)
+    128
+    """
+    return int(equation_total(eqn, primitive_flops))
+
+
+def equation_total(eqn, per_primitive) -> float:
+    """``per_primitive(e)`` summed over the primitives ``eqn`` runs, the way FLOPs are.
+
+    Sub-jaxprs included, a ``scan`` body times its length, a ``cond`` by its
+    costliest branch: e.g. the modelled time of an equation
+    (:meth:`~axonn_jax.partitioner.balance.StageCosts.equation_seconds`).
+    """
     lines: Counter = Counter()
-    _walk([eqn], 1, lines)
-    return int(sum(lines.values()))
+    _walk((eqn,), 1, lines, per_primitive)
+    return sum(lines.values())
 
 
-def _walk(eqns, times: int, lines: Counter) -> None:
+def _walk(eqns, times: int, lines: Counter, per_equation=None) -> None:
+    per_equation = per_equation or primitive_flops
     for eqn in eqns:
         subs = subjaxprs(eqn)
         if subs:
             name = eqn.primitive.name
             if name == "cond":
-                best = max((count(j) for j in subs), key=lambda f: f.total)
-                lines.update({k: v * times for k, v in best.by_line.items()})
+                branches = []
+                for j in subs:
+                    branch: Counter = Counter()
+                    _walk(j.eqns, times, branch, per_equation)
+                    branches.append(branch)
+                lines.update(max(branches, key=lambda b: sum(b.values())))
                 continue
             repeat = int(eqn.params.get("length", 1)) if name == "scan" else 1
             for sub in subs:
-                _walk(sub.eqns, times * repeat, lines)
+                _walk(sub.eqns, times * repeat, lines, per_equation)
             continue
-        flops = equation_flops(eqn)
-        if flops:
-            lines[f"{user_line(eqn.source_info) or '?'} {eqn.primitive.name}"] += flops * times
+        value = per_equation(eqn)
+        if value:
+            lines[f"{user_line(eqn.source_info) or '?'} {eqn.primitive.name}"] += value * times
 
 
-def equation_flops(eqn) -> int:
-    """FLOPs of one equation without sub-jaxprs (see the module docstring)."""
+def primitive_flops(eqn) -> int:
+    """FLOPs of one equation's own primitive, not counting sub-jaxprs (module docstring)."""
     name = eqn.primitive.name
     if name in _FREE or not eqn.outvars:
         return 0

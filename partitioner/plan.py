@@ -21,7 +21,8 @@ from axonn_jax.partitioner.layout import Layout, describe, factor, to_spec
 from axonn_jax.partitioner.propagation import Fallback, PlannedLayouts
 from axonn_jax.partitioner.report import MemoryReport
 from axonn_jax.partitioner.roles import ParamRole
-from axonn_jax.partitioner.stages import Stage
+from axonn_jax.partitioner.balance import StageCosts
+from axonn_jax.partitioner.stages import Stage, StagePlan, format_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,11 +60,15 @@ class Plan:
     fallbacks: tuple[Fallback, ...]
     notes: tuple[str, ...]
     stages: tuple[Stage, ...] = ()
+    #: the rates the stages were priced with, and the ``stages=`` patterns that cut them (if given)
+    stage_costs: StageCosts | None = None
+    stage_boundaries: tuple[str, ...] | None = None
     #: scans over stacked layers split between pipeline stages (partitioner.scan_cuts)
     scan_cuts: tuple = ()
 
     @classmethod
-    def build(cls, traced, grid: Grid, layouts: PlannedLayouts, stages=(), scan_cuts=()) -> Plan:
+    def build(cls, traced, grid: Grid, layouts: PlannedLayouts, split: StagePlan | None = None,
+              scan_cuts=()) -> Plan:  # fmt: skip
         params = [
             ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)), layouts.storage[path],
                       layouts.use[path], layouts.roles[path], trainable)  # fmt: skip
@@ -77,8 +82,10 @@ class Plan:
             arg_layouts=layouts.args,
             out_layouts=layouts.outs,
             fallbacks=layouts.fallbacks,
-            notes=layouts.notes + _shared_stage_notes(stages),
-            stages=tuple(stages),
+            notes=layouts.notes + (split.notes + _shared_stage_notes(split.stages) if split else ()),
+            stages=split.stages if split else (),
+            stage_costs=split.costs if split else None,
+            stage_boundaries=split.boundaries if split else None,
             scan_cuts=tuple(scan_cuts),
         )
 
@@ -140,24 +147,35 @@ class Plan:
             f"Adam state {mem.optimizer:,} B; activations and communication: pm.report()"
         )
         if len(self.stages) > 1:
-            total = sum(st.flops for st in self.stages) or 1.0
-            if g.virtual > 1:
-                lines.append(
-                    f"pipeline stages ({len(self.stages)} = pipeline {g.pipeline} × virtual "
-                    f"{g.virtual}, balanced by FLOPs; stage s runs on pipeline rank s mod "
-                    f"{g.pipeline}):"
-                )
-            else:
-                lines.append(f"pipeline stages ({len(self.stages)}, balanced by FLOPs):")
-            for st in self.stages:
-                rank = f" (rank {g.pipeline_rank(st.index)})" if g.virtual > 1 else ""
-                lines.append(
-                    f"  stage {st.index}{rank}: {len(st.params)} params ({st.param_bytes:,} B), "
-                    f"{st.flops / total:.1%} of FLOPs, sends {st.send_bytes:,} B/batch; "
-                    f"{_span(st.params)}"
-                )
+            lines.extend(self._stage_lines())
         lines.append("every parameter's layout: print(pm.plan.table())")
         return "\n".join(lines)
+
+    def _stage_lines(self) -> list[str]:
+        """How the stages were cut (truthfully), then one line per stage."""
+        g = self.grid
+        total = sum(st.flops for st in self.stages) or 1.0
+        slowest = max(self.stages, key=lambda st: st.seconds)
+        count = (f"{len(self.stages)} = pipeline {g.pipeline} × virtual {g.virtual}"
+                 if g.virtual > 1 else f"{len(self.stages)}")  # fmt: skip
+        if self.stage_boundaries is not None:
+            how = f"cut where stages={list(self.stage_boundaries)} says"
+        else:
+            how = "cut for the fastest slowest stage: compute + boundary transfer"
+        rates = f" at {self.stage_costs.describe()}" if self.stage_costs else ""
+        lines = [f"pipeline stages ({count}, {how}; slowest: stage {slowest.index}, "
+                 f"{format_seconds(slowest.seconds)} per microbatch{rates}"
+                 + (f"; stage s runs on pipeline rank s mod {g.pipeline}" if g.virtual > 1 else "")
+                 + "):"]  # fmt: skip
+        for st in self.stages:
+            rank = f" (rank {g.pipeline_rank(st.index)})" if g.virtual > 1 else ""
+            lines.append(
+                f"  stage {st.index}{rank}: {len(st.params)} params ({st.param_bytes:,} B), "
+                f"{st.flops / total:.1%} of FLOPs, {format_seconds(st.seconds)} (compute "
+                f"{format_seconds(st.compute_seconds)} + transfers {format_seconds(st.transfer_seconds)}), "
+                f"sends {st.send_bytes:,} B/batch; {_span(st.params)}"
+            )
+        return lines
 
     def _role_counts(self) -> str:
         """``normal 4 (1,024 B/device), ...``: trainable parameters by role, then model state."""

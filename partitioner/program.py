@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from axonn_jax.partitioner.balance import StageCosts
 from axonn_jax.partitioner.flows import StageFlow, stage_flows, variable_layouts
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, output_layout
@@ -36,13 +37,19 @@ from axonn_jax.partitioner.trace import TracedModel, abstract, call_leaves, inli
 
 @dataclasses.dataclass(frozen=True)
 class PlanOptions:
-    """How to plan (the options of :func:`axonn_jax.partition` that shape the layout)."""
+    """How to plan (the options of :func:`axonn_jax.partition` that shape the layout).
+
+    ``stage_costs``: the rates pipeline stages are priced with when cut
+    automatically (:class:`~axonn_jax.partitioner.balance.StageCosts`; a
+    machine profile's ``stage_costs(grid)``).
+    """
 
     strict: bool = False
     rules: Mapping[str, Sequence] = dataclasses.field(default_factory=dict)
     replicate: tuple[str, ...] = ()
     stages: tuple[str, ...] | None = None
     scatter_batch: bool = True
+    stage_costs: StageCosts = StageCosts()
 
     def layout_options(self) -> dict[str, Any]:
         return dict(strict=self.strict, rules=dict(self.rules), replicate=tuple(self.replicate),
@@ -101,9 +108,10 @@ def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOpti
     traced = trace_model(model, *example_args, **example_kwargs)
     closed = inline_calls(traced.jaxpr)
     layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
-    jaxpr, stages, cuts = cut_stages(traced, closed.jaxpr, grid.stages, boundaries=options.stages,
-                                     where=f"{type(model).__name__} on {grid}")  # fmt: skip
-    plan = Plan.build(traced, grid, layouts, stages, cuts)
+    jaxpr, split, cuts = cut_stages(traced, closed.jaxpr, grid.stages, boundaries=options.stages,
+                                    costs=options.stage_costs, devices=grid.stage_size,
+                                    where=f"{type(model).__name__} on {grid}")  # fmt: skip
+    plan = Plan.build(traced, grid, layouts, split, cuts)
     return plan, _program(traced, with_cuts(closed, cuts), grid, plan, layouts)
 
 
@@ -138,7 +146,7 @@ def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: Plann
     targets = tuple(targets)
     per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args,
                                     scatter_batch=layouts.scatter_batch)  # fmt: skip
-    stages = plan.stages or plan_stages(traced, closed.jaxpr, 1)
+    stages = plan.stages or plan_stages(traced, closed.jaxpr, 1).stages
     flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets,
                         traced.state_outputs)  # fmt: skip
     return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,

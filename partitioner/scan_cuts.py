@@ -15,28 +15,30 @@ dim), the carry chaining the ranges and the ``ys`` concatenated back.
   lets :func:`~axonn_jax.partitioner.stages.plan_stages` balance the stages
   on that jaxpr, then splits the scans only where a stage boundary fell, so
   that each stage runs one scan over its range of layers, and returns the
-  stages re-indexed on the final jaxpr and the cuts (``Plan.scan_cuts``) that
-  :func:`split_scans` replays for other input shapes.
+  stage plan re-indexed on the final jaxpr and the cuts (``Plan.scan_cuts``)
+  that :func:`split_scans` replays for other input shapes.
 
 What a stage reads of a stacked parameter is the ``slice`` of its range (a
 parameter-like equation that travels with the parameter: each stage re-runs
 it; ``stages.param_like_producers``).
 
 Example:
-    >>> final, stages, cuts = cut_stages(traced, jaxpr, 2)      # doctest: +SKIP
+    >>> final, split, cuts = cut_stages(traced, jaxpr, 2)       # doctest: +SKIP
     >>> cuts                                                    # doctest: +SKIP
     ((3, (2,)),)          # the scan at equation 3 cut after its 2nd iteration
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 from jax import lax
 from jax.extend import core as jex_core
 
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.stages import param_origins, plan_stages, stages_at
+from axonn_jax.partitioner.balance import StageCosts
+from axonn_jax.partitioner.stages import StagePlan, param_origins, plan_stages, stages_at
 
 #: (equation index of a scan in the inlined jaxpr, iterations where a new range starts)
 ScanCuts = tuple[tuple[int, tuple[int, ...]], ...]
@@ -124,23 +126,23 @@ def _eqn(invars, outvars, primitive, params, like):
                                   like.source_info, like.ctx)  # fmt: skip
 
 
-def cut_stages(traced, jaxpr, num_stages: int, **options):
+def cut_stages(traced, jaxpr, num_stages: int, **options) -> tuple[object, StagePlan, ScanCuts]:
     """Stages of ``jaxpr`` that may cut scans over stacked layers between iterations.
 
     The stage planner (:func:`~axonn_jax.partitioner.stages.plan_stages`,
     given ``options``) sees each such scan split at every iteration, so every
-    layer boundary is a candidate and each range costs its layers' FLOPs.
-    Returns ``(jaxpr, stages, cuts)``:
-    the jaxpr with the scans split only where a stage boundary fell, the
-    stages on it, and the :data:`ScanCuts` that rebuild it.
+    layer boundary is a candidate and each range costs its layers' time.
+    Returns ``(jaxpr, split, cuts)``: the jaxpr with the scans split only where
+    a stage boundary fell, the :class:`~axonn_jax.partitioner.stages.StagePlan`
+    on it, and the :data:`ScanCuts` that rebuild it.
     """
     scans = stacked_scans(jaxpr, traced.num_params) if num_stages > 1 else []
     if not scans:
         return jaxpr, plan_stages(traced, jaxpr, num_stages, **options), ()
     every = {k: tuple(range(1, jaxpr.eqns[k].params["length"])) for k in scans}
     unrolled, origins = split_scans(jaxpr, every)
-    stages = plan_stages(traced, unrolled, num_stages, **options)
-    starts = [origins[st.start] for st in stages[1:]]  # where each later stage begins
+    split = plan_stages(traced, unrolled, num_stages, **options)
+    starts = [origins[st.start] for st in split.stages[1:]]  # where each later stage begins
     chosen: dict[int, list[int]] = {}
     for k, role, a, b in starts:
         if role in ("slice", "piece"):  # a range ends there: reverse scans run downwards
@@ -150,7 +152,9 @@ def cut_stages(traced, jaxpr, num_stages: int, **options):
     cuts = tuple((k, tuple(sorted(set(v)))) for k, v in sorted(chosen.items()))
     final, final_origins = split_scans(jaxpr, dict(cuts))
     starts = [_first_of(start, final_origins) for start in starts]
-    return final, stages_at(traced, final, [k - 1 for k in starts]), cuts
+    stages = stages_at(traced, final, [k - 1 for k in starts], options.get("costs") or StageCosts(),
+                       options.get("devices", 1))  # fmt: skip
+    return final, dataclasses.replace(split, stages=stages), cuts
 
 
 def _first_of(start: Origin, origins: list[Origin]) -> int:

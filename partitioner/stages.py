@@ -1,17 +1,25 @@
-"""Pipeline stages: contiguous ranges of the model's equations, balanced by DP. Pure.
+"""Pipeline stages: contiguous ranges of the model's equations, cut where the slowest is fastest. Pure.
 
-A stage boundary may only fall where few activation bytes cross it (within
-25% of the minimum over the model: the residual stream between blocks, not
-the middle of an attention), so stages send one compact message per
-microbatch. Among those boundaries, dynamic programming picks the split that
-minimises the most expensive stage (FLOPs; ties broken by the largest
-message), not a uniform split by layer count. With virtual (interleaved)
-stages the same DP cuts ``pipeline·virtual`` stages; which rank runs each is
-the grid's business (:meth:`~axonn_jax.partitioner.grid.Grid.pipeline_rank`).
+:func:`cut_points` lists where the model can be cut: one place between each
+two consecutive equations that use parameters (so every stage holds
+parameters) — there, the boundary where the fewest activation bytes cross —
+each with the compute before it and the bytes crossing it. No boundary is
+filtered out by its size: :func:`~axonn_jax.partitioner.balance.choose_cuts`
+prices every stage as its compute plus its boundary transfers (a machine
+profile's rates, :class:`~axonn_jax.partitioner.balance.StageCosts`) and picks
+the cuts that make the slowest stage fastest, so a cut through the middle of
+an attention costs the bytes it would send. With virtual (interleaved)
+stages the same choice cuts ``pipeline·virtual`` stages; which rank runs each
+is the grid's business (:meth:`~axonn_jax.partitioner.grid.Grid.pipeline_rank`).
+
+``stages=[regex, ...]`` (explicit boundaries) cut right before the first
+equation that uses a matching parameter, or are refused with the reason.
+Updated model state (BatchNorm statistics) never travels between stages (it
+stays on the stage that computes it), so it is not counted as crossing.
 
 Example:
-    >>> stages = plan_stages(traced, jaxpr, 2)                 # doctest: +SKIP
-    >>> [s.params[:2] for s in stages]                         # doctest: +SKIP
+    >>> split = plan_stages(traced, jaxpr, 2)                  # doctest: +SKIP
+    >>> [s.params[:2] for s in split.stages]                   # doctest: +SKIP
     [('block_0/...', ...), ('block_2/...', ...)]
 """
 
@@ -22,19 +30,22 @@ import math
 import re
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.flops import nested_flops
-from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
-
-#: boundaries whose crossing bytes are within this factor of the minimum are candidates
-SLACK = 1.25
+from axonn_jax.partitioner.balance import CutPoint, StageCosts, choose_cuts, stage_times
+from axonn_jax.partitioner.flops import equation_flops
 
 
 @dataclasses.dataclass(frozen=True)
 class Stage:
-    """One pipeline stage: equations ``[start, stop)`` of the inlined jaxpr."""
+    """One pipeline stage: equations ``[start, stop)`` of the inlined jaxpr.
+
+    ``compute_seconds`` and ``transfer_seconds`` are the modelled time of one
+    microbatch's forward and backward on one of the stage's devices
+    (:mod:`~axonn_jax.partitioner.balance`).
+    """
 
     index: int
     start: int
@@ -43,28 +54,27 @@ class Stage:
     param_bytes: int
     params: tuple[str, ...]
     send_bytes: int  # activation bytes sent to the next stage per batch (0 for the last)
+    compute_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_seconds + self.transfer_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """The stages and how they were cut: by ``costs`` (``boundaries`` None) or by ``stages=``."""
+
+    stages: tuple[Stage, ...]
+    costs: StageCosts
+    boundaries: tuple[str, ...] | None = None
+    notes: tuple[str, ...] = ()
 
 
 def _nbytes(var) -> int:
     aval = var.aval
     return int(math.prod(aval.shape)) * aval.dtype.itemsize  # PRNG key dtypes too
-
-
-def equation_flops(eqn) -> float:
-    """Forward FLOPs of one equation (matmuls and convolutions exact, others 1/element)."""
-    out = math.prod(R.shape_of(eqn.outvars[0])) if eqn.outvars else 0
-    name = eqn.primitive.name
-    if name in CONTROL_FLOW:  # its bodies, times the iterations (a range of a scan of layers)
-        return float(nested_flops(eqn))
-    if name == "dot_general":
-        (lc, _), _ = eqn.params["dimension_numbers"]
-        lhs = R.shape_of(eqn.invars[0])
-        return 2.0 * out * math.prod(lhs[d] for d in lc)
-    if name == "conv_general_dilated":
-        rhs = R.shape_of(eqn.invars[1])
-        out_features = rhs[eqn.params["dimension_numbers"].rhs_spec[0]]
-        return 2.0 * out * math.prod(rhs) / max(out_features, 1)
-    return float(out)
 
 
 def param_origins(jaxpr, num_params: int) -> dict:
@@ -119,8 +129,15 @@ def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
     return users
 
 
-def crossing_bytes(jaxpr, num_params: int) -> np.ndarray:
-    """Bytes of activations alive across the boundary after each equation."""
+def crossing_bytes(jaxpr, num_params: int, state_outputs: Sequence[tuple[int, int]] = (),
+                   *, floating: bool = False) -> np.ndarray:  # fmt: skip
+    """Bytes of activations alive across the boundary after each equation.
+
+    Parameters and their cast chains do not cross (each stage re-runs them),
+    nor do the model outputs at ``state_outputs`` positions (updated model
+    state stays on the stage computing it). ``floating=True`` counts only
+    floating values: those whose gradients cross back in the backward pass.
+    """
     n = len(jaxpr.eqns)
     param_like = set(param_like_producers(jaxpr, num_params))
     param_like.update(jaxpr.invars[:num_params], jaxpr.constvars)
@@ -134,18 +151,46 @@ def crossing_bytes(jaxpr, num_params: int) -> np.ndarray:
             last_use[v] = k
         for v in eqn.outvars:
             defined[v] = k
-    for v in jaxpr.outvars:
-        if not R.is_literal(v):
+    state = {k for k, _ in state_outputs}
+    for k, v in enumerate(jaxpr.outvars):
+        if not R.is_literal(v) and k not in state:
             last_use[v] = n
     diff = np.zeros(n + 1, dtype=np.int64)
     for v, start in defined.items():
         end = last_use.get(v)
         if end is None or v in param_like or end <= max(start, 0):
             continue
+        if floating and not jnp.issubdtype(v.aval.dtype, jnp.inexact):
+            continue
         lo = max(start, 0)
         diff[lo] += _nbytes(v)
         diff[end] -= _nbytes(v)
     return np.cumsum(diff)[:n]
+
+
+def cut_points(jaxpr, num_params: int, flops: np.ndarray, seconds: np.ndarray,
+               state_outputs: Sequence[tuple[int, int]] = ()) -> list[CutPoint]:  # fmt: skip
+    """Where the inlined ``jaxpr`` can be cut, in model order, with what each cut costs.
+
+    One point between each two consecutive equations that use parameters
+    (through their cast chains): the boundary there with the fewest crossing
+    bytes (the earliest on ties). ``flops`` and ``seconds`` hold each
+    equation's forward FLOPs (:func:`~axonn_jax.partitioner.flops.equation_flops`)
+    and compute time
+    (:meth:`~axonn_jax.partitioner.balance.StageCosts.equation_seconds`).
+    """
+    users = _param_consumers(jaxpr, num_params)
+    used = sorted({k for ks in users.values() for k in ks})
+    crossing = crossing_bytes(jaxpr, num_params, state_outputs)
+    floating = crossing_bytes(jaxpr, num_params, state_outputs, floating=True)
+    flops_before = np.concatenate([[0.0], np.cumsum(flops)])
+    seconds_before = np.concatenate([[0.0], np.cumsum(seconds)])
+    points = []
+    for a, b in zip(used, used[1:]):
+        k = a + int(np.argmin(crossing[a:b]))
+        points.append(CutPoint(k, float(seconds_before[k + 1]), float(flops_before[k + 1]),
+                               int(crossing[k]), int(floating[k])))  # fmt: skip
+    return points
 
 
 def plan_stages(
@@ -154,122 +199,136 @@ def plan_stages(
     num_stages: int,
     *,
     boundaries: Sequence[str] | None = None,
+    costs: StageCosts = StageCosts(),
+    devices: int = 1,
     where: str = "",
-) -> tuple[Stage, ...]:
+) -> StagePlan:
     """Split the inlined ``jaxpr`` of ``traced`` into ``num_stages`` stages.
 
     Args:
         boundaries: optional ``num_stages - 1`` parameter-path regexes; stage
-            k+1 starts at the last candidate boundary before the first use of a
-            parameter matching ``boundaries[k]``.
+            k+1 starts right before the first equation that uses a parameter
+            matching ``boundaries[k]``.
+        costs: the rates stages are priced with (:mod:`~axonn_jax.partitioner.balance`).
+        devices: devices of one stage (``grid.stage_size``): its work and its
+            messages are split over them.
         where: what is being split, for error messages (e.g. ``"GPT on
             Grid(..., pipeline=2, virtual=2)"``).
     """
     n_params = traced.num_params
     eqns = jaxpr.eqns
     flops = np.array([equation_flops(e) for e in eqns], dtype=np.float64)
+    seconds = np.array([costs.equation_seconds(e, devices) for e in eqns], dtype=np.float64)
     users = _param_consumers(jaxpr, n_params)
-    crossing = crossing_bytes(jaxpr, n_params)
+    points = cut_points(jaxpr, n_params, flops, seconds, traced.state_outputs)
     if num_stages == 1:
-        cuts: list[int] = []
-    else:
-        candidates = _candidates(crossing, users)
-        if boundaries is not None:
-            cuts = _explicit_cuts(traced, users, candidates, boundaries, num_stages, where)
-        else:
-            cuts = _balanced_cuts(flops, crossing, candidates, num_stages, where)
-    return _stages(traced, eqns, flops, users, crossing, cuts)
-
-
-def stages_at(traced, jaxpr, cuts: Sequence[int]) -> tuple[Stage, ...]:
-    """The stages of ``jaxpr`` cut after each equation index in ``cuts`` (no balancing)."""
-    eqns = jaxpr.eqns
-    flops = np.array([equation_flops(e) for e in eqns], dtype=np.float64)
-    users = _param_consumers(jaxpr, traced.num_params)
-    return _stages(traced, eqns, flops, users, crossing_bytes(jaxpr, traced.num_params), list(cuts))
-
-
-def _candidates(crossing: np.ndarray, users) -> list[int]:
-    """Boundaries (after equation b) where the model may be cut.
-
-    Within 25% of the smallest crossing inside the parametrised region, and
-    at most one (the smallest; the earliest on ties) between two consecutive
-    equations that use parameters, so every stage holds parameters.
-    """
-    used = sorted({k for ks in users.values() for k in ks})
-    if len(used) < 2:
-        return []
-    floor = crossing[used[0] : used[-1]].min()
-    chosen = []
-    for a, b in zip(used, used[1:]):
-        gap = [k for k in range(a, b) if crossing[k] <= SLACK * floor]
-        if gap:
-            chosen.append(min(gap, key=lambda k: (crossing[k], k)))
-    return chosen
-
-
-def _balanced_cuts(flops, crossing, candidates: list[int], num_stages: int,
-                   where: str = "") -> list[int]:  # fmt: skip
-    if len(candidates) < num_stages - 1:
+        return StagePlan(_stages(traced, flops, seconds, users, [], costs, devices), costs)
+    if boundaries is not None:
+        cuts = _explicit_cuts(traced, users, points, boundaries, num_stages, where)
+        return StagePlan(_stages(traced, flops, seconds, users, cuts, costs, devices), costs, tuple(boundaries))
+    if len(points) < num_stages - 1:
         raise ValueError(
-            f"{where + ': ' if where else ''}the model has {len(candidates)} layer boundaries "
+            f"{where + ': ' if where else ''}the model has {len(points)} layer boundaries "
             f"where it can be cut, fewer than the {num_stages - 1} needed for {num_stages} "
-            f"pipeline stages (pipeline × virtual). Remedy: at most {len(candidates) + 1} "
+            f"pipeline stages (pipeline × virtual). Remedy: at most {len(points) + 1} "
             "stages (fewer virtual stages per rank, or a smaller pipeline), or a deeper model."
         )
-    prefix = np.concatenate([[0.0], np.cumsum(flops)])
-    ends = candidates + [len(flops) - 1]  # stage j ends after equation ends[j]
-
-    def cost(a: int, b: int) -> float:  # equations (a, b]
-        return prefix[b + 1] - prefix[a + 1]
-
-    # best[s][j]: (max stage cost, max message) for s+1 stages ending at ends[j]
-    inf = (math.inf, math.inf)
-    best = [[inf] * len(ends) for _ in range(num_stages)]
-    back = [[-1] * len(ends) for _ in range(num_stages)]
-    for j, e in enumerate(ends):
-        best[0][j] = (cost(-1, e), 0)
-    for s in range(1, num_stages):
-        for j, e in enumerate(ends):
-            for i in range(j):
-                prev = best[s - 1][i]
-                if prev == inf:
-                    continue
-                cand = (max(prev[0], cost(ends[i], e)), max(prev[1], int(crossing[ends[i]])))
-                if cand < best[s][j]:
-                    best[s][j], back[s][j] = cand, i
-    cuts, j = [], len(ends) - 1
-    for s in range(num_stages - 1, 0, -1):
-        j = back[s][j]
-        cuts.append(ends[j])
-    return sorted(cuts)
+    cuts = choose_cuts(points, float(seconds.sum()), num_stages, costs, devices,
+                       total_flops=float(flops.sum()))  # fmt: skip
+    stages = _stages(traced, flops, seconds, users, cuts, costs, devices)
+    by_flops = choose_cuts([dataclasses.replace(p, seconds_before=p.flops_before) for p in points],
+                           float(flops.sum()), num_stages,
+                           dataclasses.replace(costs, link_gbps=math.inf, latency_us=0.0))  # fmt: skip
+    return StagePlan(stages, costs, None, _uneven_note(stages, by_flops, float(flops.sum()), costs))
 
 
-def _explicit_cuts(traced, users, candidates, boundaries, num_stages, where="") -> list[int]:
+def stages_at(traced, jaxpr, cuts: Sequence[int], costs: StageCosts = StageCosts(),
+              devices: int = 1) -> tuple[Stage, ...]:  # fmt: skip
+    """The stages of ``jaxpr`` cut after each equation index in ``cuts`` (no balancing),
+    priced like :func:`plan_stages` prices its own."""
+    n_params = traced.num_params
+    flops = np.array([equation_flops(e) for e in jaxpr.eqns], dtype=np.float64)
+    seconds = np.array([costs.equation_seconds(e, devices) for e in jaxpr.eqns], dtype=np.float64)
+    crossing = crossing_bytes(jaxpr, n_params, traced.state_outputs)
+    floating = crossing_bytes(jaxpr, n_params, traced.state_outputs, floating=True)
+    points = [CutPoint(k, float(seconds[: k + 1].sum()), float(flops[: k + 1].sum()), int(crossing[k]),
+                       int(floating[k])) for k in cuts]  # fmt: skip
+    return _stages(traced, flops, seconds, _param_consumers(jaxpr, n_params), points, costs, devices)
+
+
+def _uneven_note(stages: tuple[Stage, ...], by_flops: list[CutPoint], total: float,
+                 costs: StageCosts) -> tuple[str, ...]:  # fmt: skip
+    """A note when the modelled times, not the FLOPs, made the stages uneven (small or narrow models)."""
+    heaviest = max(s.flops for s in stages) / max(total, 1.0)
+    bounds = [0.0, *(p.flops_before for p in by_flops), total]
+    possible = max(b - a for a, b in zip(bounds, bounds[1:])) / max(total, 1.0)
+    if heaviest <= 1.1 * possible:
+        return ()
+    sender = max(stages, key=lambda s: s.transfer_seconds)
+    return (
+        f"pipeline stages: the heaviest stage has {heaviest:.0%} of the FLOPs where cutting by "
+        f"FLOPs alone gives {possible:.0%}: the cuts minimise the slowest stage's modelled time "
+        f"on {costs.name} — compute with at least {costs.kernel_us:g} µs per matmul, plus "
+        f"boundary transfers (up to {format_seconds(sender.transfer_seconds)} of stage "
+        f"{sender.index}'s {format_seconds(sender.seconds)} per microbatch). Remedy: if that is "
+        "not your machine, partition(..., machine=<its profile>); or explicit stages=[...]; "
+        "or fewer pipeline stages.",
+    )
+
+
+def format_seconds(seconds: float) -> str:
+    """``12.3 µs``, ``4.56 ms``, ``1.2 s``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
+
+
+def _explicit_cuts(traced, users, points: list[CutPoint], boundaries, num_stages,
+                   where: str = "") -> list[CutPoint]:  # fmt: skip
+    """Stage k+1 starts at the cut point right before the first use of ``boundaries[k]``."""
+    on = f"{where}: " if where else ""
     if len(boundaries) != num_stages - 1:
         raise ValueError(
-            f"{where + ': ' if where else ''}stages= gives {len(boundaries)} boundaries for "
-            f"{num_stages} pipeline stages (pipeline × virtual); it needs {num_stages - 1} "
-            "(one parameter-path pattern per stage after the first)."
+            f"{on}stages= gives {len(boundaries)} boundaries for {num_stages} pipeline stages "
+            f"(pipeline × virtual); it needs {num_stages - 1} (one parameter-path pattern per "
+            "stage after the first)."
         )
-    cuts = []
-    for pattern in boundaries:
-        firsts = [min(users[i]) for i, path in enumerate(traced.param_paths)
-                  if re.search(pattern, path) and users[i]]  # fmt: skip
-        if not firsts:
+    cuts: list[CutPoint] = []
+    for k, pattern in enumerate(boundaries):
+        matched = [(min(users[i]), path) for i, path in enumerate(traced.param_paths)
+                   if re.search(pattern, path) and users[i]]  # fmt: skip
+        if not matched:
             raise ValueError(
-                f"stage boundary {pattern!r} matches no parameter used by the model; "
-                f"parameters are e.g. {list(traced.param_paths[:5])}"
+                f"{on}stage boundary {pattern!r} (stages[{k}]) matches no parameter used by the "
+                f"model; parameters are e.g. {list(traced.param_paths[:5])}. Remedy: a regex "
+                "of the path of the first parameter of the stage it starts."
             )
-        before = [b for b in candidates if b < min(firsts)] or [min(firsts) - 1]
-        cuts.append(before[-1])
-    if cuts != sorted(set(cuts)):
-        raise ValueError(f"stage boundaries {list(boundaries)} are not in model order")
+        first, path = min(matched)
+        before = [p for p in points if p.after < first]
+        if not before:
+            raise ValueError(
+                f"{on}stage boundary {pattern!r} (stages[{k}]) would start stage {k + 1} at "
+                f"{path!r}, the first parameter the model uses, leaving stage {k} empty. "
+                "Remedy: a pattern matching a later layer's parameters."
+            )
+        cut = before[-1]
+        if cuts and cut.after <= cuts[-1].after:
+            raise ValueError(
+                f"{on}stage boundaries {list(boundaries)} are not in model order: "
+                f"{pattern!r} (stages[{k}]) starts at {path!r}, which the model uses before "
+                f"(or right where) {boundaries[k - 1]!r} (stages[{k - 1}]) starts stage {k}. "
+                "Remedy: list the boundaries in the order the model runs them, one per layer."
+            )
+        cuts.append(cut)
     return cuts
 
 
-def _stages(traced, eqns, flops, users, crossing, cuts) -> tuple[Stage, ...]:
-    bounds = [-1] + list(cuts) + [len(eqns) - 1]
+def _stages(traced, flops, seconds, users, cuts: list[CutPoint], costs: StageCosts,
+            devices: int) -> tuple[Stage, ...]:  # fmt: skip
+    bounds = [-1, *(c.after for c in cuts), len(flops) - 1]
+    times = stage_times(cuts, float(seconds.sum()), costs, devices)
+    sends = [c.send_bytes for c in cuts] + [0]
     stages = []
     for s in range(len(bounds) - 1):
         start, stop = bounds[s] + 1, bounds[s + 1] + 1
@@ -281,7 +340,6 @@ def _stages(traced, eqns, flops, users, crossing, cuts) -> tuple[Stage, ...]:
             math.prod(traced.param_avals[i].shape) * np.dtype(traced.param_avals[i].dtype).itemsize
             for i, path in enumerate(traced.param_paths) if path in params
         )  # fmt: skip
-        send = int(crossing[bounds[s + 1]]) if s < len(bounds) - 2 else 0
         stages.append(Stage(s, start, stop, float(flops[start:stop].sum()), param_bytes,
-                            params, send))  # fmt: skip
+                            params, sends[s], *times[s]))  # fmt: skip
     return tuple(stages)

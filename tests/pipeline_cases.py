@@ -23,6 +23,7 @@ import os
 import pickle
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from partition_cases import adamw_trajectory
@@ -34,7 +35,7 @@ from axonn_jax.partitioner.trace import path_string
 SEQ, VOCAB, MB_ROWS = 16, 64, 4
 LR, STEPS = 1e-2, 5
 MICROBATCHES, TRAJECTORY_MICROBATCHES = (1, 4, 8), 4
-MODELS = ("gpt", "hf_gpt2")
+MODELS = ("gpt", "hf_gpt2", "mlp", "cnn", "encdec")
 
 
 @dataclasses.dataclass
@@ -49,8 +50,35 @@ def _tokens(rows: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, VOCAB, size=(rows, SEQ)).astype(np.int32)
 
 
+def _regression(rows: int, seed: int = 0, shape=(8,)) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, *shape)).astype(np.float32),
+            rng.standard_normal((rows, 10)).astype(np.float32))  # fmt: skip
+
+
 def build(name: str) -> Case:
-    """A 4-layer model (so that 4 stages each hold a block)."""
+    """A 4-layer model (so that 4 stages each hold a block); ``mlp``, ``cnn``, ``encdec``: the
+    other kinds whose automatic stages used to be 100/0 or refused (issue 26)."""
+    if name == "mlp":
+        from axonn_jax.models import MLP
+
+        return Case(MLP(features=(32, 32, 32, 32, 10)), lambda b: (b[0],),
+                    lambda out, b: jnp.mean((out - b[1]) ** 2),
+                    lambda m: _regression(m * MB_ROWS))  # fmt: skip
+    if name == "cnn":
+        from axonn_jax.models import CNN
+
+        return Case(CNN(channels=(4, 8), num_classes=10), lambda b: (b[0],),
+                    lambda out, b: jnp.mean((out - b[1]) ** 2),
+                    lambda m: _regression(m * MB_ROWS, shape=(8, 8, 1)))  # fmt: skip
+    if name == "encdec":
+        from axonn_jax.models import EncDecConfig, EncoderDecoder
+
+        config = EncDecConfig(vocab_size=VOCAB, num_encoder_layers=2, num_decoder_layers=2, hidden=32,
+                              num_heads=4, max_seq_len=SEQ)  # fmt: skip
+        return Case(EncoderDecoder(config), lambda b: (b[0], b[1][:, :-1]),
+                    lambda out, b: next_token_loss(out, b[1]),
+                    lambda m: (_tokens(m * MB_ROWS, seed=1), _tokens(m * MB_ROWS, seed=2)))  # fmt: skip
     if name == "gpt":
         config = GPTConfig(vocab_size=VOCAB, num_layers=4, hidden=32, num_heads=4, max_seq_len=SEQ)
         return Case(GPT(config), lambda t: (t,), lambda out, t: next_token_loss(out, t),

@@ -104,3 +104,23 @@ def test_in_flight_figures_in_the_docs_are_the_models():
         assert "min(m, p + 1)" in text and "Σ_c min(m, p·v + 1 − c·p) / v" in text, doc
         assert re.search(r"5 (at p=4, m=16 — )?and 7 at p=4", text), doc
         assert "min(m, p)`" not in text and "up to `pipeline`" not in text, doc
+
+
+def _table_after(text: str, heading: str) -> list[str]:
+    """The rows of the first markdown table after ``heading``."""
+    start = text.index(heading)
+    lines = text[start:].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
+    rows = []
+    for line in lines[first:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def test_stage_balance_table_is_that_of_the_latest_run():
+    results = (ROOT / "benchmarks" / "results" / "results.md").read_text()
+    pipeline = (ROOT / "docs" / "pipeline.md").read_text()
+    want = _table_after(results, "## Pipeline stage balance by model kind")
+    assert len(want) > 2 and _table_after(pipeline, "**Stage balance by model kind**") == want

@@ -32,6 +32,21 @@ def test_pipelined_equals_unpartitioned(model, grid, devices):
     assert not failures, "\n".join(failures)
 
 
+# automatic stages of the kinds that used to be cut 100/0 (or refused at pipeline=4): each
+# stage holds parameters, and the pipelined run equals the plain one (5 AdamW steps)
+NEW_CUTS = [("mlp", "pipeline=4,z=2"), ("cnn", "pipeline=2,x=2,z=2"), ("cnn", "pipeline=4,data=2"),
+            ("encdec", "pipeline=4,z=2")]  # fmt: skip
+
+
+@pytest.mark.parametrize("model,grid", NEW_CUTS)
+def test_pipelined_equals_unpartitioned_on_automatic_cuts(model, grid, devices):
+    case = build(model)
+    plan = axonn_jax.partition(case.model, axonn_jax.Grid.parse(grid), *case.inputs(case.batch(1))).plan
+    assert all(stage.params and stage.flops > 0 for stage in plan.stages), str(plan)
+    failures = run_case(model, axonn_jax.Grid.parse(grid), microbatches=(4,))
+    assert not failures, "\n".join(failures)
+
+
 def _pm(model="gpt", grid="pipeline=2,x=2,z=2"):
     case = build(model)
     return case, axonn_jax.partition(case.model, axonn_jax.Grid.parse(grid),

@@ -44,15 +44,16 @@ def test_bad_virtual_is_refused(kwargs, match):
 
 
 def test_too_few_cut_points_names_model_grid_and_remedy():
-    """The 4-block GPT has 12 cut points: 13 stages at most; 4 × 4 = 16 is refused."""
+    """The 4-block GPT has 68 cut points (one between each two parameter uses): 69 stages at
+    most; 8 × 10 = 80 is refused."""
     case = build("gpt")
-    grid = axonn_jax.Grid(pipeline=4, virtual=4, z=2)
+    grid = axonn_jax.Grid(pipeline=8, virtual=10)
     with pytest.raises(ValueError) as err:
         axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
     text = str(err.value)
-    assert f"GPT on {grid}" in text and "12 layer boundaries" in text
-    assert "15 needed for 16 pipeline stages" in text
-    assert "Remedy: at most 13 stages (fewer virtual stages per rank" in text
+    assert f"GPT on {grid}" in text and "68 layer boundaries" in text
+    assert "79 needed for 80 pipeline stages" in text
+    assert "Remedy: at most 69 stages (fewer virtual stages per rank" in text
     # explicit boundaries must give p·v − 1 patterns
     with pytest.raises(ValueError, match=r"GPT on .*stages= gives 1 boundaries for 4 pipeline stages"):
         axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2), *case.inputs(case.batch(1)),
@@ -62,13 +63,15 @@ def test_too_few_cut_points_names_model_grid_and_remedy():
 def test_plan_cuts_p_times_v_stages_balanced():
     case = build("gpt")
     example = case.inputs(case.batch(1))
-    plain = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=4, z=2), *example).plan
+    plain = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=4, z=2, x=2), *example).plan
     virtual = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2), *example).plan
-    # the same DP: p·v stages over the same equations as a pipeline of p·v ranks
+    # the same DP: p·v stages over the same equations as a pipeline of p·v ranks (stages of
+    # the same size: a stage's devices split its FLOPs, not its kernels' least times)
     assert [(s.start, s.stop) for s in virtual.stages] == [(s.start, s.stop) for s in plain.stages]
     text = str(virtual)
-    assert "pipeline stages (4 = pipeline 2 × virtual 2, balanced by FLOPs; stage s runs on " \
-           "pipeline rank s mod 2)" in text  # fmt: skip
+    assert "pipeline stages (4 = pipeline 2 × virtual 2, cut for the fastest slowest stage: " \
+           "compute + boundary transfer; slowest: stage " in text  # fmt: skip
+    assert "; stage s runs on pipeline rank s mod 2):" in text
     for s in range(4):
         assert f"  stage {s} (rank {s % 2}): " in text
 

@@ -27,6 +27,8 @@ import math
 import os
 from collections.abc import Mapping
 
+from axonn_jax.partitioner.balance import StageCosts
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -106,6 +108,19 @@ class Machine:
     def flops_per_second(self) -> float:
         """What the model assumes compute reaches: peak × efficiency."""
         return self.peak_tflops * 1e12 * self.efficiency
+
+    def stage_costs(self, stage_size: int = 1) -> StageCosts:
+        """The rates pipeline stages of ``stage_size`` devices are cut with (the planner's terms).
+
+        The link between two stages is the pipeline group of the performance
+        model (:func:`~axonn_jax.perf.comm.group_of`): ``bandwidth(stage_size, 2)``.
+
+        >>> get("perlmutter").stage_costs(4).link_gbps   # a stage fills a node: eq. 7
+        20.0
+        """
+        return StageCosts(name=self.name, tflops=self.flops_per_second / 1e12,
+                          link_gbps=self.bandwidth(stage_size, 2),
+                          latency_us=self.latency(stage_size, 2) * 1e6)  # fmt: skip
 
     def with_efficiency(self, efficiency: float) -> Machine:
         return dataclasses.replace(self, efficiency=efficiency)

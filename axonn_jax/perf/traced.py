@@ -38,7 +38,8 @@ from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.flows import variable_layouts
 from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
-from axonn_jax.partitioner.stages import equation_flops, param_origins
+from axonn_jax.partitioner.flops import equation_flops
+from axonn_jax.partitioner.stages import param_origins
 from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
 
 _NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
