@@ -5,6 +5,9 @@ bodies count their local shapes, so a partitioned step gives per-device
 FLOPs): a matmul is ``2 · output elements · contracted size``, a convolution
 ``2 · output elements · window · input channels per group``, any other
 equation one FLOP per output element (data movement and collectives: none).
+Random bits count one FLOP per bit drawn, on both sides alike: the plain
+model's ``random_bits`` and the runtime's block of them (the call named
+:data:`RANDOM_BITS_CALL`, whose index arithmetic is not counted apart).
 Control flow is counted once per iteration it names (``scan`` length), and
 ``cond`` by its most expensive branch.
 
@@ -32,7 +35,9 @@ _FREE = frozenset("""reshape transpose broadcast_in_dim squeeze expand_dims slic
     iota select_n stack tile split rev bitcast_convert_type stop_gradient sharding_constraint
     pvary pcast mesh_cast all_gather all_gather_invariant psum psum_invariant pmax pmin
     reduce_scatter all_to_all ppermute axis_index optimization_barrier axonn_barrier random_wrap
-    random_unwrap random_bits random_seed random_fold_in random_split threefry2x32""".split())
+    random_unwrap random_seed random_fold_in random_split threefry2x32""".split())
+#: the name of the call in which the runtime draws a block of random bits (counted as bits)
+RANDOM_BITS_CALL = "axonn_random_bits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +63,10 @@ def count(closed_jaxpr) -> Flops:
 def _walk(jaxpr, times: int, lines: Counter) -> None:
     for eqn in jaxpr.eqns:
         subs = _subjaxprs(eqn)
+        if eqn.params.get("name") == RANDOM_BITS_CALL:  # this device's block of random_bits
+            bits = sum(math.prod(v.aval.shape) for v in eqn.outvars)
+            lines[f"{user_line(eqn.source_info) or '?'} random_bits"] += bits * times
+            continue
         if subs:
             name = eqn.primitive.name
             if name == "cond":

@@ -19,6 +19,7 @@ always exact, possibly slow, and listed as a warning in the plan.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
@@ -87,10 +88,14 @@ NEEDS_WHOLE_AXIS = {
 class Context:
     """Grid and options the rules consult."""
 
-    def __init__(self, grid: Grid, *, scatter_batch: bool = True):
+    def __init__(self, grid: Grid, *, scatter_batch: bool = True,
+                 random_layouts: Mapping[Any, Layout] | None = None):  # fmt: skip
         self.grid = grid
         #: reduce-scatter layer outputs onto the batch dim (see _scatter_onto_batch)
         self.scatter_batch = scatter_batch
+        #: the layout of each ``random_bits`` output (keyed by its jaxpr variable): that of
+        #: the activation the bits mask, as the planner found it (propagation._Walk)
+        self.random_layouts = dict(random_layouts or {})
 
     def local(self, shape, layout: Layout) -> tuple[int, ...]:
         return local_shape(shape, layout, self.grid)
@@ -333,19 +338,24 @@ def random_keys(eqn, layouts, ctx) -> Step:
 
 
 def random_bits(eqn, layouts, ctx) -> Step:
-    """Random bits: each device draws only its shard (dim 0 split over the batch axes).
+    """Random bits: each device draws only its block, split like the activation they mask.
 
-    With JAX's partitionable threefry a bit depends on the key and its global
-    index only, so the runtime (:mod:`axonn_jax.runtime.random_bits`) draws
-    exactly the plain model's bits for the local block.
+    The layout is the planner's (``ctx.random_layouts``: the activation the bits
+    meet first, every split dim included); without one, dim 0 is split over the
+    batch axes. With JAX's partitionable threefry a bit depends on the key and
+    its global index only, so the runtime (:mod:`axonn_jax.runtime.random_bits`)
+    draws exactly the plain model's bits for the local block.
     """
     shape = tuple(eqn.params["shape"])
     key_ndim = len(shape_of(eqn.invars[0]))
     out = [()] * (key_ndim + len(shape))
-    live = any(ctx.grid.axis_size(a) > 1 for a in BATCH_AXES)
-    if key_ndim == 0 and shape and live and divides(shape[0], BATCH_AXES, ctx.grid):
+    if key_ndim == 0 and eqn.outvars[0] in ctx.random_layouts:
+        out = list(ctx.random_layouts[eqn.outvars[0]])
+    elif key_ndim == 0 and shape and divides(shape[0], BATCH_AXES, ctx.grid):
         out[0] = BATCH_AXES
-    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params), local="random_bits")
+    live = any(ctx.grid.axis_size(a) > 1 for a in used_axes(tuple(out)))
+    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params),
+                local="random_bits" if live else "")  # fmt: skip
 
 
 def bitcast_convert_type(eqn, layouts, ctx) -> Step:
