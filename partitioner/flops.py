@@ -3,8 +3,9 @@
 Counts what the equations compute, walking into sub-jaxprs (``shard_map``
 bodies count their local shapes, so a partitioned step gives per-device
 FLOPs): a matmul is ``2 · output elements · contracted size``, a convolution
-``2 · output elements · window · input channels per group``, any other
-equation one FLOP per output element (data movement and collectives: none).
+``2 · output elements · window · input channels per group``, a scatter-add
+one per update it adds, any other equation one FLOP per output element (data
+movement and collectives: none).
 Random bits count one FLOP per bit drawn, on both sides alike: the plain
 model's ``random_bits`` and the runtime's block of them (the call named
 :data:`RANDOM_BITS_CALL`, whose index arithmetic is not counted apart).
@@ -98,6 +99,8 @@ def equation_flops(eqn) -> int:
         in_features = rhs[dn.rhs_spec[1]]
         window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
         return 2 * out * in_features * window
+    if name in ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"):
+        return math.prod(getattr(eqn.invars[2].aval, "shape", ()))  # one per update combined
     if name.startswith("reduce_") and eqn.invars:
         return math.prod(getattr(eqn.invars[0].aval, "shape", ()))
     return out

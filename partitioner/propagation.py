@@ -36,6 +36,7 @@ from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, us
 from axonn_jax.partitioner.masks import MaskTracker
 from axonn_jax.partitioner.pointwise import replaced_rules
 from axonn_jax.partitioner.roles import DEPTH_SPLIT_PRIMITIVES, ParamRole
+from axonn_jax.partitioner.stacking import stacking_dims
 from axonn_jax.partitioner.trace import TracedModel, inline_calls, user_line
 
 
@@ -113,8 +114,9 @@ def plan_layouts(
     forced = _forced_layouts(traced, grid, rules or {}, replicate)
     hints: dict[int, Layout] = {}
     random: dict = {}  # random_bits output -> the layout of the activation its mask meets
+    stacked = stacking_dims(jaxpr)
     for _ in range(4):
-        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch, random)
+        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch, random, stacked)
         walk.run()
         new_hints = {p: h for p, h in walk.hints.items() if p not in forced and p not in hints}
         new_random = {k: v for k, v in walk.masks.found.items() if random.get(k) != v}
@@ -165,9 +167,10 @@ def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:
 class _Walk:
     """One pass over the jaxpr with layouts only."""
 
-    def __init__(self, traced, jaxpr, grid, strict, predecided, scatter_batch=True, random=None):
+    def __init__(self, traced, jaxpr, grid, strict, predecided, scatter_batch=True, random=None,
+                 stacked=None):  # fmt: skip
         self.traced, self.jaxpr, self.grid, self.strict = traced, jaxpr, grid, strict
-        self.ctx = R.Context(grid, scatter_batch=scatter_batch, random_layouts=random)
+        self.ctx = R.Context(grid, scatter_batch=scatter_batch, random_layouts=random, stacked=stacked)
         self.masks = MaskTracker(_pass_map)
         self.decided: dict[int, Layout] = dict(predecided)
         self.layout: dict = {}
@@ -406,6 +409,11 @@ def _pass_map(eqn, dim_map):
     if name == "squeeze":
         drop = {d % len(in_shape) for d in eqn.params["dimensions"]}
         return tuple(m for d, m in enumerate(dim_map) if d not in drop)
+    if name == "slice":  # one piece of a stacked parameter (Gemma's gating_einsum[0])
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        strides = eqn.params.get("strides") or (1,) * len(in_shape)
+        return tuple(m if (start[d], limit[d], strides[d]) == (0, in_shape[d], 1) else None
+                     for d, m in enumerate(dim_map))  # fmt: skip
     if name == "broadcast_in_dim":
         out = [None] * len(out_shape)
         for src, dst in enumerate(eqn.params["broadcast_dimensions"]):

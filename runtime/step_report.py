@@ -34,7 +34,7 @@ from axonn_jax.partitioner.grid import STAGE_AXES, Grid
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
-from axonn_jax.partitioner.trace import abstract, call_leaves, is_static
+from axonn_jax.partitioner.trace import abstract, bound_axis_names, call_leaves, is_static
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.sharded import apply_program
 
@@ -127,7 +127,8 @@ def step_report(plan: Plan, programs: Callable[[tuple, dict], Program], *args,
         gathered_weights=saved.weights,
     )  # fmt: skip
     communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
-    plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
+    with bound_axis_names(program.traced.axis_names):  # the model's own pmean('batch') etc.
+        plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
     compute = ComputeReport(count(fwd) + count(bwd), count(plain_fwd) + count(plain_bwd), grid.size)
     return StepReport(plan, communication, memory, compute)
 
