@@ -391,6 +391,22 @@ def model_collective(eqn, layouts, ctx) -> Step:
     return Step(targets, outs, [()] * len(outs), dict(eqn.params), local="model_collective")
 
 
+#: collectives over a model's own axis names that have no rule (their axis parameter)
+OTHER_COLLECTIVES = {"all_to_all": "axis_name", "reduce_scatter": "axis_name"}
+
+
+def unsupported_collective(eqn, layouts, ctx) -> Step:
+    """Refuse a collective over the model's own axis that has no one-device meaning here."""
+    axes = eqn.params[OTHER_COLLECTIVES[eqn.primitive.name]]
+    raise ValueError(
+        f"the model calls {eqn.primitive.name} over its own axis {axes!r} (written for pmap or "
+        f"shard_map); on {ctx.grid} only psum/pmean/pmax/pmin/ppermute/all_gather/axis_index over "
+        "a model's own axes are planned (as on one device, over the whole batch). Remedy: write "
+        "the model for one device (the partitioner splits the batch itself), or use those "
+        "collectives."
+    )
+
+
 def bitcast_convert_type(eqn, layouts, ctx) -> Step:
     """Same-width bitcasts (random bits → floats) are elementwise; others change the rank."""
     if len(shape_of(eqn.invars[0])) == len(shape_of(eqn.outvars[0])):
@@ -471,12 +487,14 @@ def gather(eqn, layouts, ctx) -> Step:
 def _pair_batching_dims(op: Layout, idx: Layout, op_dims, idx_dims) -> tuple[Layout, Layout]:
     """Operand and index batching dims (``vmap``, ``take_along_axis``) split alike.
 
-    Each pair takes the indices' split, else the operand's: both sides then
-    hold the same block of the batch and look up locally.
+    Each pair takes the longer split when one extends the other (a batch
+    reduce-scattered further over a tensor axis), else the indices', else the
+    operand's: both sides then hold the same block of the batch and look up locally.
     """
     op, idx = list(op), list(idx)
     for o, i in zip(op_dims, idx_dims):
-        axes = idx[i] or op[o]
+        longer, shorter = sorted([op[o], idx[i]], key=len, reverse=True)
+        axes = longer if common_prefix(longer, shorter) == shorter else (idx[i] or op[o])
         if set(axes) & ({a for d, ax in enumerate(idx) if d != i for a in ax}
                         | {a for d, ax in enumerate(op) if d != o for a in ax}):  # fmt: skip
             axes = ()
@@ -853,6 +871,7 @@ _RULES = {
     "scatter-sub": scatter_add,  # linear alike: the operand once, minus every device's updates
     "scatter": scatter,
     **{name: model_collective for name in COLLECTIVE_AXES},
+    **{name: unsupported_collective for name in OTHER_COLLECTIVES},
     "split": split,
     "stack": stack,
     "tile": tile,

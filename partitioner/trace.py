@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from axonn_jax.partitioner.pointwise import body, keeps_whole
-from axonn_jax.partitioner.rules import COLLECTIVE_AXES
+from axonn_jax.partitioner.rules import COLLECTIVE_AXES, OTHER_COLLECTIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,12 +164,17 @@ def _trace(model, args, kwargs) -> TracedModel:
     )
 
 
-_UNBOUND = re.compile(r"unbound axis name: (.+?)\. ")
+_UNBOUND = re.compile(r"unbound axis name: (\S+?)\.?(?:\s|$)")
 
 
 def unbound_axis_name(err: Exception) -> str | None:
-    """The axis name of JAX's "unbound axis name" error, else None."""
-    found = _UNBOUND.search(str(err) + " ")
+    """The axis name of JAX's "unbound axis name" error, else None.
+
+    Example:
+        >>> unbound_axis_name(NameError("Found an unbound axis name: batch. To fix this, ..."))
+        'batch'
+    """
+    found = _UNBOUND.search(str(err))
     return found.group(1) if found else None
 
 
@@ -398,7 +403,7 @@ def collective_axis_names(jaxpr) -> tuple:
     """The axis names the collectives of ``jaxpr`` (nested calls included) reduce over."""
     names: list = []
     for eqn in jaxpr.eqns:
-        key = COLLECTIVE_AXES.get(eqn.primitive.name)
+        key = {**COLLECTIVE_AXES, **OTHER_COLLECTIVES}.get(eqn.primitive.name)
         if key is not None:
             axes = eqn.params[key]
             names.extend(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in names)

@@ -29,7 +29,7 @@ class Einsum(nnx.Module):
         self.w = nnx.Param(nnx.initializers.normal(0.2)(rngs.params(), shape))
 
     def __call__(self, x):
-        return jnp.einsum(self.spec, x, self.w.value)
+        return jnp.einsum(self.spec, x, self.w[...])
 
 
 class RMSNorm(nnx.Module):
@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        return x * jax.lax.rsqrt(var + 1e-6) * (1 + self.scale.value)
+        return x * jax.lax.rsqrt(var + 1e-6) * (1 + self.scale[...])
 
 
 def rope(x, positions, max_wavelength: int = 10_000):
@@ -97,8 +97,8 @@ class GemmaFeedForward(nnx.Module):
         self.linear = nnx.Param(init(rngs.params(), (hidden, features)))
 
     def __call__(self, x):
-        gate = nnx.gelu(jnp.dot(x, self.gating_einsum.value[0]))
-        return jnp.dot(gate * jnp.dot(x, self.gating_einsum.value[1]), self.linear.value)
+        gate = nnx.gelu(jnp.dot(x, self.gating_einsum[0]))
+        return jnp.dot(gate * jnp.dot(x, self.gating_einsum[1]), self.linear[...])
 
 
 class GemmaBlock(nnx.Module):
