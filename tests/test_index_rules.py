@@ -89,3 +89,25 @@ def test_segment_sum_is_reduce_scattered_onto_its_segments():
     (eqn,) = [e for e in program.jaxpr.eqns if e.primitive.name == "scatter-add"]
     assert layouts[eqn.invars[2]][0] == ("data", "z")  # each device adds its edges' updates
     assert layouts[eqn.outvars[0]][0] == ("data", "z")  # and holds its block of the sums
+
+
+def test_rows_looked_up_by_batch_split_indices_gather_the_table():
+    """``nodes[senders]``: each device looks up its own edges' nodes in the gathered table,
+    instead of every device looking up every edge and summing (the indices replicated)."""
+    from axonn_jax.partitioner import plan_model, rules
+
+    class Lookup(nn.Module):
+        @nn.compact
+        def __call__(self, rows, updates, index):
+            return nn.Dense(8)(nn.Dense(16)(rows)[index] + updates)
+
+    grid = Grid(x=2, z=2, data=2)
+    plan, program = plan_model(Lookup(), grid, ROWS, UPDATES, INDEX)
+    from axonn_jax.partitioner.flows import variable_layouts
+
+    layouts = variable_layouts(program.jaxpr, grid, program.param_storage, program.arg_layouts,
+                               scatter_batch=program.scatter_batch)  # fmt: skip
+    (eqn,) = [e for e in program.jaxpr.eqns if e.primitive.name == "gather"]
+    step = rules.rule(eqn, [layouts[v] for v in eqn.invars], rules.Context(grid))
+    assert step.targets[1][0] == ("data", "z")  # the indices keep their split
+    assert step.reduce == [()] and layouts[eqn.outvars[0]][0] == ("data", "z")
