@@ -14,6 +14,7 @@ Run (8 simulated CPU devices)::
     .venv/bin/python benchmarks/redundancy.py                    # all families × 4 grids
     .venv/bin/python benchmarks/redundancy.py --models hf_gpt2 --grids x=4,data=2
     .venv/bin/python benchmarks/redundancy.py --dropout 0.1     # train mode, dropout on
+    .venv/bin/python benchmarks/redundancy.py --idioms          # tests/idiom_cases.py × 5 grids
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import numpy as np
 
 #: the grids issue 15 names (8 devices each)
 GRIDS = ("x=2,y=2,z=2", "z=4,data=2", "x=4,data=2", "y=2,z=2,data=2")
+#: the grids of the idiom models' table (tests/test_idioms.py)
+IDIOM_GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,29 @@ def measure(name: str, model, args: tuple, loss, grid_text: str, kwargs: dict | 
     )
 
 
+def idiom_table(grids=IDIOM_GRIDS) -> str:
+    """Markdown: traced redundancy (``pm.report().compute``) of tests/idiom_cases.py's models.
+
+    No compilation. A cell names the plan's warnings when there are any.
+    """
+    import axonn_jax
+    from axonn_jax import Grid
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import idiom_cases
+
+    lines = ["| model | " + " | ".join(f"`{g}`" for g in grids) + " |", "|---|" + "---|" * len(grids)]
+    for name, (model, args, kwargs) in idiom_cases.idioms().items():
+        cells = []
+        for grid in grids:
+            pm = axonn_jax.partition(model, Grid.parse(grid), *args, **kwargs)
+            warned = f" ({len(pm.plan.warnings)} warnings)" if pm.plan.warnings else ""
+            cells.append(f"{pm.report().compute.redundancy:.3f}{warned}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def table(rows: list[Row]) -> str:
     lines = ["| model | grid | redundancy | param fraction (ideal) | max rel. error | warnings |",
              "|---|---|---|---|---|---|"]  # fmt: skip
@@ -142,9 +168,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument("--dropout", type=float, default=0.0,
                         help="every dropout probability of the configs; > 0: train mode")
+    parser.add_argument("--idioms", action="store_true",
+                        help="instead: the traced redundancy of tests/idiom_cases.py's models")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: the source lines whose work is repeated, per model × grid")
     ns = parser.parse_args(argv)
+    if ns.idioms:
+        text = idiom_table()
+        print(text)
+        return {"rows": [], "table": text}
     rows = []
     for name in ns.models.split(","):
         entry = hf_zoo.build(name, dropout=ns.dropout)

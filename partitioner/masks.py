@@ -87,8 +87,9 @@ class MaskTracker:
         out_shape = R.shape_of(eqn.outvars[0])
         if eqn.primitive.name not in R.ELEMENTWISE:
             return
-        full = [R._unbroadcast(lay, R.shape_of(v), out_shape) for v, lay in others
-                if lay is not None and len(lay) == len(out_shape)]  # fmt: skip
+        full = [tuple(() if s == 1 and o != 1 else axes  # dims it broadcasts do not count
+                      for axes, s, o in zip(lay, R.shape_of(v), out_shape))
+                for v, lay in others if lay is not None and len(lay) == len(out_shape)]  # fmt: skip
         if not full:
             return
         target = merge(full)

@@ -5,6 +5,15 @@
   ``qkv_einsum`` ``(3, heads, hidden, head_dim)`` — RoPE, grouped-query
   attention, and the gated feed-forward whose ``(2, hidden, ffn)`` kernel is
   indexed ``[0]``/``[1]``.
+- :class:`GraphNet`: message passing as ``jraph.GraphNetwork`` computes it
+  (one big graph: nodes, edges, senders, receivers, globals, sizes).
+- :class:`ResNetBN`: Flax's ImageNet-example ResNet style, BatchNorm over
+  ``axis_name='batch'`` (data-parallel code written for ``pmap``).
+- :class:`AddInto`, :class:`PickTokens`: scatter-add into an activation,
+  scatter (set), ``take_along_axis`` and ``vmap``-ed lookups.
+- :func:`gpt_with_dropout`: the repo's GPT with dropout 0.1.
+
+:func:`idioms` lists them for ``benchmarks/redundancy.py --idioms``.
 """
 
 from __future__ import annotations
@@ -243,3 +252,62 @@ class ResNetBN(nn.Module):
         for i, (filters, strides) in enumerate([(16, (1, 1)), (32, (2, 2))]):
             x = ResNetBlock(filters, norm, strides, name=f"block_{i}")(x)
         return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2)))
+
+
+# --- index updates and batched lookups ----------------------------------------------------
+
+RNG = np.random.default_rng(11)
+ROWS = RNG.standard_normal((64, 16)).astype(np.float32)  # nodes
+UPDATES = RNG.standard_normal((128, 16)).astype(np.float32)  # edges
+INDEX = RNG.integers(0, 64, 128).astype(np.int32)  # each edge's node
+TOKENS = RNG.standard_normal((8, 12, 16)).astype(np.float32)
+PICK = RNG.integers(0, 12, (8, 3)).astype(np.int32)  # per sequence: 3 positions
+
+
+class AddInto(nn.Module):
+    """``rows.at[index].add(updates)`` into an activation (not zeros), and a ``.set``."""
+
+    @nn.compact
+    def __call__(self, rows, updates, index):
+        h = nn.Dense(32)(rows)
+        added = h.at[index].add(nn.Dense(32)(updates))  # the operand counts once
+        first = jnp.zeros((64,), jnp.int32).at[index[:4]].set(1)  # writes, whole indices
+        return nn.Dense(8)(nn.tanh(added) * (1 + first[:, None]))
+
+
+class PickTokens(nn.Module):
+    """Per-sequence lookups: ``take_along_axis`` and a ``vmap``-ed index (batching dims)."""
+
+    @nn.compact
+    def __call__(self, tokens, pick):
+        h = nn.Dense(32)(tokens)
+        along = jnp.take_along_axis(h, pick[..., None], axis=1)  # [B, 3, 32]
+        mapped = jax.vmap(lambda seq, i: seq[i])(h, pick)  # [B, 3, 32]
+        return nn.Dense(8)(nn.gelu(along + mapped))
+
+
+IMAGES = np.random.default_rng(0).standard_normal((8, 8, 8, 3)).astype(np.float32)
+
+
+def gpt_with_dropout():
+    """The repo's GPT with dropout 0.1 and its tokens."""
+    from partition_cases import _gpt_config, _tokens
+
+    from axonn_jax.models import GPT
+
+    return GPT(_gpt_config(dropout=0.1)), _tokens(0)
+
+
+def idioms() -> dict:
+    """``{name: (model, args, kwargs)}`` of this module (``benchmarks/redundancy.py --idioms``)."""
+    gpt, tokens = gpt_with_dropout()
+    return {
+        "gemma_kv_einsum": (GemmaBlock(rngs=nnx.Rngs(0)), gemma_inputs(), {}),
+        "gemma_qkv_einsum": (GemmaBlock(num_kv_heads=8, fused_qkv=True, rngs=nnx.Rngs(0)),
+                             gemma_inputs(), {}),
+        "graph_net": (GraphNet(), graph_batch(), {}),
+        "resnet_bn_axis_name": (ResNetBN(num_classes=8), (IMAGES,), {"mutable": ["batch_stats"]}),
+        "scatter_add": (AddInto(), (ROWS, UPDATES, INDEX), {}),
+        "batched_gather": (PickTokens(), (TOKENS, PICK), {}),
+        "gpt_dropout": (gpt, (tokens,), {"deterministic": False, "rngs": {"dropout": jax.random.key(42)}}),
+    }

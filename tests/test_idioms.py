@@ -18,7 +18,7 @@ import optax
 import pytest
 from flax import linen as nn
 from flax import nnx
-from idiom_cases import GemmaBlock, GraphNet, ResNetBN, gemma_inputs, graph_batch
+from idiom_cases import IMAGES, GemmaBlock, GraphNet, ResNetBN, gemma_inputs, gpt_with_dropout, graph_batch
 from partition_cases import (LR, STEPS, Case, _leaves, adamw_param_failures, adamw_trajectory,
                              assert_matches_reference, reference_apply)  # fmt: skip
 
@@ -88,7 +88,6 @@ def test_graph_net_splits_nodes_edges_and_graphs(grid, devices):
 
 # --- BatchNorm(axis_name='batch'): global-batch statistics ---------------------------------
 
-IMAGES = np.random.default_rng(0).standard_normal((8, 8, 8, 3)).astype(np.float32)
 LABELS = np.arange(8) % 8
 
 
@@ -200,13 +199,11 @@ def test_model_collectives_over_its_own_axis_are_the_identity(devices):
 @pytest.fixture(scope="module")
 def gpt_dropout_reference():
     """The repo's GPT with dropout 0.1 (embeddings, attention weights, residual branches)."""
-    from partition_cases import _gpt_config, _tokens
     from rng_cases import KEY
 
-    from axonn_jax.models import GPT, next_token_loss
+    from axonn_jax.models import next_token_loss
 
-    model = GPT(_gpt_config(dropout=0.1))
-    tokens = _tokens(0)
+    model, tokens = gpt_with_dropout()
     params = jax.tree.map(np.asarray, model.init(jax.random.key(0), tokens)["params"])
     keys = [jax.random.fold_in(KEY, t) for t in range(STEPS)]
 

@@ -12,40 +12,12 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
+from idiom_cases import INDEX, PICK, ROWS, TOKENS, UPDATES, AddInto, PickTokens
+
 import axonn_jax
 from axonn_jax import Grid
 
 GRIDS = ["x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2"]
-RNG = np.random.default_rng(11)
-ROWS = RNG.standard_normal((64, 16)).astype(np.float32)  # nodes
-UPDATES = RNG.standard_normal((128, 16)).astype(np.float32)  # edges
-INDEX = RNG.integers(0, 64, 128).astype(np.int32)  # each edge's node
-TOKENS = RNG.standard_normal((8, 12, 16)).astype(np.float32)
-PICK = RNG.integers(0, 12, (8, 3)).astype(np.int32)  # per sequence: 3 positions
-
-
-class AddInto(nn.Module):
-    """``rows.at[index].add(updates)`` into an activation (not zeros), and a ``.set``."""
-
-    @nn.compact
-    def __call__(self, rows, updates, index):
-        h = nn.Dense(32)(rows)
-        added = h.at[index].add(nn.Dense(32)(updates))  # the operand counts once
-        first = jnp.zeros((64,), jnp.int32).at[index[:4]].set(1)  # writes, whole indices
-        return nn.Dense(8)(nn.tanh(added) * (1 + first[:, None]))
-
-
-class PickTokens(nn.Module):
-    """Per-sequence lookups: ``take_along_axis`` and a ``vmap``-ed index (batching dims)."""
-
-    @nn.compact
-    def __call__(self, tokens, pick):
-        h = nn.Dense(32)(tokens)
-        along = jnp.take_along_axis(h, pick[..., None], axis=1)  # [B, 3, 32]
-        mapped = jax.vmap(lambda seq, i: seq[i])(h, pick)  # [B, 3, 32]
-        return nn.Dense(8)(nn.gelu(along + mapped))
-
-
 CASES = {"scatter": (AddInto(), (ROWS, UPDATES, INDEX)), "batched_gather": (PickTokens(), (TOKENS, PICK))}
 
 
