@@ -199,7 +199,7 @@ def test_model_collectives_over_its_own_axis_are_the_identity(devices):
 @pytest.fixture(scope="module")
 def gpt_dropout_reference():
     """The repo's GPT with dropout 0.1 (embeddings, attention weights, residual branches)."""
-    from rng_cases import KEY
+    from rng_cases import KEY, dropout_trajectory
 
     from axonn_jax.models import next_token_loss
 
@@ -210,33 +210,16 @@ def gpt_dropout_reference():
     def plain(p, t, rngs):
         return model.apply({"params": p}, t, deterministic=False, rngs=rngs)
 
-    ref = _dropout_trajectory(plain, params, tokens, keys, next_token_loss)
+    ref = dropout_trajectory(plain, params, (tokens,), keys, next_token_loss)
     no_dropout = next_token_loss(model.apply({"params": params}, tokens), tokens)
     assert abs(float(no_dropout) - ref[0][0]) > 1e-3  # dropout really is on
     return model, tokens, params, keys, ref
 
 
-def _dropout_trajectory(apply, params, tokens, keys, loss):
-    optimizer = optax.adamw(LR)
-
-    @jax.jit
-    def step(p, s, key):
-        value, grads = jax.value_and_grad(lambda q: loss(apply(q, tokens, {"dropout": key}), tokens))(p)
-        updates, s = optimizer.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, value, grads
-
-    p, s, losses, first = params, optimizer.init(params), [], None
-    for key in keys:
-        p, s, value, grads = step(p, s, key)
-        losses.append(float(value))
-        first = grads if first is None else first
-    return losses, first, p
-
-
 @pytest.mark.parametrize("grid", GRIDS)
 def test_gpt_with_dropout_splits_its_masks(grid, gpt_dropout_reference, devices):
     """The repo's GPT with dropout 0.1: the plain masks bit for bit, nothing repeated."""
-    from rng_cases import KEY
+    from rng_cases import KEY, dropout_trajectory
 
     from axonn_jax.models import next_token_loss
 
@@ -248,7 +231,7 @@ def test_gpt_with_dropout_splits_its_masks(grid, gpt_dropout_reference, devices)
     def part(p, t, rngs):
         return pm.apply(p, t, deterministic=False, rngs=rngs)
 
-    losses, grads, final = _dropout_trajectory(part, pm.shard(params), tokens, keys, next_token_loss)
+    losses, grads, final = dropout_trajectory(part, pm.shard(params), (tokens,), keys, next_token_loss)
     result = {"init": params, "ref": (ref[0], jax.tree.map(np.asarray, ref[1]), jax.tree.map(np.asarray, ref[2])),
               "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
     assert_matches_reference(result, f"gpt+dropout {grid}")

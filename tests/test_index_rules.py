@@ -67,6 +67,7 @@ def test_rows_looked_up_by_batch_split_indices_gather_the_table():
     """``nodes[senders]``: each device looks up its own edges' nodes in the gathered table,
     instead of every device looking up every edge and summing (the indices replicated)."""
     from axonn_jax.partitioner import plan_model, rules
+    from axonn_jax.partitioner.flows import variable_layouts
 
     class Lookup(nn.Module):
         @nn.compact
@@ -75,8 +76,6 @@ def test_rows_looked_up_by_batch_split_indices_gather_the_table():
 
     grid = Grid(x=2, z=2, data=2)
     plan, program = plan_model(Lookup(), grid, ROWS, UPDATES, INDEX)
-    from axonn_jax.partitioner.flows import variable_layouts
-
     layouts = variable_layouts(program.jaxpr, grid, program.param_storage, program.arg_layouts,
                                scatter_batch=program.scatter_batch)  # fmt: skip
     (eqn,) = [e for e in program.jaxpr.eqns if e.primitive.name == "gather"]

@@ -17,6 +17,7 @@ from jax.extend.random import threefry2x32_p
 
 from axonn_jax.partitioner import Grid, plan_model
 from axonn_jax.partitioner.flops import count
+from axonn_jax.partitioner.flows import variable_layouts
 from axonn_jax.runtime.random_bits import block_bits, linear_index
 
 #: (global shape, block start, block shape): blocks at and beyond 2**32 elements
@@ -105,9 +106,7 @@ def test_bits_are_split_like_the_activation_they_mask(grid):
     x = jax.ShapeDtypeStruct((8, 4, 16), jnp.float32)
     plan, program = plan_model(_DenseDropout(), Grid.parse(grid), x, rngs={"dropout": jax.random.key(0)})
     assert not plan.warnings, plan.warnings
-    layouts = {}  # every variable's layout, by the rules the executor runs
-    from axonn_jax.partitioner.flows import variable_layouts
-
+    # every variable's layout, by the rules the executor runs
     layouts = variable_layouts(program.jaxpr, plan.grid, program.param_storage, program.arg_layouts,
                                scatter_batch=program.scatter_batch,
                                random_layouts=program.random_layouts)  # fmt: skip
