@@ -13,6 +13,8 @@ Run (8 simulated CPU devices)::
 
     .venv/bin/python benchmarks/redundancy.py                    # all families × 4 grids
     .venv/bin/python benchmarks/redundancy.py --models hf_gpt2 --grids x=4,data=2
+    .venv/bin/python benchmarks/redundancy.py --dropout 0.1     # train mode, dropout on
+    .venv/bin/python benchmarks/redundancy.py --idioms          # tests/idiom_cases.py × 5 grids
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ if __name__ == "__main__":
 
 import argparse
 import dataclasses
+import functools
 import json
 
 import jax
@@ -34,6 +37,8 @@ import numpy as np
 
 #: the grids issue 15 names (8 devices each)
 GRIDS = ("x=2,y=2,z=2", "z=4,data=2", "x=4,data=2", "y=2,z=2,data=2")
+#: the grids of the idiom models' table (tests/test_idioms.py)
+IDIOM_GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,43 +61,49 @@ def flops(compiled) -> float:
     return float(cost["flops"])
 
 
-def traced_compute(model, args: tuple, loss, grid):
+def traced_compute(model, args: tuple, loss, grid, kwargs: dict | None = None):
     """``(ComputeReport, pm)`` of one loss-and-gradient step, counted on the traced programs.
 
     No compilation: FLOPs per device of ``pm.value_and_grad(loss)`` (the loss
     included) against the plain ``jax.value_and_grad``, per source line.
+    ``kwargs``: the call's keywords (``deterministic=False, rngs=...``: dropout on).
     """
     import axonn_jax
     from axonn_jax.partitioner.flops import ComputeReport, count
 
+    kwargs = kwargs or {}
     variables = model.init(jax.random.key(0), *args)
-    plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
-    pm = axonn_jax.partition(model, grid, *args)
+    plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args, **kwargs),
+                                                                   *args)))(variables))  # fmt: skip
+    pm = axonn_jax.partition(model, grid, *args, **kwargs)
     step = pm.value_and_grad(lambda out, b: loss(out, *b))
-    split = count(jax.make_jaxpr(step)(pm.shard(variables), tuple(args)))
+    rngs = {"rngs": kwargs["rngs"]} if "rngs" in kwargs else {}
+    split = count(jax.make_jaxpr(lambda p, b: step(p, b, **rngs))(pm.shard(variables), tuple(args)))
     return ComputeReport(split, plain, grid.size), pm
 
 
-def measure(name: str, model, args: tuple, loss, grid_text: str) -> Row:
+def measure(name: str, model, args: tuple, loss, grid_text: str, kwargs: dict | None = None) -> Row:
     """One row: compile both programs in this process, compare FLOPs, bytes and numbers."""
     import axonn_jax
     from axonn_jax import Grid
 
+    kwargs = kwargs or {}
     grid = Grid.parse(grid_text)
     key = jax.random.key(0)
     variables = model.init(key, *args)
     batch = tuple(args)
 
     def plain(v):
-        return loss(model.apply(v, *batch), *batch)
+        return loss(model.apply(v, *batch, **kwargs), *batch)
 
     single = jax.jit(jax.value_and_grad(plain))
     base_flops = flops(single.lower(variables).compile())
     want_loss, want_grads = single(variables)
 
-    pm = axonn_jax.partition(model, grid, *args)
+    pm = axonn_jax.partition(model, grid, *args, **kwargs)
     params = pm.shard(variables)
-    step = jax.jit(pm.value_and_grad(lambda out, b: loss(out, *b)))
+    rngs = {"rngs": kwargs["rngs"]} if "rngs" in kwargs else {}
+    step = jax.jit(functools.partial(pm.value_and_grad(lambda out, b: loss(out, *b)), **rngs))
     compiled = step.lower(params, batch).compile()
     per_device = flops(compiled)
     got_loss, got_grads = step(params, batch)
@@ -114,6 +125,29 @@ def measure(name: str, model, args: tuple, loss, grid_text: str) -> Row:
     )
 
 
+def idiom_table(grids=IDIOM_GRIDS) -> str:
+    """Markdown: traced redundancy (``pm.report().compute``) of tests/idiom_cases.py's models.
+
+    No compilation. A cell names the plan's warnings when there are any.
+    """
+    import axonn_jax
+    from axonn_jax import Grid
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import idiom_cases
+
+    lines = ["| model | " + " | ".join(f"`{g}`" for g in grids) + " |", "|---|" + "---|" * len(grids)]
+    for name, (model, args, kwargs) in idiom_cases.idioms().items():
+        cells = []
+        for grid in grids:
+            pm = axonn_jax.partition(model, Grid.parse(grid), *args, **kwargs)
+            warned = f" ({len(pm.plan.warnings)} warnings)" if pm.plan.warnings else ""
+            cells.append(f"{pm.report().compute.redundancy:.3f}{warned}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def table(rows: list[Row]) -> str:
     lines = ["| model | grid | redundancy | param fraction (ideal) | max rel. error | warnings |",
              "|---|---|---|---|---|---|"]  # fmt: skip
@@ -132,20 +166,29 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default=",".join(hf_zoo.FAMILIES))
     parser.add_argument("--grids", default=";".join(GRIDS), help="';'-separated grids")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="every dropout probability of the configs; > 0: train mode")
+    parser.add_argument("--idioms", action="store_true",
+                        help="instead: the traced redundancy of tests/idiom_cases.py's models")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: the source lines whose work is repeated, per model × grid")
     ns = parser.parse_args(argv)
+    if ns.idioms:
+        text = idiom_table()
+        print(text)
+        return {"rows": [], "table": text}
     rows = []
     for name in ns.models.split(","):
-        entry = hf_zoo.build(name)
+        entry = hf_zoo.build(name, dropout=ns.dropout)
         for grid in ns.grids.split(";"):
             if ns.breakdown:
                 from axonn_jax import Grid
 
-                report, _ = traced_compute(entry.model, entry.args, entry.loss, Grid.parse(grid))
+                report, _ = traced_compute(entry.model, entry.args, entry.loss, Grid.parse(grid),
+                                           entry.kwargs)  # fmt: skip
                 print(f"{name} {grid} (traced, loss included): {report}")
                 continue
-            row = measure(name, entry.model, entry.args, entry.loss, grid)
+            row = measure(name, entry.model, entry.args, entry.loss, grid, entry.kwargs)
             rows.append(row)
             print(table([row]).splitlines()[-1], flush=True)
     if rows:

@@ -3,8 +3,12 @@
 Counts what the equations compute, walking into sub-jaxprs (``shard_map``
 bodies count their local shapes, so a partitioned step gives per-device
 FLOPs): a matmul is ``2 · output elements · contracted size``, a convolution
-``2 · output elements · window · input channels per group``, any other
-equation one FLOP per output element (data movement and collectives: none).
+``2 · output elements · window · input channels per group``, a scatter-add
+one per update it adds, any other equation one FLOP per output element (data
+movement and collectives: none).
+Random bits count one FLOP per bit drawn, on both sides alike: the plain
+model's ``random_bits`` and the runtime's block of them (the call named
+:data:`RANDOM_BITS_CALL`, whose index arithmetic is not counted apart).
 Control flow is counted once per iteration it names (``scan`` length), and
 ``cond`` by its most expensive branch.
 
@@ -38,7 +42,9 @@ _FREE = frozenset("""reshape transpose broadcast_in_dim squeeze expand_dims slic
     iota select_n stack tile split rev bitcast_convert_type stop_gradient sharding_constraint
     pvary pcast mesh_cast all_gather all_gather_invariant psum psum_invariant pmax pmin
     reduce_scatter all_to_all ppermute axis_index optimization_barrier axonn_barrier random_wrap
-    random_unwrap random_bits random_seed random_fold_in random_split threefry2x32""".split())
+    random_unwrap random_seed random_fold_in random_split threefry2x32""".split())
+#: the name of the call in which the runtime draws a block of random bits (counted as bits)
+RANDOM_BITS_CALL = "axonn_random_bits"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,10 @@ def _walk(eqns, times: int, lines: Counter, per_equation=None) -> None:
     per_equation = per_equation or primitive_flops
     for eqn in eqns:
         subs = subjaxprs(eqn)
+        if eqn.params.get("name") == RANDOM_BITS_CALL and per_equation is primitive_flops:
+            bits = sum(math.prod(v.aval.shape) for v in eqn.outvars)  # this device's block of bits
+            lines[f"{user_line(eqn.source_info) or '?'} random_bits"] += bits * times
+            continue
         if subs:
             name = eqn.primitive.name
             if name == "cond":
@@ -127,6 +137,8 @@ def primitive_flops(eqn) -> int:
         in_features = rhs[dn.rhs_spec[1]]
         window = math.prod(rhs[d] for d in dn.rhs_spec[2:])
         return 2 * out * in_features * window
+    if name in ("scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max"):
+        return math.prod(getattr(eqn.invars[2].aval, "shape", ()))  # one per update combined
     if name.startswith("reduce_") and eqn.invars:
         return math.prod(getattr(eqn.invars[0].aval, "shape", ()))
     return out

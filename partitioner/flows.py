@@ -30,9 +30,10 @@ from axonn_jax.partitioner.stages import param_like_producers
 
 
 def variable_layouts(jaxpr, grid: Grid, param_storage: Sequence[Layout],
-                     arg_layouts: Sequence[Layout], *, scatter_batch: bool = True) -> dict:  # fmt: skip
+                     arg_layouts: Sequence[Layout], *, scatter_batch: bool = True,
+                     random_layouts=None) -> dict:  # fmt: skip
     """Layout of every variable of the inlined ``jaxpr`` (params first), by the rules alone."""
-    ctx = R.Context(grid, scatter_batch=scatter_batch)
+    ctx = R.Context(grid, scatter_batch=scatter_batch, random_layouts=random_layouts)
     return layouts_of(jaxpr, [use_layout(s) for s in param_storage] + list(arg_layouts), ctx)
 
 

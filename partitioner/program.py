@@ -30,6 +30,7 @@ from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, output_layout
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.propagation import PlannedLayouts, batch_problems, plan_layouts
+from axonn_jax.partitioner.rules import Context
 from axonn_jax.partitioner.scan_cuts import cut_stages, with_cuts
 from axonn_jax.partitioner.stages import plan_stages
 from axonn_jax.partitioner.trace import TracedModel, abstract, call_leaves, inline_calls, trace_model
@@ -75,6 +76,12 @@ class Program:
     output_layouts: tuple[Layout, ...]
     stage_flows: tuple[StageFlow, ...]
     scatter_batch: bool = True  # the rules' option (rules.Context): the executor uses the same
+    #: random_bits output variable -> its layout (rules.Context): the executor uses the same
+    random_layouts: Mapping = dataclasses.field(default_factory=dict)
+
+    def rules_context(self) -> Context:
+        """The :class:`~axonn_jax.partitioner.rules.Context` this program was planned with."""
+        return Context(self.grid, scatter_batch=self.scatter_batch, random_layouts=self.random_layouts)
 
     @property
     def num_params(self) -> int:
@@ -145,9 +152,10 @@ def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: Plann
         targets[out] = storage[var]
     targets = tuple(targets)
     per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args,
-                                    scatter_batch=layouts.scatter_batch)  # fmt: skip
+                                    scatter_batch=layouts.scatter_batch,
+                                    random_layouts=layouts.random_layouts)  # fmt: skip
     stages = plan.stages or plan_stages(traced, closed.jaxpr, 1).stages
     flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets,
                         traced.state_outputs)  # fmt: skip
     return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,
-                   targets, tuple(flows), layouts.scatter_batch)  # fmt: skip
+                   targets, tuple(flows), layouts.scatter_batch, layouts.random_layouts)  # fmt: skip

@@ -36,8 +36,10 @@ from axonn_jax.partitioner import control_flow as CF
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
 from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes, without
+from axonn_jax.partitioner.masks import MaskTracker
 from axonn_jax.partitioner.pointwise import replaced_rules
 from axonn_jax.partitioner.roles import DEPTH_SPLIT_PRIMITIVES, ParamRole
+from axonn_jax.partitioner.stacking import stacking_dims
 from axonn_jax.partitioner.trace import TracedModel, inline_calls, user_line
 
 
@@ -64,6 +66,8 @@ class PlannedLayouts:
     roles: dict[str, ParamRole]
     notes: tuple[str, ...]  # parameters left replicated or not depth-split, and why
     scatter_batch: bool = True  # the rules' option these layouts were planned with
+    #: random_bits output variable -> its layout (``rules.Context.random_layouts``)
+    random_layouts: Mapping = dataclasses.field(default_factory=dict)
 
 
 def batch_layout(shape, grid: Grid) -> Layout:
@@ -112,19 +116,23 @@ def plan_layouts(
     jaxpr = (jaxpr if jaxpr is not None else inline_calls(traced.jaxpr)).jaxpr
     forced = _forced_layouts(traced, grid, rules or {}, replicate)
     hints: dict[int, Layout] = {}
+    random: dict = {}  # random_bits output -> the layout of the activation its mask meets
+    stacked = stacking_dims(jaxpr)
     for _ in range(4):
-        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch)
+        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch, random, stacked)
         walk.run()
         new_hints = {p: h for p, h in walk.hints.items() if p not in forced and p not in hints}
-        if not new_hints:
+        new_random = {k: v for k, v in walk.masks.found.items() if random.get(k) != v}
+        if not new_hints and not new_random:
             break
         hints.update(new_hints)
+        random.update(new_random)
     planned = walk.result()
     unmatched = unmatched_patterns(traced.param_paths, rules or {}, replicate)
     if unmatched and strict:
         raise ValueError(f"{unmatched[0]} (grid {grid}; strict=True)")
     return dataclasses.replace(planned, notes=planned.notes + replaced_rules(traced.jaxpr) + unmatched,
-                               scatter_batch=scatter_batch)  # fmt: skip
+                               scatter_batch=scatter_batch, random_layouts=random)  # fmt: skip
 
 
 def unmatched_patterns(paths: Sequence[str], rules: Mapping[str, Sequence],
@@ -162,9 +170,11 @@ def _forced_layouts(traced, grid, rules, replicate) -> dict[int, Layout]:
 class _Walk:
     """One pass over the jaxpr with layouts only."""
 
-    def __init__(self, traced, jaxpr, grid, strict, predecided, scatter_batch=True):
+    def __init__(self, traced, jaxpr, grid, strict, predecided, scatter_batch=True, random=None,
+                 stacked=None):  # fmt: skip
         self.traced, self.jaxpr, self.grid, self.strict = traced, jaxpr, grid, strict
-        self.ctx = R.Context(grid, scatter_batch=scatter_batch)
+        self.ctx = R.Context(grid, scatter_batch=scatter_batch, random_layouts=random, stacked=stacked)
+        self.masks = MaskTracker(_pass_map)
         self.decided: dict[int, Layout] = dict(predecided)
         self.layout: dict = {}
         self.pending: dict = {}  # var -> (param index, dim map)
@@ -242,6 +252,7 @@ class _Walk:
                 self.lineage[eqn.outvars[0]] = {self.pending[live[0]][0]: new_map}
                 return
         step = R.rule(eqn, layouts, self.ctx)
+        self.masks.step(eqn, layouts)
         if name in DEPTH_SPLIT_PRIMITIVES:  # weights computed from parameters only (weight norm)
             for var in eqn.invars:
                 if not R.is_literal(var) and var in self.weights_only:
@@ -504,6 +515,11 @@ def _pass_map(eqn, dim_map):
     if name == "squeeze":
         drop = {d % len(in_shape) for d in eqn.params["dimensions"]}
         return tuple(m for d, m in enumerate(dim_map) if d not in drop)
+    if name == "slice":  # one piece of a stacked parameter (Gemma's gating_einsum[0])
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        strides = eqn.params.get("strides") or (1,) * len(in_shape)
+        return tuple(m if (start[d], limit[d], strides[d]) == (0, in_shape[d], 1) else None
+                     for d, m in enumerate(dim_map))  # fmt: skip
     if name == "broadcast_in_dim":
         out = [None] * len(out_shape)
         for src, dst in enumerate(eqn.params["broadcast_dimensions"]):

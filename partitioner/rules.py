@@ -19,6 +19,7 @@ always exact, possibly slow, and listed as a warning in the plan.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
@@ -68,7 +69,8 @@ PASS_THROUGH = frozenset(["sharding_constraint", "mesh_cast", "pvary", "pcast"])
 POINTWISE_CALLS = frozenset(["custom_jvp_call"])
 #: ops whose output is a parameter's value in another shape (planning follows them)
 LAYOUT_PRESERVING = frozenset(["convert_element_type", "copy", "copy_p", "reduce_precision",
-                               "transpose", "broadcast_in_dim", "squeeze", "reshape"])
+                               "transpose", "broadcast_in_dim", "squeeze", "reshape",
+                               "slice"])  # a slice's cut dims are whole; the others keep theirs
 REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 NEEDS_WHOLE_AXIS = {
     "argmax": "axes",
@@ -90,10 +92,18 @@ NEEDS_WHOLE_AXIS = {
 class Context:
     """Grid and options the rules consult."""
 
-    def __init__(self, grid: Grid, *, scatter_batch: bool = True):
+    def __init__(self, grid: Grid, *, scatter_batch: bool = True,
+                 random_layouts: Mapping[Any, Layout] | None = None,
+                 stacked: Mapping[Any, frozenset] | None = None):  # fmt: skip
         self.grid = grid
         #: reduce-scatter layer outputs onto the batch dim (see _scatter_onto_batch)
         self.scatter_batch = scatter_batch
+        #: the layout of each ``random_bits`` output (keyed by its jaxpr variable): that of
+        #: the activation the bits mask, as the planner found it (propagation._Walk)
+        self.random_layouts = dict(random_layouts or {})
+        #: per ``dot_general`` output variable, its dims taken apart later (stacked k|v,
+        #: fused qkv: partitioner.stacking); the planner splits another weight dim
+        self.stacked = dict(stacked or {})
 
     def local(self, shape, layout: Layout) -> tuple[int, ...]:
         return local_shape(shape, layout, self.grid)
@@ -340,19 +350,68 @@ def random_keys(eqn, layouts, ctx) -> Step:
 
 
 def random_bits(eqn, layouts, ctx) -> Step:
-    """Random bits: each device draws only its shard (dim 0 split over the batch axes).
+    """Random bits: each device draws only its block, split like the activation they mask.
 
-    With JAX's partitionable threefry a bit depends on the key and its global
-    index only, so the runtime (:mod:`axonn_jax.runtime.random_bits`) draws
-    exactly the plain model's bits for the local block.
+    The layout is the planner's (``ctx.random_layouts``: the activation the bits
+    meet first, every split dim included); without one, dim 0 is split over the
+    batch axes. With JAX's partitionable threefry a bit depends on the key and
+    its global index only, so the runtime (:mod:`axonn_jax.runtime.random_bits`)
+    draws exactly the plain model's bits for the local block.
     """
     shape = tuple(eqn.params["shape"])
     key_ndim = len(shape_of(eqn.invars[0]))
     out = [()] * (key_ndim + len(shape))
-    live = any(ctx.grid.axis_size(a) > 1 for a in BATCH_AXES)
-    if key_ndim == 0 and shape and live and divides(shape[0], BATCH_AXES, ctx.grid):
+    if key_ndim == 0 and eqn.outvars[0] in ctx.random_layouts:
+        out = list(ctx.random_layouts[eqn.outvars[0]])
+    elif key_ndim == 0 and shape and divides(shape[0], BATCH_AXES, ctx.grid):
         out[0] = BATCH_AXES
-    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params), local="random_bits")
+    live = any(ctx.grid.axis_size(a) > 1 for a in used_axes(tuple(out)))
+    return Step([replicated(key_ndim)], [tuple(out)], [()], dict(eqn.params),
+                local="random_bits" if live else "")  # fmt: skip
+
+
+#: collectives a model may call over its own axis names (partitioner.trace binds them),
+#: and the parameter naming those axes
+COLLECTIVE_AXES = {"psum": "axes", "pmax": "axes", "pmin": "axes", "ppermute": "axis_name",
+                   "all_gather": "axis_name", "axis_index": "axis_name"}  # fmt: skip
+
+
+def model_collective(eqn, layouts, ctx) -> Step:
+    """A collective over the model's own axis names (``pmean(x, 'batch')``): the identity.
+
+    The model is traced with those names bound with size 1 over the whole batch
+    (:func:`~axonn_jax.partitioner.trace.bound_axis_names`), where a collective
+    is the identity; the statistics it would combine across devices (a
+    ``BatchNorm(axis_name='batch')`` mean) are global already, the reductions
+    over a split batch being reduced over its axes. Local kernel
+    ``"model_collective"``: never a reduction over the mesh.
+    """
+    targets = [None if is_literal(v) else (lay if lay is not None else replicated(len(shape_of(v))))
+               for v, lay in zip(eqn.invars, layouts)]  # fmt: skip
+    if eqn.primitive.name == "axis_index":
+        outs = [()]
+    elif eqn.primitive.name == "all_gather" and not eqn.params["tiled"]:
+        dim = eqn.params["all_gather_dimension"]
+        outs = [targets[0][:dim] + ((),) + targets[0][dim:]]
+    else:
+        outs = [t if t is not None else () for t in targets]
+    return Step(targets, outs, [()] * len(outs), dict(eqn.params), local="model_collective")
+
+
+#: collectives over a model's own axis names that have no rule (their axis parameter)
+OTHER_COLLECTIVES = {"all_to_all": "axis_name", "reduce_scatter": "axis_name"}
+
+
+def unsupported_collective(eqn, layouts, ctx) -> Step:
+    """Refuse a collective over the model's own axis that has no one-device meaning here."""
+    axes = eqn.params[OTHER_COLLECTIVES[eqn.primitive.name]]
+    raise ValueError(
+        f"the model calls {eqn.primitive.name} over its own axis {axes!r} (written for pmap or "
+        f"shard_map); on {ctx.grid} only psum/pmean/pmax/pmin/ppermute/all_gather/axis_index over "
+        "a model's own axes are planned (as on one device, over the whole batch). Remedy: write "
+        "the model for one device (the partitioner splits the batch itself), or use those "
+        "collectives."
+    )
 
 
 def bitcast_convert_type(eqn, layouts, ctx) -> Step:
@@ -381,14 +440,15 @@ def gather(eqn, layouts, ctx) -> Step:
     dn = eqn.params["dimension_numbers"]
     op_shape, idx_shape = shape_of(operand), shape_of(indices)
     out_ndim = len(shape_of(eqn.outvars[0]))
-    if dn.operand_batching_dims or len(idx_shape) == 0:
-        return replicate(eqn, "gather with batching dims")
+    if len(idx_shape) == 0:
+        return replicate(eqn, "gather with scalar indices")
     looked_up = set(dn.collapsed_slice_dims) | set(dn.start_index_map)
     sizes = eqn.params["slice_sizes"]
     if any(sizes[d] not in (1, op_shape[d]) for d in looked_up):
         return replicate(eqn, "gather of partial windows")
     rows = {d for d in dn.start_index_map if d in dn.collapsed_slice_dims and sizes[d] == 1}
-    kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims]
+    batching = set(dn.operand_batching_dims)
+    kept = [d for d in range(len(op_shape)) if d not in dn.collapsed_slice_dims and d not in batching]
     idx_lay = layouts[1] if layouts[1] is not None else replicated(len(idx_shape))
     idx_target = without(idx_lay, {len(idx_shape) - 1})
     if layouts[0] is None:
@@ -404,8 +464,18 @@ def gather(eqn, layouts, ctx) -> Step:
         op_target = tuple(op_lay)
     else:
         op_target = without(layouts[0], looked_up - rows)
-    if used_axes(idx_target) & used_axes(op_target):
+    op_target, idx_target = _pair_batching_dims(op_target, idx_target, dn.operand_batching_dims,
+                                                dn.start_indices_batching_dims)  # fmt: skip
+    clash = used_axes(idx_target) & {a for d, axes in enumerate(op_target) if d not in batching
+                                     for a in axes}  # fmt: skip
+    if clash and layouts[0] is not None:
+        # an activation looked up by batch-split indices (a graph's nodes[senders]): gather the
+        # table's clashing axes, so each device looks up its own share of the indices
+        op_target = tuple(axes if d in batching else tuple(a for a in axes if a not in clash)
+                          for d, axes in enumerate(op_target))  # fmt: skip
+    elif clash:
         idx_target = replicated(len(idx_shape))
+        op_target = tuple(() if d in batching else axes for d, axes in enumerate(op_target))
     out: list[tuple[str, ...]] = [()] * out_ndim
     batch_out = [d for d in range(out_ndim) if d not in dn.offset_dims]
     for out_dim, idx_dim in zip(batch_out, range(len(idx_shape) - 1)):
@@ -415,9 +485,104 @@ def gather(eqn, layouts, ctx) -> Step:
     reduce = tuple(a for d in sorted(rows) for a in op_target[d])
     live = any(ctx.grid.axis_size(a) > 1 for a in reduce)
     local_sizes = ctx.local(sizes, op_target)
-    params = dict(eqn.params, slice_sizes=tuple(1 if d in rows else n for d, n in enumerate(local_sizes)))
+    params = dict(eqn.params, slice_sizes=tuple(1 if d in rows or d in batching else n
+                                                for d, n in enumerate(local_sizes)))  # fmt: skip
     return Step([op_target, idx_target], [tuple(out)], [reduce], params,
                 local="sharded_lookup" if live else "")  # fmt: skip
+
+
+def _pair_batching_dims(op: Layout, idx: Layout, op_dims, idx_dims) -> tuple[Layout, Layout]:
+    """Operand and index batching dims (``vmap``, ``take_along_axis``) split alike.
+
+    Each pair takes the longer split when one extends the other (a batch
+    reduce-scattered further over a tensor axis), else the indices', else the
+    operand's: both sides then hold the same block of the batch and look up locally.
+    """
+    op, idx = list(op), list(idx)
+    for o, i in zip(op_dims, idx_dims):
+        longer, shorter = sorted([op[o], idx[i]], key=len, reverse=True)
+        axes = longer if common_prefix(longer, shorter) == shorter else (idx[i] or op[o])
+        if set(axes) & ({a for d, ax in enumerate(idx) if d != i for a in ax}
+                        | {a for d, ax in enumerate(op) if d != o for a in ax}):  # fmt: skip
+            axes = ()
+        op[o] = idx[i] = axes
+    return tuple(op), tuple(idx)
+
+
+def scatter_add(eqn, layouts, ctx) -> Step:
+    """``operand.at[indices].add(updates)`` and ``segment_sum``: each device adds its own updates.
+
+    The updates' scatter dims keep the indices' (batch) split and their window
+    dims keep their features' split, shared with the operand; the scattered
+    operand dims are whole on each device, which adds its share of the updates
+    into them (the operand itself on one device of the reduced axes only:
+    local kernel ``"scatter_add_once"``). The partial sums are then reduce-
+    scattered onto the first scattered dim (a graph's nodes or graphs come out
+    split over the batch axes like its edges), or all-reduced when the axes do
+    not divide it.
+    """
+    operand, indices, updates = eqn.invars[:3]
+    dn = eqn.params["dimension_numbers"]
+    found = _scatter_layouts(eqn, layouts, ctx)
+    if isinstance(found, Step):
+        return found
+    op_target, idx_target, upd_target = found
+    reduce = tuple(a for axes in idx_target for a in axes)
+    live = tuple(a for a in reduce if ctx.grid.axis_size(a) > 1)
+    out, onto = list(op_target), None
+    row = dn.scatter_dims_to_operand_dims[0] if dn.scatter_dims_to_operand_dims else None
+    if live and row is not None and divides(shape_of(operand)[row], reduce, ctx.grid):
+        out[row], onto = reduce, row
+    return Step([op_target, idx_target, upd_target] + [None] * (len(eqn.invars) - 3), [tuple(out)],
+                [reduce], dict(eqn.params), scatter=[onto],
+                local="scatter_add_once" if live else "")  # fmt: skip
+
+
+def scatter(eqn, layouts, ctx) -> Step:
+    """``operand.at[indices].set(updates)``: every device writes all the indices into its block.
+
+    Writes do not add up, so the indices and the updates' scatter dims are
+    whole (gathered); window dims keep their split, shared with the operand.
+    """
+    found = _scatter_layouts(eqn, layouts, ctx)
+    if isinstance(found, Step):
+        return found
+    op_target, idx_target, upd_target = found
+    if used_axes(idx_target):
+        idx_target = replicated(len(idx_target))
+        dn = eqn.params["dimension_numbers"]
+        upd_target = tuple(axes if d in dn.update_window_dims else ()
+                           for d, axes in enumerate(upd_target))  # fmt: skip
+    return Step([op_target, idx_target, upd_target] + [None] * (len(eqn.invars) - 3), [op_target],
+                [()], dict(eqn.params))  # fmt: skip
+
+
+def _scatter_layouts(eqn, layouts, ctx):
+    """``(operand, indices, updates)`` targets of a scatter, or the replicate Step."""
+    operand, indices, updates = eqn.invars[:3]
+    dn = eqn.params["dimension_numbers"]
+    op_shape, idx_shape, upd_shape = shape_of(operand), shape_of(indices), shape_of(updates)
+    if dn.operand_batching_dims or not idx_shape or len(eqn.outvars) != 1:
+        return replicate(eqn, f"{eqn.primitive.name} with batching dims or scalar indices")
+    idx = list(without(_known(layouts[1], idx_shape), {len(idx_shape) - 1}))
+    upd = list(_known(layouts[2], upd_shape))
+    op_known = _known(layouts[0], op_shape)
+    scatter_dims = [d for d in range(len(upd_shape)) if d not in dn.update_window_dims]
+    for u, i in zip(scatter_dims, range(len(idx_shape) - 1)):
+        upd[u] = idx[i] = upd[u] or idx[i]
+    scattered = set(dn.inserted_window_dims) | set(dn.scatter_dims_to_operand_dims)
+    windows = [d for d in range(len(op_shape)) if d not in dn.inserted_window_dims]
+    batch_axes = {a for axes in idx for a in axes}
+    op: list[tuple[str, ...]] = [()] * len(op_shape)
+    for u, o in zip(dn.update_window_dims, windows):
+        axes = upd[u] or op_known[o]
+        whole = o in scattered or upd_shape[u] != op_shape[o] or set(axes) & batch_axes
+        op[o] = upd[u] = () if whole else axes
+    return tuple(op), tuple(idx), tuple(upd)
+
+
+def _known(layout, shape) -> Layout:
+    return layout if layout is not None else replicated(len(shape))
 
 
 def split(eqn, layouts, ctx) -> Step:
@@ -478,7 +643,8 @@ def dot_general(eqn, layouts, ctx) -> Step:
         w_shape = rshape if weight_is_rhs else lshape
         act_shape = lshape if weight_is_rhs else rshape
         act_lay, w_lay, layer = _layer_layouts(
-            act_lay, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx
+            act_lay, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx,
+            stacked=_stacked_weight_dims(eqn, weight_is_rhs, ctx),
         )
         llay, rlay = (act_lay, w_lay) if weight_is_rhs else (w_lay, act_lay)
     llay, rlay = _consistent(llay, rlay, lc, rc, lb, rb)
@@ -492,31 +658,58 @@ def dot_general(eqn, layouts, ctx) -> Step:
                 scatter=[scatter])  # fmt: skip
 
 
+def _stacked_weight_dims(eqn, weight_is_rhs: bool, ctx) -> frozenset:
+    """The weight's free dims whose output dims are taken apart later (``ctx.stacked``)."""
+    taken = ctx.stacked.get(eqn.outvars[0], frozenset())
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lfree = [d for d in range(len(shape_of(eqn.invars[0]))) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(shape_of(eqn.invars[1]))) if d not in rc and d not in rb]
+    first, free = (len(lb) + len(lfree), rfree) if weight_is_rhs else (len(lb), lfree)
+    return frozenset(d for i, d in enumerate(free) if first + i in taken)
+
+
+def _output_features(free: list[int], shape, axis: str, stacked: frozenset, ctx) -> int:
+    """The weight dim split over the layer's output axis: the first free dim the axis
+    divides that is not a stack dim (k|v, fused qkv), else the first it divides."""
+    for pool in ([d for d in free if d not in stacked], free):
+        for d in pool:
+            if divides(shape[d], (axis,), ctx.grid):
+                return d
+    return free[0]
+
+
 def _scatter_onto_batch(out: list, out_shape, reduce_axes, ctx) -> int | None:
     """Reduce-scatter a matmul's partial sums onto its batch dim instead of all-reducing them.
 
-    When the output's leading dim is split over the batch axes (or not at all)
-    and the reduced axes divide it further, the partial sums are reduce-
-    scattered onto it (``out[0]`` gains the reduced axes, minor). Same bytes as
+    When an output dim is split over the batch axes (else: the leading dim, if
+    unsplit) and the reduced axes divide it further, the partial sums are reduce-
+    scattered onto it (it gains the reduced axes, minor). Same bytes as
     the all-reduce, and what follows up to the next layer — norms, residual
     adds, attention, activations — runs on a 1/(reduced axes) share of the
     batch instead of repeating over them; the next layer gathers them back
     (sequence parallelism, applied to the batch dim). Returns the scattered dim.
     """
     live = tuple(a for a in reduce_axes if ctx.grid.axis_size(a) > 1)
-    if not ctx.scatter_batch or not live or not out or set(out[0]) - set(BATCH_AXES) or set(live) & used_axes(tuple(out)):
+    if not ctx.scatter_batch or not live or not out or set(live) & used_axes(tuple(out)):
         return None
-    wider = tuple(a for a in BATCH_AXES if a in out[0]) + live
-    if not divides(out_shape[0], wider, ctx.grid):
+    # the batch dim: the one split over the batch axes (a weight on the left of an einsum puts
+    # its own dims first), else an unsplit leading dim
+    dim = next((d for d, axes in enumerate(out) if axes[:len(BATCH_AXES)] == BATCH_AXES), 0)
+    if set(out[dim]) - set(BATCH_AXES):
         return None
-    out[0] = wider
-    return 0
+    wider = tuple(a for a in BATCH_AXES if a in out[dim]) + live
+    if not divides(out_shape[dim], wider, ctx.grid):
+        return None
+    out[dim] = wider
+    return dim
 
 
-def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx, out_dim=None):
+def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx, out_dim=None,
+                   stacked: frozenset = frozenset()):  # fmt: skip
     """Choose normal/transposed from the activation's contracting layout (§1).
 
-    ``out_dim``: the weight's output-feature dim (default: its first free dim).
+    ``out_dim``: the weight's output-feature dim (default: :func:`_output_features`,
+    which passes over the ``stacked`` dims).
     """
     on_contract = [a for d in act_c for a in act[d] if a in (X, Y)]
     in_axis = on_contract[0] if on_contract else Y
@@ -526,6 +719,11 @@ def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx, out_dim
     act = [tuple(a for a in axes if a != out_axis) for axes in act]
     if in_axis not in on_contract and act_c:
         first = act_c[0]
+        if divides(act_shape[first], act[first] + (in_axis,), ctx.grid):
+            # input features that are whole (a concatenation): they take the input axis, back
+            # from a batch dim reduce-scattered over it (the activation is gathered there)
+            act = [axes[:len(BATCH_AXES)] + tuple(a for a in axes[len(BATCH_AXES):] if a != in_axis)
+                   if axes[:len(BATCH_AXES)] == BATCH_AXES else axes for axes in act]  # fmt: skip
         if in_axis not in used_axes(tuple(act)) and divides(
             act_shape[first], act[first] + (in_axis,), ctx.grid
         ):
@@ -536,7 +734,8 @@ def _layer_layouts(act, act_shape, act_c, act_b, w_shape, w_c, w_b, ctx, out_dim
     for a_dim, w_dim in zip(act_b, w_b):
         w[w_dim] = act[a_dim]
     w_free = [d for d in range(len(w_shape)) if d not in w_c and d not in w_b]
-    out_dim = w_free[0] if out_dim is None and w_free else out_dim
+    if out_dim is None and w_free:
+        out_dim = _output_features(w_free, w_shape, out_axis, stacked, ctx)
     taken = used_axes(tuple(act))
     if out_dim is not None and out_axis not in taken and divides(w_shape[out_dim], (out_axis,), ctx.grid):
         w[out_dim] = (out_axis,)
@@ -675,6 +874,11 @@ _RULES = {
     "bitcast_convert_type": bitcast_convert_type,
     **{name: random_keys for name in KEY_PRIMITIVES},
     "gather": gather,
+    "scatter-add": scatter_add,
+    "scatter-sub": scatter_add,  # linear alike: the operand once, minus every device's updates
+    "scatter": scatter,
+    **{name: model_collective for name in COLLECTIVE_AXES},
+    **{name: unsupported_collective for name in OTHER_COLLECTIVES},
     "split": split,
     "stack": stack,
     "tile": tile,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,8 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, call_body, with_subjaxprs
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, call_body, subjaxprs, with_subjaxprs
 from axonn_jax.partitioner.pointwise import keeps_whole
+from axonn_jax.partitioner.rules import COLLECTIVE_AXES, OTHER_COLLECTIVES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +62,9 @@ class TracedModel:
     state_outputs: tuple[tuple[int, int], ...] = ()  # (output leaf, variable leaf it updates)
     rng_args: frozenset[int] = frozenset()  # positions in arg_avals of RNG keys (``rngs=``)
     rng_state: frozenset[int] = frozenset()  # variable leaves holding nnx RNG keys (raw key data)
+    #: the model's own collective axis names (``BatchNorm(axis_name='batch')``), bound with
+    #: size 1 while tracing: the model is traced over the whole batch (see bound_axis_names)
+    axis_names: tuple = ()
 
     @property
     def num_params(self) -> int:
@@ -117,7 +122,32 @@ def path_string(path) -> str:
 
 
 def trace_model(model, *args, **kwargs) -> TracedModel:
-    """Trace ``model`` called on ``args``/``kwargs`` (arrays or ShapeDtypeStructs)."""
+    """Trace ``model`` called on ``args``/``kwargs`` (arrays or ShapeDtypeStructs).
+
+    Collective axis names the model uses itself (data-parallel code written for
+    ``pmap``: ``BatchNorm(axis_name='batch')``, ``lax.pmean(x, 'batch')``) are
+    found while tracing and bound with size 1 (:func:`bound_axis_names`): the
+    model is traced over the whole batch, so its statistics are those of the
+    whole batch, which the partitioned program computes with its own reductions.
+    """
+    names: tuple = ()
+    while True:
+        try:
+            with bound_axis_names(names):
+                traced = _trace(model, args, kwargs)
+            break
+        except NameError as err:
+            name = unbound_axis_name(err)
+            if name is None or name in names:
+                raise
+            names += (name,)
+    if not names:
+        return traced
+    return dataclasses.replace(traced, axis_names=names, apply=_binding(traced.apply, names),
+                               init=_binding(traced.init, names))  # fmt: skip
+
+
+def _trace(model, args, kwargs) -> TracedModel:
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax always has nnx since 0.8
@@ -133,6 +163,45 @@ def trace_model(model, *args, **kwargs) -> TracedModel:
         f"axonn_jax.partition expects a flax.linen.Module or flax.nnx.Module, got "
         f"{type(model).__name__}. Remedy: wrap plain functions in a linen Module."
     )
+
+
+_UNBOUND = re.compile(r"unbound axis name: (\S+?)\.?(?:\s|$)")
+
+
+def unbound_axis_name(err: Exception) -> str | None:
+    """The axis name of JAX's "unbound axis name" error, else None.
+
+    Example:
+        >>> unbound_axis_name(NameError("Found an unbound axis name: batch. To fix this, ..."))
+        'batch'
+    """
+    found = _UNBOUND.search(str(err))
+    return found.group(1) if found else None
+
+
+@contextlib.contextmanager
+def bound_axis_names(names):
+    """Trace with the model's own collective axis ``names`` bound, each of size 1.
+
+    A collective over them is then the identity of the one-device model: a
+    ``pmean`` over ``'batch'`` of a mean taken over the whole batch. (JAX's
+    ``make_jaxpr(axis_env=...)`` context, opened for every trace inside.)
+    """
+    if not names:
+        yield
+        return
+    from jax._src import core as jax_core
+
+    with jax_core.extend_axis_env_nd([(name, 1) for name in names]):
+        yield
+
+
+def _binding(fn: Callable, names) -> Callable:
+    def bound(*args, **kwargs):
+        with bound_axis_names(names):
+            return fn(*args, **kwargs)
+
+    return bound
 
 
 #: keyword arguments of ``model.apply`` (not of the model's ``__call__``)
@@ -325,11 +394,24 @@ def inline_calls(closed) -> Any:
     Control flow (``scan``/``while``/``cond``) stays one equation whose bodies
     are inlined the same way.
     """
-    inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(
-        *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    )
+    with bound_axis_names(collective_axis_names(closed.jaxpr)):
+        inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(
+            *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+        )
     return inlined
 
+
+def collective_axis_names(jaxpr) -> tuple:
+    """The axis names the collectives of ``jaxpr`` (nested calls included) reduce over."""
+    names: list = []
+    for eqn in jaxpr.eqns:
+        key = {**COLLECTIVE_AXES, **OTHER_COLLECTIVES}.get(eqn.primitive.name)
+        if key is not None:
+            axes = eqn.params[key]
+            names.extend(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a not in names)
+        for inner in subjaxprs(eqn):
+            names.extend(a for a in collective_axis_names(inner) if a not in names)
+    return tuple(names)
 
 def inlined_body(eqn) -> tuple | None:
     """``(jaxpr, consts)`` of a call that :func:`inline_calls` flattens, else None."""

@@ -159,7 +159,7 @@ class Executor:
         self.arg_layouts = list(program.arg_layouts)
         self.out_layouts = list(program.output_layouts)
         self.overlap = overlap
-        self.ctx = R.Context(self.grid, scatter_batch=program.scatter_batch)
+        self.ctx = program.rules_context()
         n = len(self.param_storage)
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -69,6 +70,28 @@ def split_pieces(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
     return cut
 
 
+def scatter_add_once(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
+    """``scatter-add`` of this device's updates, into the operand on one device only.
+
+    The rule sums the devices' results over ``step.reduce``; the operand (zeros
+    for ``segment_sum``) takes part on the first device of those axes, so it is
+    counted once. Scatter-add is linear: the sum is the plain result.
+    """
+    axes = [a for a in step.reduce[0] if grid.axis_size(a) > 1]
+    first = functools.reduce(jnp.logical_and, [lax.axis_index(a) == 0 for a in axes])
+    operand = jnp.where(first, values[0], jnp.zeros_like(values[0]))
+    return bind([operand, *values[1:]], step.params)
+
+
+def model_collective(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
+    """A collective over the model's own axis names: what it is on one device (the identity)."""
+    if eqn.primitive.name == "axis_index":
+        return [jnp.zeros((), eqn.outvars[0].aval.dtype)]
+    if eqn.primitive.name == "all_gather" and not eqn.params["tiled"]:
+        return [jnp.expand_dims(values[0], eqn.params["all_gather_dimension"])]
+    return list(values)
+
+
 def random_bits(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
     """Only this device's block of the bits (see :mod:`axonn_jax.runtime.random_bits`)."""
     return [local_bits(values[0], eqn.params["bit_width"], tuple(eqn.params["shape"]),
@@ -79,4 +102,6 @@ KERNELS: dict[str, Callable[..., list[jax.Array]]] = {
     "sharded_lookup": sharded_lookup,
     "split_pieces": split_pieces,
     "random_bits": random_bits,
+    "scatter_add_once": scatter_add_once,
+    "model_collective": model_collective,
 }

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.extend.random import threefry2x32_p
 
+from axonn_jax.partitioner.flops import RANDOM_BITS_CALL
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, factor, live, local_shape
 from axonn_jax.runtime.shard_index import shard_index
@@ -34,17 +35,39 @@ _MASK16 = 0xFFFF
 def local_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...], layout: Layout,
                grid: Grid) -> jax.Array:  # fmt: skip
     """This device's block (``layout`` of the global ``shape``) of ``random_bits(key)``."""
-    dtype = np.dtype(f"uint{bit_width}")
     if not _blockwise(key):
-        full = jax.random.bits(key, shape, dtype)
+        full = jax.random.bits(key, shape, np.dtype(f"uint{bit_width}"))
         return _slice(full, layout, grid)
     local = local_shape(shape, layout, grid)
-    hi, lo = _linear_index(shape, _offsets(shape, layout, grid), local)
-    k1, k2 = jax.random.key_data(key)
-    bits1, bits2 = threefry2x32_p.bind(k1, k2, hi, lo)
-    if bit_width == 64:
-        return lax.shift_left(bits1.astype(dtype), dtype.type(32)) | bits2.astype(dtype)
-    return (bits1 ^ bits2).astype(dtype)
+    return block_bits(key, bit_width, shape, _offsets(shape, layout, grid), local)
+
+
+def block_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...], offsets,
+               local: tuple[int, ...]) -> jax.Array:  # fmt: skip
+    """The block of ``random_bits(key, bit_width, shape)`` at ``offsets`` (per dim) of shape ``local``.
+
+    ``key``: a scalar partitionable-threefry key. Runs as one call named
+    :data:`~axonn_jax.partitioner.flops.RANDOM_BITS_CALL`, which the FLOP count
+    counts as the bits it draws (as it counts the plain model's ``random_bits``).
+
+    Example:
+        >>> key = jax.random.key(0)
+        >>> block = block_bits(key, 32, (4, 6), [np.uint32(2), np.uint32(3)], (2, 3))
+        >>> bool((block == jax.random.bits(key, (4, 6))[2:, 3:]).all())
+        True
+    """
+    dtype = np.dtype(f"uint{bit_width}")
+
+    def block(key, offsets):
+        hi, lo = linear_index(shape, offsets, local)
+        k1, k2 = jax.random.key_data(key)
+        bits1, bits2 = threefry2x32_p.bind(k1, k2, hi, lo)
+        if bit_width == 64:
+            return lax.shift_left(bits1.astype(dtype), dtype.type(32)) | bits2.astype(dtype)
+        return (bits1 ^ bits2).astype(dtype)
+
+    block.__name__ = RANDOM_BITS_CALL
+    return jax.jit(block)(key, [jnp.asarray(o, jnp.uint32) for o in offsets])
 
 
 def _blockwise(key: jax.Array) -> bool:
@@ -61,18 +84,33 @@ def _offsets(shape, layout: Layout, grid: Grid) -> list:
     return offsets
 
 
-def _linear_index(shape, offsets, local) -> tuple[jax.Array, jax.Array]:
-    """Row-major global linear index of every element of the block, as uint32 (hi, lo)."""
+def linear_index(shape, offsets, local) -> tuple[jax.Array, jax.Array]:
+    """Row-major global linear index of every element of a block, as uint32 ``(hi, lo)``.
+
+    ``offsets``: the block's global start in each dim (uint32); ``local``: its
+    shape. The index is exact up to ``2**64`` elements (the high word carries
+    everything from ``2**32`` on: attention probabilities of a real model pass it).
+
+    Example:
+        >>> hi, lo = linear_index((2**20, 2**13), [np.uint32(2**19), np.uint32(0)], (1, 2))
+        >>> int(hi[0, 1]), int(lo[0, 1])
+        (1, 1)
+    """
     if math.prod(shape) >= 2**64:
         raise NotImplementedError(f"random bits of {math.prod(shape)} elements (≥ 2**64)")
-    hi = jnp.zeros(local, jnp.uint32)
-    lo = jnp.zeros(local, jnp.uint32)
-    stride = 1
-    for d in reversed(range(len(shape))):
-        coord = lax.broadcasted_iota(jnp.uint32, local, d) + offsets[d]
-        t_hi, t_lo = _mul(coord, stride)
-        hi, lo = _add(hi, lo, t_hi, t_lo)
-        stride *= shape[d]
+    if any(size >= 2**32 for size in shape):
+        raise NotImplementedError(
+            f"random bits of shape {tuple(shape)}: a dim of {max(shape)} elements (≥ 2**32) has "
+            "coordinates beyond uint32. Remedy: draw them in a shape whose dims are below 2**32 "
+            "and reshape."
+        )
+    # dim by dim: the index of the leading dims so far (shape local[:d]) plus this dim's
+    # term, multiplied on its own coordinates (1-D): one 64-bit add per element in all
+    hi = lo = jnp.zeros((), jnp.uint32)
+    for d in range(len(shape)):
+        coord = lax.iota(jnp.uint32, local[d]) + jnp.asarray(offsets[d], jnp.uint32)
+        t_hi, t_lo = _mul(coord, math.prod(shape[d + 1 :]))
+        hi, lo = _add(hi[..., None], lo[..., None], t_hi, t_lo)
     return hi, lo
 
 

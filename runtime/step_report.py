@@ -34,7 +34,7 @@ from axonn_jax.partitioner.jaxprs import open_jaxpr, subjaxprs
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
-from axonn_jax.partitioner.trace import abstract, call_leaves, is_static
+from axonn_jax.partitioner.trace import abstract, bound_axis_names, call_leaves, is_static
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.sharded import apply_program
 
@@ -121,7 +121,8 @@ def step_report(plan: Plan, program: Program, args: tuple, kwargs: dict, *,
         gathered_weights=saved.weights,
     )  # fmt: skip
     communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
-    plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
+    with bound_axis_names(program.traced.axis_names):  # the model's own pmean('batch') etc.
+        plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
     compute = ComputeReport(count(fwd) + count(bwd), count(plain_fwd) + count(plain_bwd), grid.size)
     return StepReport(plan, communication, memory, compute)
 

@@ -30,13 +30,16 @@ def dropout_loss(out, tokens):
     return next_token_loss(out.logits, tokens)
 
 
-def dropout_trajectory(apply, params, args, keys):
-    """AdamW steps of ``apply(params, *args, rngs)`` with one dropout key per step."""
+def dropout_trajectory(apply, params, args, keys, loss_fn=dropout_loss):
+    """AdamW steps of ``apply(params, *args, rngs)`` with one dropout key per step.
+
+    ``loss_fn(outputs, args[0])``: GPT-2's next-token loss by default.
+    """
     optimizer = optax.adamw(LR)
 
     @jax.jit
     def step(p, s, key):
-        loss, grads = jax.value_and_grad(lambda q: dropout_loss(apply(q, *args, {"dropout": key}), args[0]))(p)
+        loss, grads = jax.value_and_grad(lambda q: loss_fn(apply(q, *args, {"dropout": key}), args[0]))(p)
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss, grads
 

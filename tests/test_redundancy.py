@@ -7,7 +7,9 @@ of one loss-and-gradient step, counted on the traced programs
 (:mod:`axonn_jax.partitioner.flops`; ``benchmarks/redundancy.py`` reports the
 compiled programs' XLA counts, which agree); the parameter fraction is the
 bytes one device holds over the model's. Loss and gradients equal the plain
-model's (``benchmarks.redundancy.measure``).
+model's (``benchmarks.redundancy.measure``). The same families in train mode
+with every dropout probability 0.1 (``hf_zoo.build(dropout=0.1)``) stay ≤ 1.05:
+the random bits are drawn split like the activation they mask.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ def test_each_device_does_its_share(name, grid):
     assert fraction <= 1 / (grid.x * grid.y * grid.z) + 0.03, (name, grid, fraction)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("name", hf_zoo.FAMILIES)
+def test_dropout_masks_are_split_like_their_activations(name, grid):
+    """Train mode, every dropout probability 0.1: still ≤ 1.05 (the bits follow the activation)."""
+    grid = Grid.parse(grid)
+    entry = hf_zoo.build(name, dropout=0.1)
+    report, pm = traced_compute(entry.model, entry.args, entry.loss, grid, entry.kwargs)
+    assert report.redundancy <= 1.05, (name, grid, report.redundancy, report.repeated(3))
+    assert not pm.plan.fallbacks, pm.plan.warnings
+
+
 def test_gpt2_attention_is_head_parallel():
     """After GPT-2's fused qkv is split, the attention core runs on 1/8 of the work per device."""
     grid = Grid(x=2, y=2, z=2)
@@ -70,11 +84,13 @@ def test_convolution_kernels_split_eight_ways(name):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["eval", "dropout"])
 @pytest.mark.parametrize("name", hf_zoo.FAMILIES)
-def test_loss_and_gradients_equal_the_plain_model(name):
-    """On x=2,y=2,z=2 (every tensor axis): compiled FLOPs ≤ 1.05× and exact numbers."""
-    entry = hf_zoo.build(name)
-    row = measure(name, entry.model, entry.args, entry.loss, "x=2,y=2,z=2")
+def test_loss_and_gradients_equal_the_plain_model(name, dropout):
+    """On x=2,y=2,z=2 (every tensor axis): compiled FLOPs ≤ 1.05× and exact numbers
+    (train mode with dropout: the plain model's masks, with the same key)."""
+    entry = hf_zoo.build(name, dropout=dropout)
+    row = measure(name, entry.model, entry.args, entry.loss, "x=2,y=2,z=2", entry.kwargs)
     assert row.max_err <= 1e-5, row
     assert row.redundancy <= 1.05, row
 

@@ -54,6 +54,10 @@ class GPTConfig:
     ``ffn_hidden=None`` resolves to ``4 * hidden``. ``use_bias`` controls the
     biases of the Dense layers (attention and MLP); LayerNorm always has a bias.
     ``dtype`` is the computation dtype; parameters are always float32.
+    ``dropout`` is GPT-2's: on the embeddings, the attention weights and both
+    residual branches, in train mode (linen ``deterministic=False`` with
+    ``rngs={'dropout': key}``; nnx: the module's ``'dropout'`` stream unless
+    ``.eval()``); 0 adds no dropout at all.
     """
 
     vocab_size: int = 256
@@ -66,6 +70,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     use_bias: bool = True
     dtype: Dtype = jnp.float32
+    dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "num_layers", "hidden", "num_heads", "max_seq_len"):
@@ -77,6 +82,8 @@ class GPTConfig:
                 f"GPTConfig.hidden={self.hidden} is not divisible by num_heads={self.num_heads}; "
                 "choose a hidden size that is a multiple of the number of heads"
             )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if self.norm not in NORMS:
             raise ValueError(f"GPTConfig.norm={self.norm!r} is unknown; expected one of {NORMS}")
         if self.ffn_hidden is None:
@@ -175,15 +182,24 @@ class Block(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         """[b, s, hidden] -> [b, s, hidden]."""
         c = self.config
+        drop = _dropout(c.dropout, deterministic)
         h = make_norm(c.norm, dtype=c.dtype, name="norm_attn")(x)
-        x = x + Attention(
-            c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype, name="attn"
-        )(h)
+        x = x + drop(Attention(
+            c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype,
+            dropout_rate=c.dropout, name="attn",
+        )(h, deterministic=deterministic))
         h = make_norm(c.norm, dtype=c.dtype, name="norm_mlp")(x)
-        return x + FeedForward(c.ffn_hidden, use_bias=c.use_bias, dtype=c.dtype, name="mlp")(h)
+        return x + drop(FeedForward(c.ffn_hidden, use_bias=c.use_bias, dtype=c.dtype, name="mlp")(h))
+
+
+def _dropout(rate: float, deterministic: bool):
+    """``nn.Dropout(rate)`` in train mode with a rate; otherwise the identity (no module)."""
+    if deterministic or not rate:
+        return lambda x: x
+    return lambda x: nn.Dropout(rate, deterministic=False)(x)
 
 
 class GPT(nn.Module):
@@ -192,7 +208,7 @@ class GPT(nn.Module):
     config: GPTConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, deterministic: bool = True) -> jax.Array:
         c = self.config
         _check_tokens(c, tokens)
         embed = nn.Embed(
@@ -200,8 +216,9 @@ class GPT(nn.Module):
         )
         pos_embed = self.param("pos_embed", EMBED_INIT, (c.max_seq_len, c.hidden))
         x = embed(tokens) + pos_embed[: tokens.shape[1]].astype(c.dtype)
+        x = _dropout(c.dropout, deterministic)(x)
         for i in range(c.num_layers):
-            x = Block(c, name=f"block_{i}")(x)
+            x = Block(c, name=f"block_{i}")(x, deterministic)
         x = make_norm(c.norm, dtype=c.dtype, name="norm_final")(x)
         if c.tie_embeddings:
             return embed.attend(x)
@@ -219,17 +236,23 @@ class BlockNNX(nnx.Module):
         self.norm_attn = make_norm_nnx(c.norm, c.hidden, dtype=c.dtype, rngs=rngs)
         self.attn = AttentionNNX(
             c.hidden, c.num_heads, c.head_dim, causal=True, use_bias=c.use_bias, dtype=c.dtype,
-            rngs=rngs,
+            dropout_rate=c.dropout, rngs=rngs,
         )
         self.norm_mlp = make_norm_nnx(c.norm, c.hidden, dtype=c.dtype, rngs=rngs)
         self.mlp = FeedForwardNNX(
             c.hidden, c.ffn_hidden, use_bias=c.use_bias, dtype=c.dtype, rngs=rngs
         )
+        self.drop = _dropout_nnx(c.dropout, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """[b, s, hidden] -> [b, s, hidden]."""
-        x = x + self.attn(self.norm_attn(x))
-        return x + self.mlp(self.norm_mlp(x))
+        x = x + self.drop(self.attn(self.norm_attn(x)))
+        return x + self.drop(self.mlp(self.norm_mlp(x)))
+
+
+def _dropout_nnx(rate: float, rngs: nnx.Rngs):
+    """``nnx.Dropout(rate)`` drawing from the ``'dropout'`` stream, or the identity for 0."""
+    return nnx.Dropout(rate, rngs=rngs) if rate else (lambda x: x)
 
 
 class GPTNNX(nnx.Module):
@@ -247,6 +270,7 @@ class GPTNNX(nnx.Module):
         self.pos_embed = nnx.Param(EMBED_INIT(rngs.params(), (c.max_seq_len, c.hidden)))
         self.blocks = nnx.List([BlockNNX(c, rngs=rngs) for _ in range(c.num_layers)])
         self.norm_final = make_norm_nnx(c.norm, c.hidden, dtype=c.dtype, rngs=rngs)
+        self.drop = _dropout_nnx(c.dropout, rngs)
         if not c.tie_embeddings:
             self.head = nnx.Linear(c.hidden, c.vocab_size, use_bias=False, dtype=c.dtype, rngs=rngs)
 
@@ -254,7 +278,7 @@ class GPTNNX(nnx.Module):
         """int32 tokens [batch, seq] -> logits [batch, seq, vocab]."""
         c = self.config
         _check_tokens(c, tokens)
-        x = self.embed(tokens) + self.pos_embed[: tokens.shape[1]].astype(c.dtype)
+        x = self.drop(self.embed(tokens) + self.pos_embed[: tokens.shape[1]].astype(c.dtype))
         for block in self.blocks:
             x = block(x)
         x = self.norm_final(x)

@@ -1,8 +1,9 @@
 """Transformer building blocks shared by the reference models (linen and nnx).
 
-Plain Flax layers and ``jnp`` ops only: no sharding annotations, no dropout,
-no ``nn.scan``/``nn.remat``, so that the automatic partitioner sees an ordinary
-program when it traces a model that uses them.
+Plain Flax layers and ``jnp`` ops only: no sharding annotations, no
+``nn.scan``/``nn.remat``, so that the automatic partitioner sees an ordinary
+program when it traces a model that uses them. Dropout (attention weights)
+only with a rate, in train mode.
 
 Example::
 
@@ -56,12 +57,12 @@ def causal_mask(q_len: int, kv_len: int) -> jax.Array:
 
 
 def dot_product_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool
+    q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, dropout=None
 ) -> jax.Array:
     """Softmax attention over [batch, seq, heads, head_dim] arrays.
 
     Scores are computed and normalised in float32 (a no-op for fp32 models) and
-    cast back to the dtype of ``v``.
+    cast back to the dtype of ``v``; ``dropout`` (a function) drops weights.
     """
     q = q * (1.0 / math.sqrt(q.shape[-1]))
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32)
@@ -69,6 +70,8 @@ def dot_product_attention(
         mask = causal_mask(q.shape[1], k.shape[1])
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if dropout is not None:
+        weights = dropout(weights)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
 
 
@@ -77,6 +80,7 @@ class Attention(nn.Module):
 
     ``__call__(x, context=None)``: self-attention when ``context`` is None,
     otherwise cross-attention from ``x`` (queries) to ``context`` (keys/values).
+    ``dropout_rate`` drops attention weights when called with ``deterministic=False``.
     """
 
     num_heads: int
@@ -84,9 +88,11 @@ class Attention(nn.Module):
     causal: bool = False
     use_bias: bool = True
     dtype: Dtype = jnp.float32
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, context: jax.Array | None = None,
+                 deterministic: bool = True) -> jax.Array:  # fmt: skip
         """[b, s, hidden] (and optional context [b, t, hidden]) -> [b, s, hidden]."""
         hidden = x.shape[-1]
         context = x if context is None else context
@@ -102,7 +108,10 @@ class Attention(nn.Module):
         q = proj("query")(x)
         k = proj("key")(context)
         v = proj("value")(context)
-        y = dot_product_attention(q, k, v, causal=self.causal)
+        drop = None
+        if self.dropout_rate and not deterministic:
+            drop = nn.Dropout(self.dropout_rate, deterministic=False, name="dropout")
+        y = dot_product_attention(q, k, v, causal=self.causal, dropout=drop)
         return nn.DenseGeneral(
             features=hidden,
             axis=(-2, -1),
@@ -152,6 +161,7 @@ class AttentionNNX(nnx.Module):
         causal: bool = False,
         use_bias: bool = True,
         dtype: Dtype = jnp.float32,
+        dropout_rate: float = 0.0,
         rngs: nnx.Rngs,
     ):
         def proj() -> nnx.LinearGeneral:
@@ -164,12 +174,15 @@ class AttentionNNX(nnx.Module):
         self.out = nnx.LinearGeneral(
             (num_heads, head_dim), hidden, axis=(-2, -1), use_bias=use_bias, dtype=dtype, rngs=rngs
         )
+        if dropout_rate:
+            self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
 
     def __call__(self, x: jax.Array, context: jax.Array | None = None) -> jax.Array:
         """[b, s, hidden] (and optional context [b, t, hidden]) -> [b, s, hidden]."""
         context = x if context is None else context
         q, k, v = self.query(x), self.key(context), self.value(context)
-        return self.out(dot_product_attention(q, k, v, causal=self.causal))
+        drop = getattr(self, "dropout", None)
+        return self.out(dot_product_attention(q, k, v, causal=self.causal, dropout=drop))
 
 
 class FeedForwardNNX(nnx.Module):

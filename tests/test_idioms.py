@@ -1,0 +1,247 @@
+"""Models written as their communities write them, on the five grids of the table.
+
+Gemma's nnx attention with a stacked ``kv_einsum`` or fused ``qkv_einsum``
+kernel, a jraph-style graph net (``segment_sum`` over senders/receivers), a
+ResNet whose BatchNorms average over ``axis_name='batch'`` (data-parallel
+code written for ``pmap``), in train mode. Each: no fallback and no warning,
+redundancy ≤ 1.05 (``pm.report().compute``), and the loss, every gradient and
+the parameters (and statistics) after AdamW steps equal the plain model's
+(the bounds of ``test_partition.py``). The graph net runs through
+``pm.apply`` inside the user's jitted ``jax.value_and_grad`` (its batch leaves
+have different leading dims: nodes, edges, graphs).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from idiom_cases import IMAGES, GemmaBlock, GraphNet, ResNetBN, gemma_inputs, gpt_with_dropout, graph_batch
+from partition_cases import (LR, STEPS, Case, _leaves, adamw_param_failures, adamw_trajectory,
+                             assert_matches_reference, reference_apply)  # fmt: skip
+
+import axonn_jax
+from axonn_jax import Grid
+
+#: the five grids of this table (8 devices each; every axis is split in some of them)
+GRIDS = ["x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2"]
+
+
+def _plain_and_partitioned(case: Case, grid: str):
+    """(pm, result) of AdamW on the plain model and on ``pm.apply`` (``assert_matches_reference``)."""
+    params, apply = reference_apply(case)
+    ref = adamw_trajectory(lambda p: case.loss(apply(p, *case.args), *case.args), params)
+    pm = axonn_jax.partition(case.model, Grid.parse(grid), *case.args)
+    part = adamw_trajectory(lambda p: case.loss(pm.apply(p, *case.args), *case.args), pm.shard(params))
+    result = {"init": params, "ref": (ref[0], jax.tree.map(np.asarray, ref[1]), jax.tree.map(np.asarray, ref[2])),
+              "part": (part[0], pm.gather(part[1]), pm.gather(part[2]))}  # fmt: skip
+    return pm, result
+
+
+def _assert_split_without_repeats(pm, label: str) -> None:
+    assert pm.plan.warnings == (), (label, pm.plan.warnings)
+    report = pm.report().compute
+    assert report.redundancy <= 1.05, (label, report.redundancy, report.repeated(3))
+
+
+# --- Gemma: stacked k|v and fused qkv kernels -----------------------------------------
+
+
+def _gemma(fused: bool) -> Case:
+    args = gemma_inputs()
+    model = GemmaBlock(num_kv_heads=8 if fused else 4, fused_qkv=fused, rngs=nnx.Rngs(0))
+    return Case(model, args, lambda out, *_: jnp.mean(out**2))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["kv_einsum", "qkv_einsum"])
+@pytest.mark.parametrize("grid", GRIDS)
+def test_gemma_attention_splits_heads_not_the_stack(grid, fused, devices):
+    pm, result = _plain_and_partitioned(_gemma(fused), grid)
+    params = {p.path: p for p in pm.plan.params}
+    stacked = params["attn/qkv_einsum/w" if fused else "attn/kv_einsum/w"]  # (stack, heads, D, H)
+    assert stacked.storage[0] == (), stacked.storage  # k|v (q|k|v) stay together on each device
+    if pm.grid.x > 1:
+        assert "x" in stacked.storage[1], stacked.storage  # the heads are split
+    tensor = pm.grid.x * pm.grid.y * pm.grid.z
+    for path in [stacked.path, "mlp/gating_einsum", "attn/attn_vec_einsum/w"]:  # (2, D, F): [0], [1]
+        p = params[path]
+        assert np.prod(p.local_shape(pm.grid)) * tensor == np.prod(p.shape), (path, p.storage)
+    _assert_split_without_repeats(pm, f"gemma {grid}")
+    assert_matches_reference(result, f"gemma {grid}")
+
+
+# --- a jraph-style graph net: segment_sum, node lookups by edge ---------------------------
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_graph_net_splits_nodes_edges_and_graphs(grid, devices):
+    """Edges, nodes and graphs each split over the batch axes, features over x and y."""
+    batch = graph_batch()
+    target = np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32)
+    case = Case(GraphNet(), batch, lambda out, *_: jnp.mean((out - target) ** 2))
+    pm, result = _plain_and_partitioned(case, grid)
+    _assert_split_without_repeats(pm, f"graph net {grid}")
+    assert_matches_reference(result, f"graph net {grid}")
+
+
+# --- BatchNorm(axis_name='batch'): global-batch statistics ---------------------------------
+
+LABELS = np.arange(8) % 8
+
+
+def _ce(logits):
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), LABELS[:, None], axis=-1))
+
+
+def _bn_trajectory(step_fn, variables, steps: int):
+    """AdamW steps of ``step_fn(params, state) -> ((loss, updates), grads)`` on a variables dict."""
+    optimizer = optax.adamw(LR)
+
+    @jax.jit
+    def step(v, s):
+        (loss, updates), grads = step_fn(v["params"], {k: x for k, x in v.items() if k != "params"})
+        delta, s = optimizer.update(grads, s, v["params"])
+        return {**v, "params": optax.apply_updates(v["params"], delta), **updates}, s, loss, grads
+
+    v, s, losses, first = variables, optimizer.init(variables["params"]), [], None
+    for _ in range(steps):
+        v, s, loss, grads = step(v, s)
+        losses.append(float(loss))
+        first = grads if first is None else first
+    return losses, first, v
+
+
+@pytest.fixture(scope="module")
+def bn_reference():
+    """The model as its authors run it on one device (a size-1 ``'batch'`` axis over the whole
+    batch), and the same model without ``axis_name``: one and the same trajectory."""
+    model = ResNetBN(num_classes=8)
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(0), IMAGES, train=False))
+
+    def one_device(p, state):
+        def run(x):
+            return model.apply({**state, "params": p}, x, mutable=["batch_stats"])
+
+        out, updates = jax.vmap(run, axis_name="batch")(IMAGES[None])
+        return _ce(out[0]), jax.tree.map(lambda a: a[0], updates)
+
+    ref = _bn_trajectory(jax.value_and_grad(one_device, has_aux=True), variables, STEPS)
+    plain = ResNetBN(num_classes=8, axis_name=None)
+
+    def whole_batch(p, state):
+        out, updates = plain.apply({**state, "params": p}, IMAGES, mutable=["batch_stats"])
+        return _ce(out), updates
+
+    same = _bn_trajectory(jax.value_and_grad(whole_batch, has_aux=True), variables, STEPS)
+    np.testing.assert_allclose(ref[0], same[0], rtol=1e-6)
+    return model, variables, ref
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_batchnorm_axis_name_gives_global_batch_statistics(grid, bn_reference, devices):
+    model, variables, (ref_losses, ref_grads, ref_final) = bn_reference
+    pm = axonn_jax.partition(model, Grid.parse(grid), IMAGES, mutable=["batch_stats"])
+    assert pm.program.traced.axis_names == ("batch",)
+    _assert_split_without_repeats(pm, f"resnet {grid}")
+
+    def part(p, state):
+        out, updates = pm.apply({**state, "params": p}, IMAGES, mutable=["batch_stats"])
+        return _ce(out), updates
+
+    placed = pm.shard(variables)
+    losses, grads, final = _bn_trajectory(jax.value_and_grad(part, has_aux=True), placed, STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got = _leaves(pm.gather({**placed, "params": grads})["params"])
+    want = _leaves(ref_grads)
+    scale = max(np.max(np.abs(g)) for g in want.values())
+    for path, g in want.items():
+        np.testing.assert_allclose(got[path], g, rtol=0, err_msg=path,
+                                   atol=1e-5 * np.max(np.abs(g)) + 1e-6 * scale)  # fmt: skip
+    final = _leaves(pm.gather(final))
+    failures = adamw_param_failures({k: v for k, v in final.items() if k.startswith("params/")},
+                                    ref_final, {"params": ref_grads}, variables)  # fmt: skip
+    assert not failures, failures
+    start = _leaves(variables)
+    for path, ref in _leaves(ref_final).items():  # running statistics after STEPS steps
+        if path.startswith("batch_stats/"):
+            err = np.linalg.norm(final[path] - ref)
+            assert err <= 1e-3 * np.linalg.norm(ref - start[path]) + 1e-6, (path, err)
+
+
+def test_model_collectives_over_its_own_axis_are_the_identity(devices):
+    """``pmean``/``pmax``/``axis_index`` over the model's axis: as on one device, on every grid."""
+
+    class Stats(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(16)(x)
+            mean = jax.lax.pmean(h.mean(axis=0), "replica")
+            top = jax.lax.pmax(jnp.abs(h).max(), "replica")
+            return (h - mean) / top + jax.lax.axis_index("replica")
+
+    x = np.random.default_rng(3).standard_normal((8, 12)).astype(np.float32)
+    model = Stats()
+    variables = jax.vmap(lambda a: model.init(jax.random.key(0), a), axis_name="replica")(x[None])
+    params = jax.tree.map(lambda a: a[0], variables)["params"]
+    want = jax.vmap(lambda a: model.apply({"params": params}, a), axis_name="replica")(x[None])[0]
+    for grid in ["x=2,y=2,z=2", "z=2,data=4"]:
+        pm = axonn_jax.partition(model, Grid.parse(grid), x)
+        assert pm.plan.fallbacks == () and pm.program.traced.axis_names == ("replica",)
+        got = jax.jit(pm.apply)(pm.shard(params), x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# --- dropout: the bits split like the activation they mask ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_dropout_reference():
+    """The repo's GPT with dropout 0.1 (embeddings, attention weights, residual branches)."""
+    from rng_cases import KEY, dropout_trajectory
+
+    from axonn_jax.models import next_token_loss
+
+    model, tokens = gpt_with_dropout()
+    params = jax.tree.map(np.asarray, model.init(jax.random.key(0), tokens)["params"])
+    keys = [jax.random.fold_in(KEY, t) for t in range(STEPS)]
+
+    def plain(p, t, rngs):
+        return model.apply({"params": p}, t, deterministic=False, rngs=rngs)
+
+    ref = dropout_trajectory(plain, params, (tokens,), keys, next_token_loss)
+    no_dropout = next_token_loss(model.apply({"params": params}, tokens), tokens)
+    assert abs(float(no_dropout) - ref[0][0]) > 1e-3  # dropout really is on
+    return model, tokens, params, keys, ref
+
+
+@pytest.mark.parametrize("grid", GRIDS)
+def test_gpt_with_dropout_splits_its_masks(grid, gpt_dropout_reference, devices):
+    """The repo's GPT with dropout 0.1: the plain masks bit for bit, nothing repeated."""
+    from rng_cases import KEY, dropout_trajectory
+
+    from axonn_jax.models import next_token_loss
+
+    model, tokens, params, keys, ref = gpt_dropout_reference
+    pm = axonn_jax.partition(model, Grid.parse(grid), tokens, deterministic=False,
+                             rngs={"dropout": KEY})  # fmt: skip
+    _assert_split_without_repeats(pm, f"gpt+dropout {grid}")
+
+    def part(p, t, rngs):
+        return pm.apply(p, t, deterministic=False, rngs=rngs)
+
+    losses, grads, final = dropout_trajectory(part, pm.shard(params), (tokens,), keys, next_token_loss)
+    result = {"init": params, "ref": (ref[0], jax.tree.map(np.asarray, ref[1]), jax.tree.map(np.asarray, ref[2])),
+              "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
+    assert_matches_reference(result, f"gpt+dropout {grid}")
+
+
+def test_a_collective_without_a_one_device_meaning_is_refused():
+    class Scatter(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return jax.lax.psum_scatter(nn.Dense(8)(x), "batch", tiled=True)
+
+    with pytest.raises(ValueError, match=r"reduce_scatter over its own axis \('batch',\).*Remedy"):
+        axonn_jax.partition(Scatter(), Grid(x=2, z=4), np.zeros((8, 4), np.float32))
