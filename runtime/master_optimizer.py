@@ -43,6 +43,8 @@ Example::
 
 from __future__ import annotations
 
+import warnings
+
 import math
 from typing import Any, NamedTuple
 
@@ -290,7 +292,7 @@ class MasterOptimizer:
         host_scalar = NamedSharding(self._mesh, P(), memory_kind=HOST)
         scalars = [None if v is None else jax.device_put(jnp.asarray(v), host_scalar)
                    for v in (finite, grad_scale)]  # fmt: skip
-        grads = jax.device_put(grads, _with_kind(self.param_shardings, HOST))  # half precision moves
+        on_device, grads = grads, jax.device_put(grads, _with_kind(self.param_shardings, HOST))  # half precision moves
 
         @compute_on("device_host")
         @jax.jit
@@ -298,10 +300,33 @@ class MasterOptimizer:
             new_master, new_inner = self._step(grads, inner, master, finite, grad_scale)
             return new_master, new_inner, self.precision.to_device(new_master)
 
-        master, inner, device = on_host(grads, state.inner, state.master, *scalars)
+        try:
+            master, inner, device = on_host(grads, state.inner, state.master, *scalars)
+        except ValueError as err:  # raised while tracing, before anything runs
+            if "memory_space of all inputs" not in str(err):
+                raise
+            return self._update_on_device_for_host_state(on_device, state, shardings, finite, grad_scale)
         master = jax.device_put(master, shardings.master)
         inner = jax.device_put(inner, shardings.inner)
         return jax.device_put(device, self.param_shardings), MasterState(master, inner)
+
+    def _update_on_device_for_host_state(self, grads, state, shardings, finite, grad_scale):
+        """The update on the device, the offloaded state brought in and written back.
+
+        For optimizers whose update makes new constants (``clip_by_global_norm``
+        squares ``leaf.imag``, a zeros array): JAX places such a constant in device
+        memory inside a ``compute_on('device_host')`` computation and refuses to
+        combine it with host arrays. The state lives in host memory between steps
+        as with every offloaded optimizer; during the update it is on the device
+        (the peak memory of ``offload=False`` for that moment).
+        """
+        _warn_device_update(self.optimizer)
+        master = jax.device_put(state.master, _with_kind(shardings.master, "device"))
+        inner = jax.device_put(state.inner, _with_kind(shardings.inner, "device"))
+        new_master, new_inner = self._step(grads, inner, master, finite, grad_scale)
+        device = self.precision.to_device(new_master)
+        return (jax.device_put(device, self.param_shardings),
+                MasterState(jax.device_put(new_master, shardings.master), jax.device_put(new_inner, shardings.inner)))
 
     def _update_streamed(self, grads, state, finite, grad_scale):
         self._check_separable(state.master)
@@ -441,3 +466,21 @@ def _with_kind(shardings, kind: str | None):
     def move(s):
         return s.with_memory_kind(kind) if kind is not None else s.with_memory_kind("device")
     return jax.tree.map(move, shardings)
+
+
+_WARNED_DEVICE_UPDATE: set = set()
+
+
+def _warn_device_update(optimizer) -> None:
+    """Say once per optimizer that its offloaded update runs on the device."""
+    if id(optimizer) in _WARNED_DEVICE_UPDATE:
+        return
+    _WARNED_DEVICE_UPDATE.add(id(optimizer))
+    warnings.warn(
+        "offload=True: this optimizer's update creates constants that XLA cannot keep in a "
+        "host computation (e.g. optax.clip_by_global_norm), so it runs on the device: the fp32 "
+        "masters and optimizer state stay in host memory between steps but are brought to the "
+        "device for the update (the peak memory of offload=False at that moment). Remedy, if "
+        "that peak does not fit: clip in the loss scale or use a leaf-wise optimizer.",
+        stacklevel=3,
+    )

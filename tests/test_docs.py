@@ -27,14 +27,21 @@ def test_no_reference_to_files_outside_the_repo():
             assert "design.md" not in path.read_text(), f"{path.relative_to(ROOT)} cites design.md"
 
 
-def _summary_rows(text: str) -> list[str]:
-    start = text.index("| benchmark | measure | result |")
+def _table_rows(text: str, after: str, header: str = "|") -> list[str]:
+    """The rows (header and rule included) of the first markdown table after ``after``
+    whose header line starts with ``header``."""
+    lines = text[text.index(after):].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith(header))
     rows = []
-    for line in text[start:].splitlines()[2:]:
+    for line in lines[first:]:
         if not line.startswith("|"):
             break
         rows.append(line)
     return rows
+
+
+def _summary_rows(text: str) -> list[str]:
+    return _table_rows(text, "| benchmark | measure | result |")[2:]
 
 
 def test_headline_figures_are_those_of_the_latest_run():
@@ -55,12 +62,7 @@ def test_headline_figures_are_those_of_the_latest_run():
 
 def _listed_modules(text: str, heading: str) -> set[str]:
     """The first-column module names of the table under ``### `heading` ``."""
-    section = text[text.index(f"### `{heading}`"):]
-    rows = []
-    for line in section.splitlines()[3:]:
-        if not line.startswith("|"):
-            break
-        rows.append(line)
+    rows = _table_rows(text, f"### `{heading}`")[2:]
     return {name for row in rows for name in re.findall(r"`([^`]+\.py)`", row.split("|")[1])}
 
 
@@ -106,21 +108,8 @@ def test_in_flight_figures_in_the_docs_are_the_models():
         assert "min(m, p)`" not in text and "up to `pipeline`" not in text, doc
 
 
-def _table_after(text: str, heading: str) -> list[str]:
-    """The rows of the first markdown table after ``heading``."""
-    start = text.index(heading)
-    lines = text[start:].splitlines()
-    first = next(i for i, line in enumerate(lines) if line.startswith("| model |"))
-    rows = []
-    for line in lines[first:]:
-        if not line.startswith("|"):
-            break
-        rows.append(line)
-    return rows
-
-
 def test_stage_balance_table_is_that_of_the_latest_run():
     results = (ROOT / "benchmarks" / "results" / "results.md").read_text()
     pipeline = (ROOT / "docs" / "pipeline.md").read_text()
-    want = _table_after(results, "## Pipeline stage balance by model kind")
-    assert len(want) > 2 and _table_after(pipeline, "**Stage balance by model kind**") == want
+    want = _table_rows(results, "## Pipeline stage balance by model kind", "| model |")
+    assert len(want) > 2 and _table_rows(pipeline, "**Stage balance by model kind**", "| model |") == want

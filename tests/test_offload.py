@@ -58,11 +58,11 @@ def _partitioned(grid: tuple):
     return model, pm, pm.init(jax.random.key(0))
 
 
-def _train(grid: dict, steps: int, *, snapshot: int | None = None, **options):
+def _train(grid: dict, steps: int, *, snapshot: int | None = None, optimizer=None, **options):
     """Losses of every step, gathered masters after ``snapshot`` (default: all) steps,
     the final device parameters and state."""
     _, pm, initial = _partitioned(tuple(sorted(grid.items())))
-    opt = MasterOptimizer(optax.adamw(LR), pm.param_shardings, **options)
+    opt = MasterOptimizer(optimizer or optax.adamw(LR), pm.param_shardings, **options)
     params, state = opt.init(initial)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -81,11 +81,11 @@ def _train(grid: dict, steps: int, *, snapshot: int | None = None, **options):
     return np.array(losses), masters, params, state
 
 
-def _reference(steps: int):
+def _reference(steps: int, optimizer=None):
     """Plain single-device Flax + optax."""
     model, pm, initial = _partitioned((("data", 2), ("x", 2), ("z", 2)))
     params = jax.device_put(pm.gather(initial), jax.devices()[0])
-    opt = optax.adamw(LR)
+    opt = optimizer or optax.adamw(LR)
     state = opt.init(params)
 
     @jax.jit
@@ -129,6 +129,18 @@ def test_offload_equals_on_device_after_20_adamw_steps(update_on, on_device):
     assert kinds == {HOST}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(params)} == {"device"}
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_offload_with_global_norm_clipping_is_plain_optax(on_device):
+    """clip_by_global_norm makes a zeros constant (leaf.imag) that JAX will not mix with host
+    arrays in a host computation: the update runs on the device, the state stays offloaded."""
+    clipped = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(LR))  # noqa: E731
+    with pytest.warns(UserWarning, match="runs on the device"):
+        losses, _, params, state = _train(dict(x=2, z=2, data=2), 5, offload=True, optimizer=clipped())
+    np.testing.assert_allclose(losses, _reference(5, clipped()), rtol=1e-5)
+    assert np.abs(losses - on_device[0][:5]).max() > 1e-4  # clipping active: 20x the bound above
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((state.master, state.inner))} == {HOST}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(params)} == {"device"}
 
 
 @pytest.mark.slow
