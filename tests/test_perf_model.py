@@ -146,7 +146,9 @@ def test_whole_model_hand_computed():
     device, divisible by x and y) halves each layer-output all-reduce into a forward
     reduce-scatter and the backward all-gather of its gradient (normal ½·128·128/2 =
     4096 each over y, transposed ½·128·64/2 = 2048 each over x); fc2 all-gathers its
-    y-scattered input (½·128·128/2 = 4096), fc1's input is the model's (not scattered);
+    y-scattered input (½·128·128/2 = 4096) and reduce-scatters its input gradient back
+    (the same 4096 instead of the all-reduce's 8192); fc1's input is the model's (not
+    scattered: its input gradient is still all-reduced);
     the bias sits on fc1's y-scattered rows: its gradient is also all-reduced over y
     (2·½·64 = 64).
     """
@@ -169,13 +171,13 @@ def test_whole_model_hand_computed():
         ("weight-gradient scatter", "reduce-scatter", ("z",)): 2048,
         ("weight-gradient shard", "all-reduce", ("data",)): 2048,
         ("input gradient", "all-reduce", ("x",)): 4096,
-        ("input gradient", "all-reduce", ("y",)): 8192,
         ("other parameter gradients", "all-reduce", ("data", "z")): 96,
     }
     cs = collectives(spec, grid, recompute=False, scatter_batch=False)
     assert {(c.what, c.kind, c.axes): c.elements for c in cs} == weights | {
         ("layer output", "all-reduce", ("y",)): 8192,
         ("layer output", "all-reduce", ("x",)): 4096,
+        ("input gradient", "all-reduce", ("y",)): 8192,
     }
     assert {c.what: c.calls for c in cs if c.what.startswith("weight")} == {
         "weight gather": 2, "weight-gradient scatter": 2, "weight-gradient shard": 1}
@@ -186,6 +188,7 @@ def test_whole_model_hand_computed():
         ("layer output", "reduce-scatter", ("x",)): 2048,
         ("layer output gradient", "all-gather", ("x",)): 2048,
         ("layer input", "all-gather", ("y",)): 4096,
+        ("input gradient", "reduce-scatter", ("y",)): 4096,
         ("scattered-row parameter gradients", "all-reduce", ("y",)): 64,
     }
 

@@ -20,7 +20,10 @@ layer output (default)              reduce-scat  in axis      forward (×2 recom
 layer output gradient (default)     all-gather   in axis      backward (its transpose)
 layer input (default)               all-gather   out axis     forward (×2 recompute),
                                                               unless the input is whole
-input gradient                      all-reduce   out axis     backward
+input gradient                      all-reduce   out axis     backward (default: whole
+                                                              inputs only)
+input gradient (default)            reduce-scat  out axis     backward: the gathered
+                                                              input's transpose (OAR)
 norm statistics                     all-reduce   y            forward (×2 recompute), bwd
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
 output gather                       all-gather   x (and y)    forward (vocabulary-parallel
@@ -207,15 +210,21 @@ class _Step:
                          _ring("all-reduce", g_in) * output * copies * again,
                          calls / m.fused * again, transfers=calls * again)  # fmt: skip
             layer_input = rows * m.k / g_in
+            whole = copies
             if m.out_axis in self.scattered:  # the input, scattered by an earlier layer, gathered
                 gathered = (m.count - m.whole_inputs) * (self.share if m.recomputed else 1.0) / m.fused
+                whole = m.whole_inputs * (self.share if m.recomputed else 1.0)
                 self.add("layer input", "all-gather", (m.out_axis,), "forward",
                          _ring("all-gather", g_out) * layer_input * gathered * again,
                          gathered * self.mb * again)  # fmt: skip
+                # its transpose: the input gradients of the copies reading it, summed, are
+                # reduce-scattered back onto the batch (OAR, runtime.executor._partial_gathers)
+                self.add("input gradient", "reduce-scatter", (m.out_axis,), "backward",
+                         _ring("reduce-scatter", g_out) * layer_input * gathered, gathered * self.mb)  # fmt: skip
             if m.out_axis:
                 self.add("input gradient", "all-reduce", (m.out_axis,), "backward",
-                         _ring("all-reduce", g_out) * layer_input * copies, calls / m.fused,
-                         transfers=calls)  # fmt: skip
+                         _ring("all-reduce", g_out) * layer_input * whole, whole * self.mb / m.fused,
+                         transfers=whole * self.mb)  # fmt: skip
 
     def model_edges(self) -> None:
         """Lookups, the outputs' gathers, norm statistics and the stream's joins."""
