@@ -75,15 +75,22 @@ class _Deferred:
     eqn: object
 
 
-def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
-    """Move local shard ``x`` from layout ``src`` to ``dst`` (same global shape)."""
+def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid,
+             partial: frozenset = frozenset()) -> jax.Array:  # fmt: skip
+    """Move local shard ``x`` from layout ``src`` to ``dst`` (same global shape).
+
+    ``partial``: axes gathered for a matmul whose gradient for this operand is a
+    partial sum over them: the gathered value stays typed varying over them, so
+    autodiff transposes the gather into a reduce-scatter of those partial sums
+    (instead of an all-reduce followed by a slice).
+    """
     src, dst = live(src, grid), live(dst, grid)
     if src == dst:
         return x
     for d, (s, t) in enumerate(zip(src, dst)):
         keep = len(common_prefix(s, t))
         for axis in reversed(s[keep:]):
-            x = _gather(x, axis, d)
+            x = _gather(x, axis, d, partial=axis in partial)
     for d, (s, t) in enumerate(zip(src, dst)):
         axes = t[len(common_prefix(s, t)) :]
         if not axes:
@@ -93,9 +100,9 @@ def relayout(x: jax.Array, src: Layout, dst: Layout, grid: Grid) -> jax.Array:
     return x
 
 
-def _gather(x: jax.Array, axis: str, dim: int) -> jax.Array:
+def _gather(x: jax.Array, axis: str, dim: int, partial: bool = False) -> jax.Array:
     if axis in vma(x):
-        return lax.all_gather(x, axis, axis=dim, tiled=True, to="invarying")
+        return lax.all_gather(x, axis, axis=dim, tiled=True, to="varying" if partial else "invarying")
     # identical on every device of `axis` (a broadcast value): tiling is exact
     size = lax.axis_size(axis)
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
@@ -293,15 +300,16 @@ class Executor:
                 return
         values: list = [None] * len(eqn.invars)
         lazy = []
+        partial = self._partial_gathers(eqn, layouts, step.targets, env)
         for i, (var, src, dst) in enumerate(zip(eqn.invars, layouts, step.targets)):
             if R.is_literal(var):
                 values[i] = var.val
             elif isinstance(env[var], _Lazy):
                 lazy.append(i)
             else:  # one relayout per value and layout (q, k and v read the same gathered input)
-                key = ("relayout", var, live(dst, self.grid))
+                key = ("relayout", var, live(dst, self.grid), partial[i])
                 if key not in env:
-                    env[key] = relayout(env[var], src, dst, self.grid)
+                    env[key] = relayout(env[var], src, dst, self.grid, partial[i])
                 values[i] = env[key]
         together = frozenset().union(
             *(vma(values[i]) for i, v in enumerate(eqn.invars) if i not in lazy and not R.is_literal(v))
@@ -312,7 +320,7 @@ class Executor:
             outs = KERNELS[step.local](eqn, values, step, self.grid,
                                        lambda vals, params: self._bind(eqn, vals, params))  # fmt: skip
         else:
-            outs = self._bind(eqn, values, step.params)
+            outs = self._bind(eqn, values, step.params, ordered=any(partial))
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
             axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
             onto = step.scatter[k] if step.scatter else None
@@ -395,14 +403,46 @@ class Executor:
             outs.append(self._materialise(self.value(var, env, lay), lay[var], target, frozenset()))
         return outs
 
-    def _bind(self, eqn, values: list, params: dict) -> list:
-        """Bind the primitive on local shards (operands marked varying alike)."""
+    def _partial_gathers(self, eqn, layouts, targets, env) -> list[frozenset]:
+        """Per operand of a matmul: the axes its gather may leave to a reduce-scatter (OAR).
+
+        An operand gathered over an axis that splits a free dim of the other
+        operand (the default program's batch all-gather before a layer: the
+        layer's output axis, which splits the weight's output features) gets,
+        on each device, only that device's share of its gradient. Gathered
+        typed varying (:func:`relayout`), its gradient is reduce-scattered back
+        onto the scattered dim: half the bytes of the all-reduce and slice of
+        an invariant gather, and one reduce-scatter for every matmul reading
+        it (q, k, v). Only with OAR (``Overlap.all_reduce``), which places it.
+        """
+        none = [frozenset()] * len(eqn.invars)
+        if eqn.primitive.name != "dot_general" or not self.overlap.all_reduce or any(
+            R.is_literal(v) or isinstance(env[v], _Lazy) or not is_float(env[v]) for v in eqn.invars
+        ):  # fmt: skip
+            return none
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        paired = (set(lc) | set(lb), set(rc) | set(rb))
+        free = [{a for d, axes in enumerate(live(t, self.grid)) if d not in paired[i] for a in axes}
+                for i, t in enumerate(targets)]  # fmt: skip
+        out = []
+        for i, (src, dst) in enumerate(zip(layouts, targets)):
+            gathered = {a for s, t in zip(live(src, self.grid), live(dst, self.grid))
+                        for a in s[len(common_prefix(s, t)):]}  # fmt: skip
+            out.append(frozenset(gathered & free[1 - i] & vma(env[eqn.invars[i]])))
+        return out
+
+    def _bind(self, eqn, values: list, params: dict, ordered: bool = False) -> list:
+        """Bind the primitive on local shards (operands marked varying alike).
+
+        ``ordered``: an operand's gradient is reduce-scattered by its gather's
+        transpose (:meth:`_partial_gathers`): the backward is written out too.
+        """
         if eqn.primitive.name == "dot_general" and all(
             isinstance(v, jax.Array) and is_float(v) for v in values
         ):
             together = vma(values[0]) | vma(values[1])
             lhs_missing, rhs_missing = together - vma(values[0]), together - vma(values[1])
-            if lhs_missing or rhs_missing:  # a gradient all-reduce: order it (OAR)
+            if lhs_missing or rhs_missing or ordered:  # a gradient reduction: order it (OAR)
                 out = contraction(
                     lambda a, b: eqn.primitive.bind(a, b, **params),
                     values[0],

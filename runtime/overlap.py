@@ -170,6 +170,9 @@ def contraction(
     ``overlap_all_reduce`` the weight-gradient matmul waits only for the
     input-gradient *matmul*, so the all-reduce can run beside it (OAR);
     without, it waits for the all-reduce. Values are identical either way.
+    An input gathered typed varying (the default program's batch all-gather)
+    has no all-reduce here: its gather's transpose reduce-scatters the
+    returned gradient after this backward, beside the weight-gradient matmul.
     """
 
     def product(a, b):

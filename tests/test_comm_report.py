@@ -12,6 +12,12 @@ the model and which the compiler inserts for the batch split. Bytes and ring
 wire bytes then agree too (asserted). The forward part of the report must
 equal the HLO of a compiled ``pm.apply`` alone (no adjustment).
 
+The test MLP's step is also pinned collective by collective (kind, group,
+count, forward and backward bytes), each derived from the layer shapes with the
+reason it is there (``_mlp_step_from_layer_shapes``): a change that keeps the
+values exact but sends more (an activation not gathered back before the next
+layer's matmul) fails it.
+
 Memory: parameter, gradient and AdamW-state bytes per device equal the bytes
 of the sharded arrays (every device); with x·y·z = 8 each device holds exactly
 1/8 of every matmul weight. What the step keeps for backward at data=8 and on
@@ -267,3 +273,77 @@ def test_pipeline_grid_is_refused_with_a_remedy():
     pm = axonn_jax.partition(case.model, axonn_jax.Grid(x=2, pipeline=2), *case.args)
     with pytest.raises(NotImplementedError, match="pipeline=2.*Grid\\(x=2, y=1, z=1, data=1\\)"):
         pm.report()
+
+
+# --- the test MLP's step, derived from its layer shapes ------------------------------------
+def _mlp_step_from_layer_shapes(samples: int, widths: list[int], grid) -> dict:
+    """Every collective of the default program's train step of an MLP, one device.
+
+    Layer i computes ``[rows, k] · [k, n]`` with ``rows = samples / (data·z)``; even
+    layers are normal (input axis y, output axis x), odd ones transposed (x, y): each
+    layer's output is laid out like the next layer's input (§1). For each layer:
+
+    * forward: its weight block (k/in · n/out) is all-gathered over z, its partial
+      sums are reduce-scattered over its input axis onto the batch (rows/in · n/out
+      kept: the bias and gelu run on them), and, except for the first layer (the
+      model's input arrives whole), its input is all-gathered back over its output
+      axis (rows · k/in: the previous layer scattered it there);
+    * backward: the output gradient is all-gathered over the input axis (rows · n/out,
+      the reduce-scatter's transpose), the input gradient's partial sums (rows · k/in)
+      are reduce-scattered over the output axis back onto the batch (rows/out · k/in:
+      the input all-gather's transpose; not for the first layer: nothing upstream
+      needs it), the
+      bias gradient (n/out) is all-reduced over the input axis (its rows were a
+      scattered share) and over z (another batch shard), the weight gradient is
+      reduce-scattered over z back to the stored shard (k·n/(in·out·z));
+    * the model's output leaves the last layer scattered over its input axis and
+      split over its output axis: it is all-gathered over both (rows · n/out, then
+      rows · n) to be returned whole.
+
+    Returns ``{(kind, axes): (count, forward bytes, backward bytes)}`` (float32).
+    """
+    size = grid.axis_size
+    rows = samples // (grid.data * grid.z)
+    out: dict = {}
+
+    def add(kind, axis, phase, elements):
+        if size(axis) > 1:
+            count, fwd, bwd = out.get((kind, (axis,)), (0, 0, 0))
+            nbytes = 4 * elements
+            out[(kind, (axis,))] = (count + 1, fwd + nbytes * (phase == "forward"),
+                                    bwd + nbytes * (phase == "backward"))  # fmt: skip
+
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        a_in, a_out = ("y", "x") if i % 2 == 0 else ("x", "y")
+        g_in, g_out = size(a_in), size(a_out)
+        add("all-gather", "z", "forward", k // g_in * n // g_out)
+        add("reduce-scatter", a_in, "forward", rows // g_in * n // g_out)
+        add("all-gather", a_in, "backward", rows * n // g_out)
+        if i:
+            add("all-gather", a_out, "forward", rows * k // g_in)
+            add("reduce-scatter", a_out, "backward", rows // g_out * k // g_in)
+        add("all-reduce", a_in, "backward", n // g_out)
+        add("all-reduce", "z", "backward", n // g_out)
+        add("reduce-scatter", "z", "backward", k * n // (g_in * g_out * grid.z))
+    add("all-gather", a_in, "forward", rows * n // g_out)
+    add("all-gather", a_out, "forward", rows * n)
+    return out
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, y=2, z=2), dict(x=4, z=2)], ids=grid_id)
+def test_mlp_step_collectives_follow_from_the_layer_shapes(grid):
+    """Kind, group, count and bytes of each collective of the test MLP's step.
+
+    Pins what the program sends, not only that it is exact: an activation left
+    scattered before the next layer's matmul keeps values exact but makes XLA
+    gather parameter-shaped blocks instead (on x=2,y=2,z=2 the wire bytes double);
+    this test sees it.
+    """
+    case, pm = _planned("mlp", grid)
+    (samples, features), = (a.shape for a in case.args)
+    widths = [features, *case.model.features]
+    report = pm.report().communication
+    got = {key: (g.count, g.forward_bytes, g.backward_bytes) for key, g in report.groups().items()}
+    assert got == _mlp_step_from_layer_shapes(samples, widths, pm.grid)
+    if grid == dict(x=2, y=2, z=2):
+        assert report.wire_bytes == 12_480

@@ -33,12 +33,15 @@ GATHERED = [(4, 8), (8, 16), (16, 32)]
 SHARD = [(4, 4), (8, 8), (16, 16)]
 
 
-def _program(overlap: Overlap) -> tuple[list, list]:
-    """(forward, backward) instruction lists of the grad program handed to XLA."""
+def _program(overlap: Overlap, scatter_batch: bool = False) -> tuple[list, list]:
+    """(forward, backward) instruction lists of the grad program handed to XLA.
+
+    ``scatter_batch=False`` (the all-reduce form) unless asked: its input-gradient
+    all-reduces are what OAR moves there.
+    """
     x = jnp.ones((16, 8), jnp.float32)
-    # OAR overlaps the all-reduce form's input-gradient all-reduce
     pm = axonn_jax.partition(MLP(features=FEATURES), axonn_jax.Grid(x=2, y=2, z=2), x,
-                             overlap=overlap, scatter_batch=False)  # fmt: skip
+                             overlap=overlap, scatter_batch=scatter_batch)  # fmt: skip
     params = pm.init(jax.random.key(0), x)
 
     def loss(p):
@@ -47,8 +50,11 @@ def _program(overlap: Overlap) -> tuple[list, list]:
     text = jax.jit(jax.grad(loss)).lower(params).as_text(dialect="hlo")
     bodies = [c for c in computations(text).values()
               if any(i.opcode in ("all-gather", "reduce-scatter") for i in c)]  # fmt: skip
-    forward = next(c for c in bodies if any(i.opcode == "all-gather" for i in c))
-    backward = next(c for c in bodies if any(i.opcode == "reduce-scatter" for i in c))
+    # the backward reduce-scatters the weight gradients (the default program's forward
+    # reduce-scatters activations too)
+    backward = next(c for c in bodies if any(i.opcode == "reduce-scatter" and i.dims in SHARD
+                                             for i in c))  # fmt: skip
+    forward = next(c for c in bodies if c is not backward and any(i.opcode == "all-gather" for i in c))
     return forward, backward
 
 
@@ -95,8 +101,9 @@ def _backward_parts(backward):
     for l in (1, 2):  # input-gradient matmuls read the gathered weight (kept from forward)
         input_grads[l] = next(d for d in _dots(backward) if d not in weight_grads.values()
                               and by_name[d].dims == (8, FEATURES[l - 1] // 2))  # fmt: skip
-    reduces = {l: next(i.name for i in backward if i.opcode == "all-reduce"
-                       and input_grads[l] in deps[i.name] and i.dims == by_name[input_grads[l]].dims)
+    reduces = {l: next((i.name for i in backward if i.opcode == "all-reduce"
+                        and input_grads[l] in deps[i.name] and i.dims == by_name[input_grads[l]].dims),
+                       None)
                for l in (1, 2)}  # fmt: skip
     return deps, scatters, weight_grads, input_grads, reduces
 
@@ -107,6 +114,41 @@ def test_oar_runs_the_input_gradient_all_reduce_beside_the_weight_gradient_matmu
         assert di[l] in deps[dw[l]], f"layer {l}: weight-gradient matmul ordered after dI matmul"
         assert ar[l] not in deps[dw[l]], f"layer {l}: dI all-reduce free to overlap the dW matmul"
     deps, _, dw, di, ar = _backward_parts(_program(Overlap(all_reduce=False))[1])
+    for l in (1, 2):
+        assert ar[l] in deps[dw[l]], f"layer {l}: without OAR the dW matmul waits for the all-reduce"
+
+
+#: per layer: its input features (local: half of them, split over its input axis)
+INPUTS = (8, *FEATURES[:-1])
+
+
+def _scattered_input_gradients(backward, deps, input_grads) -> dict:
+    """Layers 1, 2: the reduce-scatter of the input gradient onto the batch (8 rows → 4)."""
+    return {l: next((i.name for i in backward if i.opcode == "reduce-scatter"
+                     and input_grads[l] in deps[i.name] and i.dims == (4, INPUTS[l] // 2)), None)
+            for l in (1, 2)}  # fmt: skip
+
+
+def test_oar_in_the_default_program_reduce_scatters_beside_the_weight_gradient_matmul(devices):
+    """The default program (batch reduce-scattered between layers): a layer's input was
+    all-gathered over its output axis, so its input gradient is reduce-scattered back
+    (the gather's transpose). With OAR the reduce-scatter, and the all-gather of the
+    layer below's output gradient that follows it, run beside the weight-gradient
+    matmul, which waits only for the input-gradient matmul. Without OAR the program
+    is the blocking one: all-reduce, then the weight-gradient matmul."""
+    backward = _program(Overlap(), scatter_batch=True)[1]
+    deps, _, dw, di, _ = _backward_parts(backward)
+    rs = _scattered_input_gradients(backward, deps, di)
+    for l in (1, 2):
+        assert rs[l], f"layer {l}: the input gradient is reduce-scattered onto the batch"
+        assert di[l] in deps[dw[l]], f"layer {l}: weight-gradient matmul ordered after dI matmul"
+        assert rs[l] not in deps[dw[l]], f"layer {l}: dI reduce-scatter free to overlap the dW matmul"
+        below = [i.name for i in backward if i.opcode == "all-gather" and rs[l] in deps[i.name]]
+        assert below and not any(g in deps[dw[l]] for g in below), (
+            f"layer {l}: the next all-gather of the backward is free to overlap the dW matmul")
+    backward = _program(Overlap(all_reduce=False), scatter_batch=True)[1]
+    deps, _, dw, di, ar = _backward_parts(backward)
+    assert _scattered_input_gradients(backward, deps, di) == {1: None, 2: None}
     for l in (1, 2):
         assert ar[l] in deps[dw[l]], f"layer {l}: without OAR the dW matmul waits for the all-reduce"
 

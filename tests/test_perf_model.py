@@ -1,10 +1,13 @@
 """Performance model, grid search and ``axonn-jax`` CLI.
 
 * ``layer_volumes`` equals eqs (1)–(5) of SC'24 on hand-computed cases;
-* the whole-model count reduces to those equations for one layer, equals a
-  hand-computed two-layer case, and equals the bytes and the number of
-  collectives of a compiled GPT train step (scalar loss reductions excluded:
-  they come from the user's loss);
+* the whole-model count reduces to those equations for one layer (the default
+  program splits eq. 3 into a forward reduce-scatter and a backward all-gather),
+  equals a hand-computed two-layer case in both forms, and equals a compiled GPT
+  train step in both forms (``scatter_batch`` True, the default, and False): the
+  bytes of each collective kind in the HLO, and the bytes and number of
+  collectives of ``pm.report()`` per (kind, group) (scalar loss reductions
+  excluded: they come from the user's loss);
 * eq. 7 reproduces the published Perlmutter table;
 * the search only returns grids whose product is N and that divide the model;
 * offloading never needs more device memory;
@@ -90,9 +93,9 @@ def _one_layer(m, k, n, transposed):
     return ModelSpec(
         name="one layer",
         params=(Param("w", (k, n), (in_axis, out_axis), depth=True),),
-        matmuls=(MatMul("w", m, k, n, in_axis, out_axis),),
+        matmuls=(MatMul("w", m, k, n, in_axis, out_axis, whole_inputs=1),),  # the model's input
         activations=(),
-        batch=16,
+        batch=m,  # one row per sample: the reduce-scatters divide it
         tokens=m,
         layers=1,
         hidden=k,
@@ -107,18 +110,26 @@ def test_one_layer_reduces_to_the_paper(g, transposed):
     m, k, n = 96 * grid.batch_shards, 48, 72
     paper = layer_volumes(m // grid.data, k, n, transposed=transposed,
                           x=grid.x, y=grid.y, z=grid.z, data=grid.data)  # fmt: skip
-    for recompute in (False, True):
+    for recompute, scatter_batch in itertools.product((False, True), (False, True)):
         by_what = elements_by(collectives(_one_layer(m, k, n, transposed), grid,
-                                          recompute=recompute), "what")  # fmt: skip
+                                          recompute=recompute, scatter_batch=scatter_batch),
+                              "what")  # fmt: skip
         again = 2 if recompute else 1
         assert by_what.get("weight gather", 0) == pytest.approx(paper["ag_z"])
         assert by_what.get("weight re-gather", 0) == pytest.approx(paper["ag_z"] * (again - 1))
         assert by_what.get("weight-gradient scatter", 0) == pytest.approx(paper["rs_z"])
         # eq. 3 is the forward all-reduce over the layer's input axis (x when transposed),
         # eq. 4 the backward one over its output axis
-        assert by_what.get("layer output", 0) == pytest.approx(again * paper["ar_y"])
+        if scatter_batch:
+            # the default program splits eq. 3 in halves: a forward reduce-scatter onto the
+            # batch and its transpose, the backward all-gather of the output gradient
+            assert by_what.get("layer output", 0) == pytest.approx(again * paper["ar_y"] / 2)
+            assert by_what.get("layer output gradient", 0) == pytest.approx(paper["ar_y"] / 2)
+        else:
+            assert by_what.get("layer output", 0) == pytest.approx(again * paper["ar_y"])
         assert by_what.get("input gradient", 0) == pytest.approx(paper["ar_x"])
         assert by_what.get("weight-gradient shard", 0) == pytest.approx(paper["ar_data"])
+        assert "layer input" not in by_what  # the model's input is not scattered
 
 
 def test_whole_model_hand_computed():
@@ -130,36 +141,60 @@ def test_whole_model_hand_computed():
       layer outputs: normal 2·½·128·128/2 = 8192 (y), transposed 2·½·128·64/2 = 4096 (x)
       input gradients: normal 2·½·128·64/2 = 4096 (x), transposed 2·½·128·128/2 = 8192 (y)
       bias [128] split over x: 64 elements, all-reduced over data·z = 4: 2·¾·64 = 96
+
+    The default program (reduce-scatter onto the batch, 8/(data·z) = 2 samples per
+    device, divisible by x and y) halves each layer-output all-reduce into a forward
+    reduce-scatter and the backward all-gather of its gradient (normal ½·128·128/2 =
+    4096 each over y, transposed ½·128·64/2 = 2048 each over x); fc2 all-gathers its
+    y-scattered input (½·128·128/2 = 4096) and reduce-scatters its input gradient back
+    (the same 4096 instead of the all-reduce's 8192); fc1's input is the model's (not
+    scattered: its input gradient is still all-reduced);
+    the bias sits on fc1's y-scattered rows: its gradient is also all-reduced over y
+    (2·½·64 = 64).
     """
     spec = ModelSpec(
         name="two layers",
         params=(Param("fc1", (64, 128), ("y", "x"), depth=True),
                 Param("fc2", (128, 64), ("x", "y"), depth=True),
-                Param("b1", (128,), ("x",))),  # fmt: skip
-        matmuls=(MatMul("fc1", 512, 64, 128, "y", "x"), MatMul("fc2", 512, 128, 64, "x", "y")),
+                Param("b1", (128,), ("x",), scatter_axis="y")),  # fmt: skip
+        matmuls=(MatMul("fc1", 512, 64, 128, "y", "x", whole_inputs=1),
+                 MatMul("fc2", 512, 128, 64, "x", "y")),  # fmt: skip
         activations=(),
         batch=8,
         tokens=512,
         layers=1,
         hidden=64,
     )
-    cs = collectives(spec, Grid(x=2, y=2, z=2, data=2), recompute=False)
-    got = {(c.what, c.axes): c.elements for c in cs}
-    assert got == {
-        ("weight gather", ("z",)): 2048,
-        ("weight-gradient scatter", ("z",)): 2048,
-        ("weight-gradient shard", ("data",)): 2048,
-        ("layer output", ("y",)): 8192,
-        ("layer output", ("x",)): 4096,
-        ("input gradient", ("x",)): 4096,
-        ("input gradient", ("y",)): 8192,
-        ("other parameter gradients", ("data", "z")): 96,
+    grid = Grid(x=2, y=2, z=2, data=2)
+    weights = {
+        ("weight gather", "all-gather", ("z",)): 2048,
+        ("weight-gradient scatter", "reduce-scatter", ("z",)): 2048,
+        ("weight-gradient shard", "all-reduce", ("data",)): 2048,
+        ("input gradient", "all-reduce", ("x",)): 4096,
+        ("other parameter gradients", "all-reduce", ("data", "z")): 96,
+    }
+    cs = collectives(spec, grid, recompute=False, scatter_batch=False)
+    assert {(c.what, c.kind, c.axes): c.elements for c in cs} == weights | {
+        ("layer output", "all-reduce", ("y",)): 8192,
+        ("layer output", "all-reduce", ("x",)): 4096,
+        ("input gradient", "all-reduce", ("y",)): 8192,
     }
     assert {c.what: c.calls for c in cs if c.what.startswith("weight")} == {
         "weight gather": 2, "weight-gradient scatter": 2, "weight-gradient shard": 1}
+    cs = collectives(spec, grid, recompute=False)
+    assert {(c.what, c.kind, c.axes): c.elements for c in cs} == weights | {
+        ("layer output", "reduce-scatter", ("y",)): 4096,
+        ("layer output gradient", "all-gather", ("y",)): 4096,
+        ("layer output", "reduce-scatter", ("x",)): 2048,
+        ("layer output gradient", "all-gather", ("x",)): 2048,
+        ("layer input", "all-gather", ("y",)): 4096,
+        ("input gradient", "reduce-scatter", ("y",)): 4096,
+        ("scattered-row parameter gradients", "all-reduce", ("y",)): 64,
+    }
 
 
-def _compiled_collectives(grid: Grid):
+def _compiled_collectives(grid: Grid, scatter_batch: bool):
+    """(the report's transfers, the compiled HLO's non-trivial collectives) of a GPT train step."""
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
     from axonn_jax.partitioned import partition
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
@@ -168,9 +203,7 @@ def _compiled_collectives(grid: Grid):
     model = GPT(GPTConfig(vocab_size=c["vocab"], num_layers=c["layers"], hidden=c["hidden"],
                           num_heads=c["heads"], max_seq_len=c["seq"]))  # fmt: skip
     tokens = jax.ShapeDtypeStruct((c["batch"], c["seq"]), jnp.int32)
-    # the all-reduce form the analytical model describes (scatter_batch moves the same bytes
-    # as reduce-scatters and all-gathers)
-    pm = partition(model, grid, tokens, scatter_batch=False)
+    pm = partition(model, grid, tokens, scatter_batch=scatter_batch)
     params = jax.eval_shape(pm.init, jax.random.key(0))
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           params, pm.param_shardings)  # fmt: skip
@@ -182,11 +215,19 @@ def _compiled_collectives(grid: Grid):
         return optax.apply_updates(p, updates), s, loss
 
     text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), tokens).compile().as_text()
-    return [x for x in hlo_collectives(text, num_devices=8) if not x.trivial]
+    found = [x for x in hlo_collectives(text, num_devices=8) if not x.trivial]
+    return pm.report().communication.transfers, found
 
 
-def _compare_with_hlo(grid: Grid):
-    found = _compiled_collectives(grid)
+def _live(axes, grid: Grid) -> tuple[str, ...]:
+    """The mesh axes of a group, in mesh order, without the size-1 ones."""
+    return tuple(a for a in ("pipeline", "data", "z", "y", "x") if a in axes and grid.axis_size(a) > 1)
+
+
+def _compare_with_hlo(grid: Grid, scatter_batch: bool):
+    """The model equals the compiled program kind by kind (bytes, and calls where XLA's
+    combiner is predictable) and ``pm.report()`` group by group (bytes and collectives)."""
+    transfers, found = _compiled_collectives(grid, scatter_batch)
     hlo_bytes, hlo_calls = collections.Counter(), collections.Counter()
     for c in found:
         # the user's loss is a scalar reduced over the batch axes: not part of the model
@@ -194,23 +235,37 @@ def _compare_with_hlo(grid: Grid):
         wire = c.wire_bytes * (1 - scalar / c.result_bytes)
         hlo_bytes[c.kind] += wire
         hlo_calls[c.kind] += 1 if wire else 0
-    ours = collectives(gpt_spec(**SMALL_GPT), grid, recompute=False)
+    ours = collectives(gpt_spec(**SMALL_GPT), grid, recompute=False, scatter_batch=scatter_batch)
     our_bytes = {k: 4 * v for k, v in elements_by(ours, "kind").items()}
-    our_calls = collections.Counter()
+    our_calls, our_groups, report_groups = collections.Counter(), collections.Counter(), collections.Counter()
     for c in ours:
         our_calls[c.kind] += c.calls
+        our_groups[(c.kind, _live(c.axes, grid))] += complex(4 * c.elements, c.transfers)
+    for t in transfers:
+        report_groups[(t.kind, _live(t.axes, grid))] += complex(t.wire_bytes, t.count)
     assert our_bytes == pytest.approx(dict(hlo_bytes), rel=1e-12)
-    assert dict(our_calls) == dict(hlo_calls)
+    # collective by collective: every group's wire bytes and number of collectives
+    assert our_groups == pytest.approx(dict(report_groups), rel=1e-12)
+    if not scatter_batch:
+        assert dict(our_calls) == dict(hlo_calls)
+        return
+    # XLA's combiner also merges the independent all-reduces at the end of the backward pass
+    # (block 0's input gradient, its first norm, the stream join) into the gradient buckets
+    assert {k: v for k, v in our_calls.items() if k != "all-reduce"} == {
+        k: v for k, v in hlo_calls.items() if k != "all-reduce"}
+    assert hlo_calls["all-reduce"] <= our_calls["all-reduce"] <= hlo_calls["all-reduce"] + 3
 
 
-def test_matches_compiled_gpt_step():
-    _compare_with_hlo(Grid(x=2, y=2, z=2))
+@pytest.mark.parametrize("scatter_batch", [True, False], ids=["default", "all_reduce_form"])
+def test_matches_compiled_gpt_step(scatter_batch):
+    _compare_with_hlo(Grid(x=2, y=2, z=2), scatter_batch)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scatter_batch", [True, False], ids=["default", "all_reduce_form"])
 @pytest.mark.parametrize("g", ["x=2,z=2,data=2", "y=2,z=2,data=2", "x=2,y=2,data=2"])
-def test_matches_compiled_gpt_step_more_grids(g):
-    _compare_with_hlo(Grid.parse(g))
+def test_matches_compiled_gpt_step_more_grids(g, scatter_batch):
+    _compare_with_hlo(Grid.parse(g), scatter_batch)
 
 
 # --- eq. 7 ----------------------------------------------------------------------
@@ -319,13 +374,14 @@ def test_gpt_spec_equals_the_traced_plan(tied):
     def params(spec):
         out = collections.Counter()
         for p in spec.params:
-            out[(p.shape, p.axes, p.depth, p.per_block)] += p.count
+            out[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis)] += p.count
         return out
 
     def matmuls(spec):
         out = collections.Counter()
         for m in spec.matmuls:
-            out[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed)] += m.count
+            out[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused)] += m.count
+            out[("whole inputs", m.m, m.k, m.n)] += m.whole_inputs
         return out
 
     assert params(traced) == params(analytic)
@@ -334,9 +390,13 @@ def test_gpt_spec_equals_the_traced_plan(tied):
     assert (traced.batch, traced.tokens, traced.layers, traced.hidden) == (
         analytic.batch, analytic.tokens, analytic.layers, analytic.hidden)
     assert traced.attention_flops == analytic.attention_flops
-    for g in (Grid(x=2, y=2, z=2), Grid(z=4, data=2)):  # same weight and activation traffic
-        ours = [c for c in collectives(traced, g, recompute=True) if c.what != "norm statistics"]
-        ref = [c for c in collectives(analytic, g, recompute=True) if c.what != "norm statistics"]
+    assert (traced.stream_axis, traced.stream_joins) == (analytic.stream_axis, analytic.stream_joins)
+    for g, scatter_batch in itertools.product((Grid(x=2, y=2, z=2), Grid(z=4, data=2)), (True, False)):
+        # same weight and activation traffic, in the default program and the all-reduce form
+        ours = [c for c in collectives(traced, g, recompute=True, scatter_batch=scatter_batch)
+                if c.what != "norm statistics"]  # fmt: skip
+        ref = [c for c in collectives(analytic, g, recompute=True, scatter_batch=scatter_batch)
+               if c.what != "norm statistics"]  # fmt: skip
         assert elements_by(ours, "what") == pytest.approx(elements_by(ref, "what"))
 
 

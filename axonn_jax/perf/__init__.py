@@ -50,7 +50,8 @@ def plan_volumes(
     (``seconds`` only with a ``machine``). Elements are ring wire elements;
     bytes use the precision of ``options``.
     """
-    cs = collectives(spec, grid, recompute=options.recompute, microbatches=options.microbatches)
+    cs = collectives(spec, grid, recompute=options.recompute, microbatches=options.microbatches,
+                     scatter_batch=options.scatter_batch)
     out = {
         "elements": elements_by(cs, "kind"),
         "bytes": {k: v * options.itemsize for k, v in elements_by(cs, "kind").items()},

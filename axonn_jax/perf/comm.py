@@ -3,24 +3,45 @@
 :func:`collectives` lists, for a :class:`~axonn_jax.perf.spec.ModelSpec` on a
 grid, every collective one device of the slowest pipeline stage takes part in,
 with ring wire elements (all-gather (g−1)/g·R, reduce-scatter (g−1)/g·R_full,
-all-reduce 2(g−1)/g·R, send R) and the number of calls. Counted:
+all-reduce 2(g−1)/g·R, send R) and the number of calls. It describes the
+program ``partition`` builds: by default (``scatter_batch=True``) each
+layer's partial sums are reduce-scattered onto the batch dim and the next
+layer all-gathers them back; with ``scatter_batch=False`` they are
+all-reduced (the paper's form, eqs. 1–5). Counted:
 
-==========================  ===========  ===========  ==========================
-what                        collective   axes         when
-==========================  ===========  ===========  ==========================
-weight gather               all-gather   z            forward, per microbatch
-weight re-gather            all-gather   z            backward, under recompute
-weight-gradient scatter     reduce-scat  z            backward, per microbatch
-layer output                all-reduce   in axis      forward (twice under
-                                                      recompute)
-input gradient              all-reduce   out axis     backward
-norm statistics             all-reduce   y            forward (×2 recompute), bwd
-embedding lookup            all-reduce   x            forward (vocabulary-parallel rows)
-output gather               all-gather   x            forward (vocabulary-parallel logits)
-weight-gradient shard       all-reduce   data         once per step
-other parameter gradients   all-reduce   data·z       once per step
-stage activations           send         pipeline     fwd + bwd, per microbatch
-==========================  ===========  ===========  ==========================
+==================================  ===========  ===========  =======================
+what                                collective   axes         when
+==================================  ===========  ===========  =======================
+weight gather                       all-gather   z            forward, per microbatch
+weight re-gather                    all-gather   z            backward, under recompute
+weight-gradient scatter             reduce-scat  z            backward, per microbatch
+layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
+layer output (default)              reduce-scat  in axis      forward (×2 recompute)
+layer output gradient (default)     all-gather   in axis      backward (its transpose)
+layer input (default)               all-gather   out axis     forward (×2 recompute),
+                                                              unless the input is whole
+input gradient                      all-reduce   out axis     backward (default: whole
+                                                              inputs only)
+input gradient (default)            reduce-scat  out axis     backward: the gathered
+                                                              input's transpose (OAR)
+norm statistics                     all-reduce   y            forward (×2 recompute), bwd
+embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
+output gather                       all-gather   x (and y)    forward (vocabulary-parallel
+                                                              logits; default: their batch)
+stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
+                                                              added to a scattered one)
+weight-gradient shard               all-reduce   data         once per step
+other parameter gradients           all-reduce   data·z       once per step
+scattered-row parameter gradients   all-reduce   its rows'    once per step (biases, norm
+  (default)                                      axis         parameters on scattered rows)
+stage activations                   send         pipeline     fwd + bwd, per microbatch
+==================================  ===========  ===========  =======================
+
+A layer scatters over its input axis only when that axis divides the samples
+of one device's microbatch (else the program all-reduces, as the model does).
+``calls`` is what is issued (one per fused q/k/v input gradient, per norm,
+per gradient bucket); ``transfers`` counts the collectives as ``pm.report()``
+lists them, one per value.
 
 Without recompute the compiled program keeps the gathered weights for the
 backward pass (checked in ``tests/test_perf_model.py`` against the compiled
@@ -69,6 +90,9 @@ class CollectiveCost:
     size: int
     per_microbatch: bool = True
     repeats: bool = False
+    #: collectives before any combining, as ``pm.report()`` lists them (one per value:
+    #: each norm statistic, each gradient, each of q/k/v); ``calls`` is what is issued
+    transfers: float = 0.0
 
     def group(self, grid: Grid | None = None) -> tuple[int, int]:
         """``(inner, size)`` of the group (``grid`` is accepted for symmetry; unused)."""
@@ -96,7 +120,7 @@ def _ring(kind: str, g: int) -> float:
 
 
 def collectives(
-    spec: ModelSpec, grid: Grid, *, recompute: bool, microbatches: int = 1
+    spec: ModelSpec, grid: Grid, *, recompute: bool, microbatches: int = 1, scatter_batch: bool = True
 ) -> tuple[CollectiveCost, ...]:
     """Every collective of one training step on one device of the slowest stage.
 
@@ -105,77 +129,154 @@ def collectives(
     head) are charged in full, as the first and last stage hold them. ``microbatches`` splits the batch (gradient
     accumulation, or the pipeline's microbatches): weight gathers and
     scatters repeat per microbatch, gradient all-reduces run once per step.
+    ``scatter_batch``: the program's option (``partition(..., scatter_batch=)``):
+    layer outputs reduce-scattered onto the batch (default) or all-reduced.
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-    acc: dict[tuple, list[float]] = {}
-    share = 1.0 / grid.pipeline
-    mb = microbatches
-    rows = spec.tokens / grid.batch_shards  # rows of the activations on one device
+    step = _Step(spec, grid, recompute, microbatches, scatter_batch)
+    step.parameters()
+    step.matmuls()
+    step.model_edges()
+    step.pipeline()
+    return step.costs()
 
-    def add(what, kind, axes, phase, elements, calls, per_mb=True, repeats=False):
+
+class _Step:
+    """Accumulates the collectives of one step (see :func:`collectives`)."""
+
+    def __init__(self, spec: ModelSpec, grid: Grid, recompute: bool, mb: int, scatter_batch: bool):
+        self.spec, self.grid, self.recompute, self.mb = spec, grid, recompute, mb
+        self.share = 1.0 / grid.pipeline
+        self.rows = spec.tokens / grid.batch_shards  # rows of the activations on one device
+        local_batch = spec.batch // (grid.batch_shards * mb)
+        #: the tensor axes a layer's partial sums are reduce-scattered over (onto the batch)
+        self.scattered = {a for a in (X, Y) if scatter_batch and grid.axis_size(a) > 1
+                          and local_batch % grid.axis_size(a) == 0}  # fmt: skip
+        self.acc: dict[tuple, list[float]] = {}
+
+    def add(self, what, kind, axes, phase, elements, calls, per_mb=True, repeats=False, transfers=None):
         if elements > 0:
-            entry = acc.setdefault((what, kind, axes, phase, per_mb, repeats), [0.0, 0.0])
+            entry = self.acc.setdefault((what, kind, axes, phase, per_mb, repeats), [0.0, 0.0, 0.0])
             entry[0] += elements
             entry[1] += calls
+            entry[2] += calls if transfers is None else transfers
 
-    for p in spec.params:
-        copies = p.count * (share if p.per_block else 1.0)
-        if p.depth and grid.z > 1:
-            full = p.use_elements(grid)
-            wire = _ring("all-gather", grid.z) * full * copies * mb
-            calls = copies * mb
-            add("weight gather", "all-gather", (Z,), "forward", wire, calls, repeats=True)
-            if recompute and p.per_block:
-                add("weight re-gather", "all-gather", (Z,), "backward", wire, calls, repeats=True)
-            add("weight-gradient scatter", "reduce-scatter", (Z,), "backward", wire, calls,
-                repeats=True)  # fmt: skip
-            add("weight-gradient shard", "all-reduce", (DATA,), "step",
-                _ring("all-reduce", grid.data) * full / grid.z * copies, copies, False)  # fmt: skip
-        else:
-            g = grid.batch_shards
-            add("other parameter gradients", "all-reduce", (DATA, Z), "step",
-                _ring("all-reduce", g) * p.local_elements(grid) * copies, copies, False)  # fmt: skip
+    def parameters(self) -> None:
+        """Weight gathers and scatters over z, gradient all-reduces over data (and z)."""
+        grid, mb = self.grid, self.mb
+        for p in self.spec.params:
+            copies = p.count * (self.share if p.per_block else 1.0)
+            if p.depth and grid.z > 1:
+                full = p.use_elements(grid)
+                wire = _ring("all-gather", grid.z) * full * copies * mb
+                calls = copies * mb
+                self.add("weight gather", "all-gather", (Z,), "forward", wire, calls, repeats=True)
+                if self.recompute and p.per_block:
+                    self.add("weight re-gather", "all-gather", (Z,), "backward", wire, calls,
+                             repeats=True)  # fmt: skip
+                self.add("weight-gradient scatter", "reduce-scatter", (Z,), "backward", wire, calls,
+                         repeats=True)  # fmt: skip
+                self.add("weight-gradient shard", "all-reduce", (DATA,), "step",
+                         _ring("all-reduce", grid.data) * full / grid.z * copies, copies, False)  # fmt: skip
+                continue
+            local = p.local_elements(grid) * copies
+            self.add("other parameter gradients", "all-reduce", (DATA, Z), "step",
+                     _ring("all-reduce", grid.batch_shards) * local, copies, False)  # fmt: skip
+            if p.scatter_axis in self.scattered:  # its rows were a 1/g share of the batch
+                g = grid.axis_size(p.scatter_axis)
+                self.add("scattered-row parameter gradients", "all-reduce", (p.scatter_axis,), "step",
+                         _ring("all-reduce", g) * local, copies, False)  # fmt: skip
 
-    for m in spec.matmuls:
-        copies = m.count * (share if m.recomputed else 1.0)  # recomputed: inside a block
-        g_in = grid.axis_size(m.in_axis) if m.in_axis else 1
-        g_out = grid.axis_size(m.out_axis) if m.out_axis else 1
-        again = 2 if recompute and m.recomputed else 1
-        calls = copies / m.fused * mb
-        if m.in_axis:
-            add("layer output", "all-reduce", (m.in_axis,), "forward",
-                _ring("all-reduce", g_in) * rows * m.n / g_out * copies * again,
-                calls * again)  # fmt: skip
-        if m.out_axis:
-            add("input gradient", "all-reduce", (m.out_axis,), "backward",
-                _ring("all-reduce", g_out) * rows * m.k / g_in * copies, calls)  # fmt: skip
+    def matmuls(self) -> None:
+        """Each layer's forward reduction and backward input-gradient all-reduce (§1), in the
+        all-reduce form or the default reduce-scatter-onto-the-batch + all-gather form."""
+        grid, rows = self.grid, self.rows
+        for m in self.spec.matmuls:
+            copies = m.count * (self.share if m.recomputed else 1.0)  # recomputed: inside a block
+            g_in = grid.axis_size(m.in_axis) if m.in_axis else 1
+            g_out = grid.axis_size(m.out_axis) if m.out_axis else 1
+            again = 2 if self.recompute and m.recomputed else 1
+            calls = copies * self.mb
+            output = rows * m.n / g_out  # the layer's partial sums on one device, whole batch
+            if m.in_axis in self.scattered:
+                # onto the batch; the backward all-gathers the output gradient (the transpose)
+                self.add("layer output", "reduce-scatter", (m.in_axis,), "forward",
+                         _ring("reduce-scatter", g_in) * output * copies * again, calls * again)  # fmt: skip
+                self.add("layer output gradient", "all-gather", (m.in_axis,), "backward",
+                         _ring("all-gather", g_in) * output * copies, calls)  # fmt: skip
+            elif m.in_axis:
+                self.add("layer output", "all-reduce", (m.in_axis,), "forward",
+                         _ring("all-reduce", g_in) * output * copies * again,
+                         calls / m.fused * again, transfers=calls * again)  # fmt: skip
+            layer_input = rows * m.k / g_in
+            whole = copies
+            if m.out_axis in self.scattered:  # the input, scattered by an earlier layer, gathered
+                gathered = (m.count - m.whole_inputs) * (self.share if m.recomputed else 1.0) / m.fused
+                whole = m.whole_inputs * (self.share if m.recomputed else 1.0)
+                self.add("layer input", "all-gather", (m.out_axis,), "forward",
+                         _ring("all-gather", g_out) * layer_input * gathered * again,
+                         gathered * self.mb * again)  # fmt: skip
+                # its transpose: the input gradients of the copies reading it, summed, are
+                # reduce-scattered back onto the batch (OAR, runtime.executor._partial_gathers)
+                self.add("input gradient", "reduce-scatter", (m.out_axis,), "backward",
+                         _ring("reduce-scatter", g_out) * layer_input * gathered, gathered * self.mb)  # fmt: skip
+            if m.out_axis:
+                self.add("input gradient", "all-reduce", (m.out_axis,), "backward",
+                         _ring("all-reduce", g_out) * layer_input * whole, whole * self.mb / m.fused,
+                         transfers=whole * self.mb)  # fmt: skip
 
-    if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
-        add("embedding lookup", "all-reduce", (X,), "forward",
-            _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups, spec.lookups * mb)
-    if spec.split_outputs:
-        add("output gather", "all-gather", (X,), "forward",
-            _ring("all-gather", grid.x) * rows * spec.split_outputs, mb)
-    if spec.norms:
-        norms = spec.norms * share
-        wire = _ring("all-reduce", grid.y) * rows * spec.norm_stats * norms
-        again = 2 if recompute else 1
-        add("norm statistics", "all-reduce", (Y,), "forward", wire * again, norms * mb * again)
-        add("norm statistics", "all-reduce", (Y,), "backward", wire, norms * mb)
+    def model_edges(self) -> None:
+        """Lookups, the outputs' gathers, norm statistics and the stream's joins."""
+        spec, grid, rows, mb = self.spec, self.grid, self.rows, self.mb
+        if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
+            looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
+            self.add("embedding lookup", "all-reduce", (X,), "forward", looked_up, spec.lookups * mb)
+        if spec.split_outputs:  # the head is a normal layer: its logits come scattered over y
+            logits = rows * spec.split_outputs
+            if Y in self.scattered:
+                self.add("output gather", "all-gather", (Y,), "forward",
+                         _ring("all-gather", grid.y) * logits / grid.x, mb)  # fmt: skip
+            self.add("output gather", "all-gather", (X,), "forward",
+                     _ring("all-gather", grid.x) * logits, mb)  # fmt: skip
+        stream = spec.stream_axis if spec.stream_axis in self.scattered else None
+        if spec.norms:
+            self._norms(stream)
+        if stream and spec.stream_joins:  # the transpose of slicing a whole activation's rows
+            self.add("stream join gradient", "all-reduce", (stream,), "backward",
+                     _ring("all-reduce", grid.axis_size(stream)) * rows * spec.hidden / grid.y
+                     * spec.stream_joins, spec.stream_joins * mb)  # fmt: skip
 
-    if grid.pipeline > 1:  # with virtual stages a microbatch crosses each rank boundary v times
-        message = rows * spec.hidden / grid.y * grid.virtual
-        add("stage activations", "send", (PIPELINE,), "forward", message, mb * grid.virtual)
-        add("stage gradients", "send", (PIPELINE,), "backward", message, mb * grid.virtual)
-    groups = {axes: group_of(axes, grid) for (_, _, axes, *_rest) in acc}
-    # gradients are all-reduced in buckets: one call per group and step (XLA combines them too)
-    return tuple(
-        CollectiveCost(what, kind, axes, phase, elements, calls if per_mb else 1.0,
-                   *groups[axes], per_microbatch=per_mb, repeats=repeats)  # fmt: skip
-        for (what, kind, axes, phase, per_mb, repeats), (elements, calls) in acc.items()
-        if groups[axes][1] > 1
-    )
+    def _norms(self, stream: str | None) -> None:
+        spec, grid = self.spec, self.grid
+        whole = spec.whole_norms if stream else 0
+        norms = (spec.norms - whole) * self.share + whole  # block 0 is on the first stage
+        rows = self.rows / (grid.axis_size(stream) if stream else 1)
+        on_rows = (spec.norms - whole) * self.share * rows + whole * self.rows
+        wire = _ring("all-reduce", grid.y) * spec.norm_stats * on_rows
+        calls, stats = norms * self.mb, norms * self.mb * spec.norm_stats
+        again = 2 if self.recompute else 1
+        self.add("norm statistics", "all-reduce", (Y,), "forward", wire * again, calls * again,
+                 transfers=stats * again)  # fmt: skip
+        self.add("norm statistics", "all-reduce", (Y,), "backward", wire, calls, transfers=stats)
+
+    def pipeline(self) -> None:
+        grid, mb = self.grid, self.mb
+        if grid.pipeline > 1:  # with virtual stages a microbatch crosses each rank boundary v times
+            message = self.rows * self.spec.hidden / grid.y * grid.virtual
+            self.add("stage activations", "send", (PIPELINE,), "forward", message, mb * grid.virtual)
+            self.add("stage gradients", "send", (PIPELINE,), "backward", message, mb * grid.virtual)
+
+    def costs(self) -> tuple[CollectiveCost, ...]:
+        groups = {axes: group_of(axes, self.grid) for (_, _, axes, *_rest) in self.acc}
+        # gradients are all-reduced in buckets: one call per group and step (XLA combines them too)
+        return tuple(
+            CollectiveCost(what, kind, axes, phase, elements, calls if per_mb else 1.0,
+                           *groups[axes], per_microbatch=per_mb, repeats=repeats,
+                           transfers=transfers)  # fmt: skip
+            for (what, kind, axes, phase, per_mb, repeats), (elements, calls, transfers) in self.acc.items()
+            if groups[axes][1] > 1
+        )
 
 
 def elements_by(cs, key: str = "kind") -> dict[str, float]:

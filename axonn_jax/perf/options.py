@@ -46,7 +46,8 @@ class Options:
     (``recompute``), optimizer offload to host memory (``offload``; a bucket
     buffer of 16 × ``bucket_bytes`` stays on the device), and the number of
     ``microbatches`` a step's batch is split into (gradient accumulation, or
-    the pipeline's microbatches).
+    the pipeline's microbatches). ``scatter_batch``: the program reduce-scatters
+    layer outputs onto the batch (``partition``'s default) instead of all-reducing them.
     """
 
     precision: str = "mixed"
@@ -54,6 +55,7 @@ class Options:
     offload: bool = False
     microbatches: int = 1
     bucket_bytes: int = 16 * 2**20
+    scatter_batch: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:

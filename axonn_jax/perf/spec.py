@@ -47,6 +47,10 @@ class Param:
     depth: bool = False
     count: int = 1
     per_block: bool = True
+    #: the tensor axis the batch rows it is applied on are reduce-scattered over in the
+    #: default program (``scatter_batch``): a bias after a layer, a norm on the residual
+    #: stream; its gradient is then also all-reduced over that axis (None: whole rows)
+    scatter_axis: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -54,6 +58,9 @@ class Param:
         for axis in self.axes:
             if axis is not None and axis not in TENSOR_SPLITS:
                 raise ValueError(f"parameter {self.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
+        if self.scatter_axis not in (None, *TENSOR_SPLITS):
+            raise ValueError(f"parameter {self.name!r}: scatter_axis {self.scatter_axis!r} is not "
+                             f"one of {TENSOR_SPLITS}")  # fmt: skip
         object.__setattr__(self, "_size", math.prod(self.shape))
 
     @property
@@ -91,9 +98,15 @@ class MatMul:
 
     ``in_axis`` splits k (and the input's feature dim), ``out_axis`` splits n;
     a normal layer is ``(y, x)``, a transposed one ``(x, y)``. The forward
-    all-reduces the output over ``in_axis``; the backward all-reduces dI over
+    reduces the output over ``in_axis`` (an all-reduce, or by default a
+    reduce-scatter onto the batch); the backward all-reduces dI over
     ``out_axis``. ``recomputed``: part of a block that activation
-    checkpointing runs forward again in the backward pass.
+    checkpointing runs forward again in the backward pass. ``fused``: this
+    many of the ``count`` copies read one input (q, k, v): their input is
+    gathered once and their input gradients are reduced in one call.
+    ``whole_inputs``: copies whose input is not reduce-scattered onto the
+    batch by an earlier layer (it comes from the model's inputs or a lookup),
+    so the default program has no batch all-gather to run before them.
     """
 
     name: str
@@ -105,6 +118,7 @@ class MatMul:
     count: int = 1
     recomputed: bool = True
     fused: int = 1
+    whole_inputs: int = 0
 
     @property
     def flops(self) -> float:
@@ -157,6 +171,15 @@ class ModelSpec:
     #: per-token elements of model outputs split over x (vocabulary-parallel logits), which
     #: the model's apply all-gathers to return them whole
     split_outputs: int = 0
+    #: the tensor axis the residual stream between blocks is reduce-scattered over in the
+    #: default program (the axis of the blocks' last, transposed layers: x); norms on it
+    #: all-reduce the statistics of 1/(its size) of the rows
+    stream_axis: str | None = None
+    #: norms that see whole rows (before the first layer scatters the stream)
+    whole_norms: int = 0
+    #: whole activations (hidden/y per token) added to a scattered stream: the backward
+    #: all-reduces their gradient over ``stream_axis`` (the embeddings meeting block 1's output)
+    stream_joins: int = 0
 
     def __post_init__(self) -> None:
         for m in self.matmuls:
@@ -228,26 +251,29 @@ def gpt_spec(
     params = [
         P("embed/embedding", (vocab, h), (X, Y), depth=True, per_block=False),
         P("pos_embed", (seq, h), (None, Y), per_block=False),
-        P("norm_final/scale", (h,), (Y,), per_block=False),
-        P("norm_final/bias", (h,), (Y,), per_block=False),
+        P("norm_final/scale", (h,), (Y,), per_block=False, scatter_axis=X),
+        P("norm_final/bias", (h,), (Y,), per_block=False, scatter_axis=X),
         P("block/attn/qkv/kernel", (h, heads, hd), (Y, X, None), depth=True, count=3 * L),
         P("block/attn/out/kernel", (heads, hd, h), (X, None, Y), depth=True, count=L),
         P("block/mlp/fc_in/kernel", (h, f), (Y, X), depth=True, count=L),
         P("block/mlp/fc_out/kernel", (f, h), (X, Y), depth=True, count=L),
-        P("block/norm/scale+bias", (h,), (Y,), count=4 * L),
+        # the first norm of block 0 sees the embeddings' whole rows; the others sit on the
+        # stream that the blocks' transposed layers reduce-scatter over x
+        P("block_0/norm_1/scale+bias", (h,), (Y,), count=2),
+        P("block/norm/scale+bias", (h,), (Y,), count=4 * L - 2, scatter_axis=X),
     ]
-    if bias:
+    if bias:  # each bias is added to its layer's output: rows reduce-scattered over its in axis
         params += [
-            P("block/attn/qkv/bias", (heads, hd), (X, None), count=3 * L),
-            P("block/attn/out/bias", (h,), (Y,), count=L),
-            P("block/mlp/fc_in/bias", (f,), (X,), count=L),
-            P("block/mlp/fc_out/bias", (h,), (Y,), count=L),
+            P("block/attn/qkv/bias", (heads, hd), (X, None), count=3 * L, scatter_axis=Y),
+            P("block/attn/out/bias", (h,), (Y,), count=L, scatter_axis=X),
+            P("block/mlp/fc_in/bias", (f,), (X,), count=L, scatter_axis=Y),
+            P("block/mlp/fc_out/bias", (h,), (Y,), count=L, scatter_axis=X),
         ]
     if not tied:
         params.append(P("head/kernel", (h, vocab), (Y, X), depth=True, per_block=False))
     M = MatMul
     matmuls = [
-        M("attn/qkv", m, h, h, Y, X, count=3 * L, fused=3),
+        M("attn/qkv", m, h, h, Y, X, count=3 * L, fused=3, whole_inputs=3),  # block 0: embeddings
         M("attn/out", m, h, h, X, Y, count=L),
         M("mlp/fc_in", m, h, f, Y, X, count=L),
         M("mlp/fc_out", m, f, h, X, Y, count=L),
@@ -277,4 +303,7 @@ def gpt_spec(
         norm_stats=2,  # LayerNorm: mean and mean of squares
         lookups=1,  # the token embedding (vocabulary-parallel over x)
         split_outputs=vocab,  # the logits
+        stream_axis=X,  # attn/out and fc_out are transposed: they scatter over x
+        whole_norms=1,  # block 0's first norm
+        stream_joins=1,  # the embeddings + block 0's attention output
     )

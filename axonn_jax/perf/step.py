@@ -146,7 +146,8 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
 def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Options()) -> Prediction:
     """Time and memory of one training step of ``spec`` on ``grid`` (see module docstring)."""
     mb, p, v = options.microbatches, grid.pipeline, grid.virtual
-    cs = collectives(spec, grid, recompute=options.recompute, microbatches=mb)
+    cs = collectives(spec, grid, recompute=options.recompute, microbatches=mb,
+                     scatter_batch=options.scatter_batch)
     itemsize = options.itemsize
     seconds, once, fixed, linear = [], 0.0, 0.0, 0.0
     for c in cs:

@@ -17,6 +17,10 @@ transposed layers are known without devices). From the plan and the jaxpr:
 * blocks (for pipeline stages): the most repeated numbered path component
   (``block_3``, ``blocks/3``); boundary width: k of the first weight matmul.
 
+* the default program's scattered batch (:class:`_ScatterFlow`): which
+  matmul inputs come whole (no all-gather), the rows each parameter is
+  applied on, and whole activations joining a scattered stream.
+
 Norm statistics all-reduces are not counted for traced models (they are for
 :func:`~axonn_jax.perf.spec.gpt_spec`).
 
@@ -57,8 +61,10 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
 
     matmuls, saved, looked_up = [], {}, set()
     attention_flops, attention_saved = 0.0, {}
+    flow = _ScatterFlow(jaxpr, origin)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
+        flow.follow(eqn)
         if name_ == "gather" and eqn.invars[0] in origin:
             looked_up.add(origin[eqn.invars[0]])
             dn = eqn.params["dimension_numbers"]
@@ -87,8 +93,12 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         in_axis = _tensor_axis(tuple(a for d in w_c for a in w_lay[d]))
         out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]))
         path = plan.params[p].path
-        matmuls.append(MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path)))
+        matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
+                                        whole_inputs=int(act_var not in flow.axis))))  # fmt: skip
+        flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
+    readers = collections.Counter(var for var, _ in matmuls)
+    matmuls = [dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
 
     if not matmuls:
         raise ValueError(
@@ -99,7 +109,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     params = [
         Param(p.path, p.shape, tuple(_tensor_axis(d) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
-              per_block=_in_block(p.path))  # fmt: skip
+              per_block=_in_block(p.path), scatter_axis=flow.params.get(i))  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
     activations = [Activation("matmul input", size / tokens, axis) for size, axis in saved.values()]
@@ -121,9 +131,51 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         attention_flops=attention_flops,
         attention_axis=X,
         lookups=lookups,
+        stream_axis=flow.stream_axis,
+        stream_joins=flow.joins,
         split_outputs=sum(math.prod(R.shape_of(v)) // tokens for v in jaxpr.outvars
                           if not R.is_literal(v) and any(X in axes for axes in layouts[v][1:])),
     )
+
+
+class _ScatterFlow:
+    """Which activations the default program holds reduce-scattered onto the batch.
+
+    Followed equation by equation: a layer's output is scattered over its input
+    axis (``rules._scatter_onto_batch``), and what is computed from it stays so
+    until the next layer gathers it. Found on the way: the axis of the rows each
+    parameter is applied on (its gradient is also reduced over it), and the
+    joins of a whole activation with a scattered one (the residual stream meeting
+    block 0's first output), whose backward all-reduces the whole one's gradient.
+    """
+
+    def __init__(self, jaxpr, origin: dict):
+        self.origin = origin
+        self.axis: dict = {}  # variable -> the tensor axis its batch is scattered over
+        self.live = set(jaxpr.invars)  # computed from the inputs or parameters (not constants)
+        self.params: dict[int, str] = {}
+        self.joins = 0
+        self.stream_axis: str | None = None
+
+    def follow(self, eqn) -> None:
+        ins = [v for v in eqn.invars if not R.is_literal(v)]
+        if any(v in self.live for v in ins):
+            self.live.update(eqn.outvars)
+        axis = next((self.axis[v] for v in ins if v in self.axis), None)
+        if axis is None or eqn.primitive.name == "dot_general" and any(v in self.origin for v in ins):
+            return
+        self.axis.update((v, axis) for v in eqn.outvars)
+        for v in ins:
+            if v in self.origin:
+                self.params.setdefault(self.origin[v], axis)
+            elif v not in self.axis and v in self.live and R.shape_of(v) == R.shape_of(eqn.outvars[0]):
+                self.joins += 1
+                self.stream_axis = axis
+
+    def layer(self, eqn, in_axis: str | None) -> None:
+        """A layer's output: scattered over its input axis."""
+        if in_axis:
+            self.axis[eqn.outvars[0]] = in_axis
 
 
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
@@ -150,10 +202,11 @@ def _blocks(paths) -> int:
 def _merge_params(params) -> tuple[Param, ...]:
     groups: dict[tuple, list[Param]] = collections.defaultdict(list)
     for p in params:
-        groups[(p.shape, p.axes, p.depth, p.per_block)].append(p)
+        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis)].append(p)
     return tuple(
         Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
-              ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block)  # fmt: skip
+              ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
+              scatter_axis=ps[0].scatter_axis)  # fmt: skip
         for ps in groups.values()
     )
 
@@ -161,11 +214,12 @@ def _merge_params(params) -> tuple[Param, ...]:
 def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
     groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
     for m in matmuls:
-        groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed)].append(m)
+        groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused)].append(m)
     return tuple(
         MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
                ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
-               recomputed=ms[0].recomputed)  # fmt: skip
+               recomputed=ms[0].recomputed, fused=ms[0].fused,
+               whole_inputs=sum(m.whole_inputs for m in ms))  # fmt: skip
         for ms in groups.values()
     )
 
