@@ -302,8 +302,14 @@ class Partitioned:
     ) -> Callable:
         """``(params, batch) → (loss, grads)`` of ``loss_fn(model outputs, batch)``.
 
-        ``inputs(batch)`` gives the model's positional arguments (default: the
-        batch itself, or its items if it is a tuple). With ``pipeline = 1`` the
+        ``inputs(batch)`` gives the model's inputs: a tuple of positional
+        arguments or a dict of keyword arguments (``inputs=lambda b:
+        {"inputs": b["x"]}`` for ``def __call__(self, *, inputs)``). Default:
+        the batch itself, or its items if it is a tuple; for a dict batch, its
+        entries named like the array keywords given to ``partition()``
+        (``partition(model, grid, inputs=x)`` then ``step(params, {"inputs": x,
+        "targets": y})``). ``loss_fn`` gets the batch as given; microbatches
+        split every batch leaf along dim 0. With ``pipeline = 1`` the
         result is a plain jittable function (microbatches accumulate gradients
         in one program). With ``pipeline > 1`` it runs the stages through the
         dispatch queue: ``schedule`` is "message" (AxoNN's message-driven

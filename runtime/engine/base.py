@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -116,14 +117,20 @@ class Engine(abc.ABC):
                        asynchronous: bool = True) -> Callable:  # fmt: skip
         """``(params, batch, rngs=None) → (loss, grads)`` (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
         check_differentiable(self.plan.params)
-        return self._value_and_grad(loss_fn, inputs or default_inputs, microbatches, resolve_remat(remat),
+        if inputs is None:  # the batch, its items, or (a dict batch) the keyword inputs of partition()'s call
+            inputs = functools.partial(default_inputs, keywords=self.call.keywords)
+        return self._value_and_grad(loss_fn, inputs, microbatches, resolve_remat(remat),
                                     dict(schedule=schedule, limit=limit, timeout=timeout, delay=delay,
                                          asynchronous=asynchronous))  # fmt: skip
 
     @abc.abstractmethod
     def _value_and_grad(self, loss_fn: Callable, inputs: Callable, microbatches: int,
                         remat: Callable | None, pipeline: dict[str, Any]) -> Callable:  # fmt: skip
-        """The gradient function; ``pipeline``: the dispatch queue's options."""
+        """The gradient function; ``pipeline``: the dispatch queue's options.
+
+        ``inputs(batch)`` returns the model's inputs: a tuple (positional) or a
+        dict (keywords), joined to the call's flags by ``self.call.of_inputs``.
+        """
 
     #: the :class:`~axonn_jax.runtime.train_step.TrainStep` of this engine
     step_type: type[TrainStep]
