@@ -32,6 +32,7 @@ from axonn_jax.runtime.engine import Engine, build_engine
 from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import ParamHomes
+from axonn_jax.runtime.stage_report import PipelineReport
 from axonn_jax.runtime.step_report import StepReport
 
 if TYPE_CHECKING:
@@ -352,7 +353,7 @@ class Partitioned:
                                       update_on=update_on, bucket_bytes=bucket_bytes, **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
-    def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
+    def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport | PipelineReport:
         """Communication and memory of one training step, per device (traced, cached).
 
         Traces ``jax.value_and_grad`` of ``pm.apply`` on an abstract mesh (no
@@ -361,6 +362,12 @@ class Partitioned:
         (``optimizer_slots`` fp32 per parameter, 2 for Adam) and saved-for-
         backward bytes. No arguments: the example inputs given to
         ``partition()``. See docs/plan_reports.md.
+
+        On a pipeline grid it is a :class:`~axonn_jax.runtime.stage_report.PipelineReport`:
+        each stage's step traced on its own (``.stages``: collectives,
+        memory, FLOPs per device, the bytes sent to the neighbouring stages)
+        and ``.compute`` summed over the stages (the same redundancy as
+        without pipeline).
 
         Example::
 

@@ -20,6 +20,7 @@ from axonn_jax.runtime.programs import ProgramCache
 from axonn_jax.runtime.remat import resolve_remat
 
 if TYPE_CHECKING:
+    from axonn_jax.runtime.stage_report import PipelineReport
     from axonn_jax.runtime.step_report import StepReport
     from axonn_jax.runtime.train_step import TrainStep
 
@@ -140,8 +141,8 @@ class Engine(abc.ABC):
         return self.step_type(self, loss_fn, optimizer, **options)
 
     @abc.abstractmethod
-    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport:
-        """Communication, memory and FLOPs of one training step (traced, no devices)."""
+    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport | PipelineReport:
+        """Communication, memory and FLOPs of one training step (traced, no devices; per stage on pipelines)."""
 
     # --- optimizer state: the form a train step returns ---------------------------
     @abc.abstractmethod
