@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 from axonn_jax.runtime import nonfinite
 from axonn_jax.runtime.microbatches import default_inputs
+from axonn_jax.runtime.model_call import model_inputs
 from axonn_jax.runtime.nonfinite import WHERES, NonFinite
 from axonn_jax.runtime.replicas import check_replicas
 
@@ -83,5 +84,6 @@ def diagnose_step(pm, loss_fn: Callable, params, batch, *, inputs: Callable | No
         if not np.isfinite(loss):
             raise FloatingPointError(str(diagnose_step(pm, loss_fn, params, batch)))
     """
-    model_args = (inputs or default_inputs)(batch)
-    return first_nonfinite(pm, params, *model_args, loss_fn=lambda out: loss_fn(out, batch))
+    given = inputs(batch) if inputs else default_inputs(batch, keywords=pm.engine.call.keywords)
+    args, kwargs = model_inputs(given)
+    return first_nonfinite(pm, params, *args, loss_fn=lambda out: loss_fn(out, batch), **kwargs)

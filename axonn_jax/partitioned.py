@@ -32,6 +32,7 @@ from axonn_jax.runtime.engine import Engine, build_engine
 from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import ParamHomes
+from axonn_jax.runtime.stage_report import PipelineReport
 from axonn_jax.runtime.step_report import StepReport
 
 if TYPE_CHECKING:
@@ -302,8 +303,14 @@ class Partitioned:
     ) -> Callable:
         """``(params, batch) → (loss, grads)`` of ``loss_fn(model outputs, batch)``.
 
-        ``inputs(batch)`` gives the model's positional arguments (default: the
-        batch itself, or its items if it is a tuple). With ``pipeline = 1`` the
+        ``inputs(batch)`` gives the model's inputs: a tuple of positional
+        arguments or a dict of keyword arguments (``inputs=lambda b:
+        {"inputs": b["x"]}`` for ``def __call__(self, *, inputs)``). Default:
+        the batch itself, or its items if it is a tuple; for a dict batch, its
+        entries named like the array keywords given to ``partition()``
+        (``partition(model, grid, inputs=x)`` then ``step(params, {"inputs": x,
+        "targets": y})``). ``loss_fn`` gets the batch as given; microbatches
+        split every batch leaf along dim 0. With ``pipeline = 1`` the
         result is a plain jittable function (microbatches accumulate gradients
         in one program). With ``pipeline > 1`` it runs the stages through the
         dispatch queue: ``schedule`` is "message" (AxoNN's message-driven
@@ -346,7 +353,7 @@ class Partitioned:
                                       update_on=update_on, bucket_bytes=bucket_bytes, **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
-    def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport:
+    def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport | PipelineReport:
         """Communication and memory of one training step, per device (traced, cached).
 
         Traces ``jax.value_and_grad`` of ``pm.apply`` on an abstract mesh (no
@@ -355,6 +362,12 @@ class Partitioned:
         (``optimizer_slots`` fp32 per parameter, 2 for Adam) and saved-for-
         backward bytes. No arguments: the example inputs given to
         ``partition()``. See docs/plan_reports.md.
+
+        On a pipeline grid it is a :class:`~axonn_jax.runtime.stage_report.PipelineReport`:
+        each stage's step traced on its own (``.stages``: collectives,
+        memory, FLOPs per device, the bytes sent to the neighbouring stages)
+        and ``.compute`` summed over the stages (the same redundancy as
+        without pipeline).
 
         Example::
 

@@ -3,8 +3,10 @@
 Plans (abstract shapes: no devices, no compute) an MLP, a VGG-style CNN, a
 Dense+BatchNorm+Dropout MLP in train mode, the repository's encoder-decoder
 and GPT, and HuggingFace's Flax GPT-2, BERT and Llama, at the sizes such
-models are trained at (bf16 activations for the transformers), and three
-test-size models (:data:`SMALL`), on
+models are trained at (bf16 activations for the transformers), and five
+test-size models (:data:`SMALL`: three of the repository's, and the scanned
+transformers of ``tests/control_flow_cases.py``, whose stack the plan cuts
+between stages), on
 ``Grid(pipeline=p)``; reports each stage's share of the forward FLOPs
 (``partitioner.flops.equation_flops`` over the stage's equations), the
 modelled slowest stage, and the plan's notes. ``--baseline REV`` plans the
@@ -30,8 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("mlp", "cnn", "bn_mlp", "encdec", "gpt", "hf_gpt2", "hf_bert", "hf_llama")
-#: the repository's test-size models: kernel- and transfer-bound, cut by kernel count (noted in the plan)
-SMALL = ("small_mlp", "small_cnn", "small_gpt")
+#: the repository's test-size models: kernel- and transfer-bound, cut by kernel count (noted in the
+#: plan); the scanned transformers of tests/control_flow_cases.py (linen nn.scan, nnx.scan)
+SMALL = ("small_mlp", "small_cnn", "small_gpt", "scan_gpt", "scan_gpt_nnx")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +112,16 @@ def build(name: str) -> Case:
                     dict(mutable=["batch_stats"], rngs={"dropout": jax.random.key(0)}),
                     "8 × Dense(2048)+BatchNorm+relu+Dropout, Dense(10); train mode, batch 64, fp32")  # fmt: skip
     tokens = lambda b, n: s((b, n), jnp.int32)  # noqa: E731
+    if name in ("scan_gpt", "scan_gpt_nnx"):
+        sys.path.insert(0, str(ROOT / "tests"))
+        import control_flow_cases as cf
+        from flax import nnx
+
+        model = cf.ScanGPT() if name == "scan_gpt" else cf.ScanGPTNNX(rngs=nnx.Rngs(0))
+        scan = "linen nn.scan over" if name == "scan_gpt" else "nnx.scan over nnx.vmap-made"
+        return Case(model, (tokens(cf.BATCH, cf.SEQ),), {},
+                    f"{scan} {cf.LAYERS} stacked blocks, hidden {cf.HIDDEN}, seq {cf.SEQ}, "
+                    f"batch {cf.BATCH}, fp32")  # fmt: skip
     if name == "small_gpt":
         from axonn_jax.models import GPT, GPTConfig
 
@@ -158,25 +171,34 @@ def plan_stages(name: str, pipeline: int) -> dict:
 
     case = build(name)
     try:
-        plan = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=pipeline), *case.args,
-                                   **case.kwargs).plan  # fmt: skip
+        pm = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=pipeline), *case.args, **case.kwargs)
     except ValueError as e:  # "<model> on <grid>: the model has ... (pipeline × virtual). Remedy: ..."
         return {"error": "refused: " + str(e).split("): ", 1)[-1].split(" (pipeline")[0]}
+    plan = pm.plan
     slowest = max((getattr(s, "compute_seconds", 0.0) + getattr(s, "transfer_seconds", 0.0))
                   for s in plan.stages)  # fmt: skip
     notes = [w for w in plan.warnings if w.startswith("pipeline stages")]
-    return {"ranges": [[s.start, s.stop] for s in plan.stages], "slowest_s": slowest, "notes": notes}
+    result = {"ranges": [[s.start, s.stop] for s in plan.stages], "slowest_s": slowest, "notes": notes}
+    if getattr(plan, "scan_cuts", ()):  # the ranges index the program with the scan split at the cuts
+        result["shares"] = flop_shares(name, result["ranges"], pm.program.jaxpr)
+    return result
 
 
-def flop_shares(name: str, ranges) -> list[float]:
-    """Each range's share of the model's forward FLOPs (the one per-equation count)."""
+def flop_shares(name: str, ranges, jaxpr=None) -> list[float]:
+    """Each range's share of the model's forward FLOPs (the one per-equation count).
+
+    ``jaxpr``: the equations the ranges index (default: the model inlined; a
+    plan that cut a scan between stages indexes its program's jaxpr, where
+    the scan is split at the cuts).
+    """
     import numpy as np
 
     from axonn_jax.partitioner.flops import equation_flops
     from axonn_jax.partitioner.trace import inline_calls, trace_model
 
-    case = build(name)
-    jaxpr = inline_calls(trace_model(case.model, *case.args, **case.kwargs).jaxpr).jaxpr
+    if jaxpr is None:
+        case = build(name)
+        jaxpr = inline_calls(trace_model(case.model, *case.args, **case.kwargs).jaxpr).jaxpr
     flops = np.array([equation_flops(e) for e in jaxpr.eqns], dtype=np.float64)
     if ranges[-1][1] != len(flops):
         raise ValueError(f"{name}: the ranges end at {ranges[-1][1]}, the model has {len(flops)} equations")
@@ -220,7 +242,7 @@ def main(argv=None) -> dict:
         for p in pipelines:
             after = plan_stages(m, p)
             row = {"model": m, "what": build(m).what, "pipeline": p,
-                   "after": flop_shares(m, after["ranges"]), "slowest_s": after["slowest_s"],
+                   "after": after.get("shares") or flop_shares(m, after["ranges"]), "slowest_s": after["slowest_s"],
                    "notes": after["notes"], "small": m in SMALL}  # fmt: skip
             if (m, p) in before:
                 old = before[(m, p)]

@@ -190,19 +190,23 @@ class MemoryReport:
 
     @classmethod
     def from_plan(
-        cls, plan, *, optimizer_slots: int = 2, activations=None, gathered_weights=None
+        cls, plan, *, params=None, optimizer_slots: int = 2, activations=None, gathered_weights=None
     ) -> MemoryReport:
         """Parameter, gradient and optimizer bytes per device from ``plan``'s layouts.
+
+        ``params``: the ``ParamPlan`` entries one device holds (default all of
+        them; a pipeline stage's own on pipeline grids).
 
         Example:
             >>> pm.plan.memory().parameters == pm.plan.param_bytes_per_device  # doctest: +SKIP
             True
         """
-        params = plan.param_bytes_per_device
-        elements = sum(math.prod(p.local_shape(plan.grid)) for p in plan.params)
+        params = plan.params if params is None else params
+        held = sum(p.bytes_per_device(plan.grid) for p in params)
+        elements = sum(math.prod(p.local_shape(plan.grid)) for p in params)
         return cls(
-            parameters=params,
-            gradients=params,
+            parameters=held,
+            gradients=held,
             optimizer=optimizer_slots * elements * np.dtype(np.float32).itemsize,
             optimizer_slots=optimizer_slots,
             activations=activations,

@@ -34,16 +34,18 @@ class ModelCall:
     stateful: bool  # the variables are {'params': ..., <state collections>: ...}
     mutable: tuple[str, ...]  # linen collections returned updated (nnx: always all)
     rng_state: bool = False  # nnx RNG streams live in the state (one key per call)
+    keywords: tuple[str, ...] = ()  # the array keyword inputs of the example call (e.g. inputs=)
 
     @classmethod
     def of(cls, traced: TracedModel) -> ModelCall:
         _, kwargs = traced.example_call()
         static = {k: v for k, v in kwargs.items() if k not in APPLY_KWARGS and is_static(v)}
+        keywords = tuple(k for k in kwargs if k not in APPLY_KWARGS and not is_static(kwargs[k]))
         stateful = traced.has_state
         mutable = ()
         if stateful and traced.kind == "linen":
             mutable = tuple(sorted({p.split("/")[0] for p in traced.param_paths} - {"params"}))
-        return cls(static, stateful, mutable, rng_state=bool(traced.rng_state))
+        return cls(static, stateful, mutable, rng_state=bool(traced.rng_state), keywords=keywords)
 
     def check_microbatches(self, microbatches: int) -> None:
         """nnx RNG streams draw one key per call: microbatches would share their dropout masks."""
@@ -64,6 +66,17 @@ class ModelCall:
             kw["mutable"] = list(self.mutable)
         return kw
 
+    def of_inputs(self, given, rngs: Mapping[str, jax.Array] | None, microbatch,
+                  microbatches: int) -> tuple[tuple, dict]:  # fmt: skip
+        """The model call ``(args, kwargs)`` of one microbatch from what ``inputs(batch)`` returned.
+
+        Example:
+            >>> call.of_inputs({"inputs": x}, None, 0, 1)  # doctest: +SKIP
+            ((), {'train': True, 'inputs': x})
+        """
+        args, keywords = model_inputs(given)
+        return args, call_kwargs(keywords, self.kwargs(rngs, microbatch, microbatches))
+
     def split(self, variables) -> tuple[Any, dict | None]:
         """``(params, state)``: the trainable tree and the other collections."""
         if not self.stateful:
@@ -76,6 +89,42 @@ class ModelCall:
     def outputs(self, result) -> tuple[Any, dict | None]:
         """``(model outputs, state updates)`` of one call."""
         return result if self.stateful else (result, None)
+
+
+def model_inputs(given) -> tuple[tuple, dict]:
+    """What ``inputs(batch)`` returned, as the model call's ``(args, kwargs)``.
+
+    A tuple (or list) gives positional arguments, a dict keyword arguments
+    (every parameter that is not positional-only can be passed by name, so a
+    dict also covers calls that mix both), anything else one positional argument.
+
+    Example:
+        >>> model_inputs({"inputs": 1})
+        ((), {'inputs': 1})
+        >>> model_inputs((1, 2))
+        ((1, 2), {})
+    """
+    if isinstance(given, Mapping):
+        return (), dict(given)
+    if isinstance(given, (tuple, list)):
+        return tuple(given), {}
+    return (given,), {}
+
+
+def call_kwargs(inputs: Mapping, fixed: Mapping) -> dict:
+    """The keyword inputs of a microbatch joined to the call's fixed keywords (flags, ``rngs``, ``mutable``).
+
+    A name in both is refused: the batch would silently override a flag given
+    to ``partition()`` (or the reverse).
+    """
+    clash = sorted(set(inputs) & set(fixed))
+    if clash:
+        raise ValueError(
+            f"inputs(batch) returned keyword input(s) {clash} that the call already sets "
+            f"({sorted(fixed)}: flags given to partition(), rngs, mutable). Remedy: rename the "
+            "entries that inputs= returns, or drop the flag from partition()."
+        )
+    return {**fixed, **inputs}
 
 
 def unwrap_params(tree, param_tree) -> tuple[Any, bool]:

@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.sharding import AbstractMesh
 
-from axonn_jax.partitioner.flops import ComputeReport, count
+from axonn_jax.partitioner.flops import ComputeReport, Flops, count
 from axonn_jax.partitioner.grid import STAGE_AXES, Grid
 from axonn_jax.partitioner.jaxprs import open_jaxpr, subjaxprs
 from axonn_jax.partitioner.plan import Plan
@@ -105,26 +105,46 @@ def step_report(plan: Plan, program: Program, args: tuple, kwargs: dict, *,
         outs = apply_program(program, mesh, jax.tree.leaves(p), arrays, overlap=overlap)
         return jax.tree.unflatten(program.out_tree, outs)
 
-    def plain(p, a, k):  # the model's own program, on one device
-        arrays, _ = call_leaves(a, k)
-        outs = jax.core.eval_jaxpr(program.jaxpr, program.consts, *jax.tree.leaves(p), *arrays)
-        return jax.tree.unflatten(program.out_tree, outs)
-
-    params = jax.tree.unflatten(
-        plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in plan.params]
-    )
+    params = abstract_params(plan)
     fwd, bwd, residuals = _trace_step(apply, params, args, kwargs)
-    backward = [dataclasses.replace(t, phase="backward") for t in collect(bwd.jaxpr.eqns)]
     saved = saved_bytes(fwd.jaxpr, num_params=len(plan.params), num_residuals=residuals)
     memory = MemoryReport.from_plan(
         plan, optimizer_slots=optimizer_slots, activations=saved.activations,
         gathered_weights=saved.weights,
     )  # fmt: skip
-    communication = CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
-    with bound_axis_names(program.traced.axis_names):  # the model's own pmean('batch') etc.
-        plain_fwd, plain_bwd, _ = _trace_step(plain, params, args, kwargs)
-    compute = ComputeReport(count(fwd) + count(bwd), count(plain_fwd) + count(plain_bwd), grid.size)
+    communication = step_collectives(fwd, bwd)
+    compute = ComputeReport(count(fwd) + count(bwd), plain_flops(plan, program, args, kwargs), grid.size)
     return StepReport(plan, communication, memory, compute)
+
+
+def abstract_params(plan: Plan):
+    """The parameter tree of ``plan`` as ``ShapeDtypeStruct`` (global shapes)."""
+    return jax.tree.unflatten(plan.param_tree, [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in plan.params])
+
+
+def plain_flops(plan: Plan, program: Program, args: tuple, kwargs: dict) -> Flops:
+    """FLOPs of the plain model's forward and backward on one device (the redundancy's 1.00).
+
+    The model as traced, before inlining and pipeline cuts (a scan split
+    between stages accumulates its stacked gradients differently): the same
+    count on every grid.
+    """
+    model = program.traced.jaxpr
+
+    def plain(p, a, k):  # the model's own program, on one device
+        arrays, _ = call_leaves(a, k)
+        outs = jax.core.eval_jaxpr(model.jaxpr, model.consts, *jax.tree.leaves(p), *arrays)
+        return jax.tree.unflatten(program.out_tree, outs)
+
+    with bound_axis_names(program.traced.axis_names):  # the model's own pmean('batch') etc.
+        fwd, bwd, _ = _trace_step(plain, abstract_params(plan), *abstract_call(args, kwargs))
+    return count(fwd) + count(bwd)
+
+
+def step_collectives(fwd, bwd) -> CommReport:
+    """Every collective of a traced forward and backward pass (phases marked)."""
+    backward = [dataclasses.replace(t, phase="backward") for t in collect(bwd.jaxpr.eqns)]
+    return CommReport(tuple(collect(fwd.jaxpr.eqns) + backward))
 
 
 def _trace_step(apply: Callable, params, args, kwargs):
@@ -149,7 +169,7 @@ def _trace_step(apply: Callable, params, args, kwargs):
     fwd, (out_shapes, residual_shapes) = jax.make_jaxpr(forward, return_shape=True)(
         params, [x for i, x in enumerate(leaves) if i not in static]
     )
-    cotangents = jax.tree.map(_cotangent, out_shapes)
+    cotangents = jax.tree.map(cotangent, out_shapes)
     bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(pullback_tree["tree"], r)(ct))(
         residual_shapes, cotangents
     )
@@ -257,7 +277,7 @@ def _kind_of(vars_, kind: dict) -> str:
     return _DATA if _DATA in found else (_PARAMS if _PARAMS in found else _CONST)
 
 
-def _cotangent(shape: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+def cotangent(shape: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
     dtype = shape.dtype if jnp.issubdtype(shape.dtype, jnp.inexact) else jax.dtypes.float0
     return jax.ShapeDtypeStruct(shape.shape, dtype)
 

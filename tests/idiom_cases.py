@@ -12,6 +12,8 @@
 - :class:`AddInto`, :class:`PickTokens`: scatter-add into an activation,
   scatter (set), ``take_along_axis`` and ``vmap``-ed lookups.
 - :func:`gpt_with_dropout`: the repo's GPT with dropout 0.1.
+- :class:`KeywordOnly` (linen) and :class:`KeywordOnlyNNX`: a stack of
+  residual blocks called ``model(inputs=x)`` (``def __call__(self, *, inputs)``).
 
 :func:`idioms` lists them for ``benchmarks/redundancy.py --idioms``.
 """
@@ -284,6 +286,63 @@ class PickTokens(nn.Module):
         along = jnp.take_along_axis(h, pick[..., None], axis=1)  # [B, 3, 32]
         mapped = jax.vmap(lambda seq, i: seq[i])(h, pick)  # [B, 3, 32]
         return nn.Dense(8)(nn.gelu(along + mapped))
+
+
+# --- a keyword-only input: model(inputs=x) ------------------------------------------------
+
+
+class ResidualBlock(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(self.width)(nn.gelu(nn.Dense(2 * self.width)(nn.LayerNorm()(x))))
+
+
+class KeywordOnly(nn.Module):
+    """Four residual blocks over ``inputs [B, T, F]``, taken by keyword only."""
+
+    width: int = 32
+    blocks: int = 4
+
+    @nn.compact
+    def __call__(self, *, inputs):
+        x = nn.Dense(self.width)(inputs)
+        for i in range(self.blocks):
+            x = ResidualBlock(self.width, name=f"block_{i}")(x)
+        return nn.Dense(4)(x)
+
+
+class ResidualBlockNNX(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.down = nnx.Linear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x):
+        return x + self.down(nnx.gelu(self.up(self.norm(x))))
+
+
+class KeywordOnlyNNX(nnx.Module):
+    """:class:`KeywordOnly` in nnx."""
+
+    def __init__(self, features: int = 8, width: int = 32, blocks: int = 4, *, rngs: nnx.Rngs):
+        self.embed = nnx.Linear(features, width, rngs=rngs)
+        self.blocks = nnx.List([ResidualBlockNNX(width, rngs=rngs) for _ in range(blocks)])
+        self.head = nnx.Linear(width, 4, rngs=rngs)
+
+    def __call__(self, *, inputs):
+        x = self.embed(inputs)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def keyword_batch(rows: int = 16, seq: int = 4, features: int = 8) -> dict:
+    """``{"inputs": [rows, seq, features], "targets": [rows, seq, 4]}``."""
+    rng = np.random.default_rng(3)
+    return {"inputs": rng.standard_normal((rows, seq, features)).astype(np.float32),
+            "targets": rng.standard_normal((rows, seq, 4)).astype(np.float32)}  # fmt: skip
 
 
 IMAGES = np.random.default_rng(0).standard_normal((8, 8, 8, 3)).astype(np.float32)

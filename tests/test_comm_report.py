@@ -268,13 +268,6 @@ def test_report_is_cached_and_printable(devices):
     assert pm.report(optimizer_slots=1).memory.optimizer * 2 == first.memory.optimizer
 
 
-def test_pipeline_grid_is_refused_with_a_remedy():
-    case = build("mlp")
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid(x=2, pipeline=2), *case.args)
-    with pytest.raises(NotImplementedError, match="pipeline=2.*Grid\\(x=2, y=1, z=1, data=1\\)"):
-        pm.report()
-
-
 # --- the test MLP's step, derived from its layer shapes ------------------------------------
 def _mlp_step_from_layer_shapes(samples: int, widths: list[int], grid) -> dict:
     """Every collective of the default program's train step of an MLP, one device.

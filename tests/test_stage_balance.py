@@ -110,3 +110,18 @@ def test_the_issues_mlp():
         possible = most_even(np.cumsum(flops)[:-1], flops.sum(), pipeline)
         assert max(shares) <= possible + 1e-3, (pipeline, shares, possible)
         assert not plan.warnings, plan.warnings
+
+
+@pytest.mark.parametrize("name", ["scan_gpt", "scan_gpt_nnx"])
+def test_scanned_transformer_rows_of_the_table(name):
+    """The table's scanned transformers: their stack is cut between stages, and each stage's
+    share (counted on the program's equations, where the scan is split at the cuts) equals
+    the unrolled blocks' (``small_gpt``: the same 4 blocks in a Python loop) and sums to 1."""
+    for pipeline in (2, 4):
+        scanned = stage_balance.plan_stages(name, pipeline)
+        unrolled = stage_balance.plan_stages("small_gpt", pipeline)
+        shares = scanned["shares"]
+        assert abs(sum(shares) - 1) < 1e-9 and len(shares) == pipeline
+        np.testing.assert_allclose(shares, stage_balance.flop_shares("small_gpt", unrolled["ranges"]),
+                                   atol=2e-3, err_msg=f"{name} pipeline={pipeline}")  # fmt: skip
+        assert max(shares) * pipeline <= 1.12, (name, pipeline, shares)

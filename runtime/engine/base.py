@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,7 @@ from axonn_jax.runtime.programs import ProgramCache
 from axonn_jax.runtime.remat import resolve_remat
 
 if TYPE_CHECKING:
+    from axonn_jax.runtime.stage_report import PipelineReport
     from axonn_jax.runtime.step_report import StepReport
     from axonn_jax.runtime.train_step import TrainStep
 
@@ -116,14 +118,20 @@ class Engine(abc.ABC):
                        asynchronous: bool = True) -> Callable:  # fmt: skip
         """``(params, batch, rngs=None) → (loss, grads)`` (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
         check_differentiable(self.plan.params)
-        return self._value_and_grad(loss_fn, inputs or default_inputs, microbatches, resolve_remat(remat),
+        if inputs is None:  # the batch, its items, or (a dict batch) the keyword inputs of partition()'s call
+            inputs = functools.partial(default_inputs, keywords=self.call.keywords)
+        return self._value_and_grad(loss_fn, inputs, microbatches, resolve_remat(remat),
                                     dict(schedule=schedule, limit=limit, timeout=timeout, delay=delay,
                                          asynchronous=asynchronous))  # fmt: skip
 
     @abc.abstractmethod
     def _value_and_grad(self, loss_fn: Callable, inputs: Callable, microbatches: int,
                         remat: Callable | None, pipeline: dict[str, Any]) -> Callable:  # fmt: skip
-        """The gradient function; ``pipeline``: the dispatch queue's options."""
+        """The gradient function; ``pipeline``: the dispatch queue's options.
+
+        ``inputs(batch)`` returns the model's inputs: a tuple (positional) or a
+        dict (keywords), joined to the call's flags by ``self.call.of_inputs``.
+        """
 
     #: the :class:`~axonn_jax.runtime.train_step.TrainStep` of this engine
     step_type: type[TrainStep]
@@ -133,8 +141,8 @@ class Engine(abc.ABC):
         return self.step_type(self, loss_fn, optimizer, **options)
 
     @abc.abstractmethod
-    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport:
-        """Communication, memory and FLOPs of one training step (traced, no devices)."""
+    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport | PipelineReport:
+        """Communication, memory and FLOPs of one training step (traced, no devices; per stage on pipelines)."""
 
     # --- optimizer state: the form a train step returns ---------------------------
     @abc.abstractmethod

@@ -98,7 +98,7 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
     call.check_microbatches(microbatches)
 
     def loss_of(params, state, batch, rngs, mb):
-        result = apply(call.merge(params, state), inputs(batch), call.kwargs(rngs, mb, microbatches))
+        result = apply(call.merge(params, state), *call.of_inputs(inputs(batch), rngs, mb, microbatches))
         outputs, updates = call.outputs(result)
         return loss_fn(outputs, batch), updates
 

@@ -133,6 +133,10 @@ class StageProgram:
     def _trained(self, params) -> list:
         return [params[k] for k in self.trained]
 
+    def traceable(self) -> tuple[Callable, Callable]:
+        """The ``(forward, backward)`` of one microbatch before ``jax.jit`` (step reports trace them)."""
+        return self._forward, self._backward
+
     # --- the compiled programs --------------------------------------------
     def _forward(self, params, args, inbound):
         """One microbatch forward: (outbound values, residuals for :meth:`backward`)."""

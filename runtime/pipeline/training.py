@@ -75,7 +75,7 @@ class PipelinedValueAndGrad:
         placed: the model on this process's stage meshes.
         call: how the model is called (flags, RNG streams, state).
         loss_fn: ``loss_fn(model outputs, batch) → scalar``, on the last stage.
-        inputs: ``inputs(batch)`` → the model's positional arguments.
+        inputs: ``inputs(batch)`` → the model's inputs: a tuple (positional) or a dict (keywords).
     """
 
     def __init__(self, stages: StagePrograms, placed: PlacedModel, call: ModelCall, loss_fn: Callable, *,
@@ -97,7 +97,7 @@ class PipelinedValueAndGrad:
         microbatch = batch_slices(batch, m, placed.grid)
 
         def call(mb):  # RNG keys: one stream per microbatch, the same on every stage
-            return self.inputs(microbatch(mb)), self.call.kwargs(rngs, mb, m)
+            return self.call.of_inputs(self.inputs(microbatch(mb)), rngs, mb, m)
 
         programs = self.stage_programs(*call(0))
         leaves = placed.param_leaves(params)
