@@ -11,7 +11,10 @@ consumed, so no sender waits on a receive), asks its
 :class:`~axonn_jax.runtime.pipeline.schedules.Schedule` which ready task to
 run (the message-driven schedule: whichever has its input, backward first;
 ``"1f1b"`` and ``"gpipe"``: a fixed order per stage, for comparison), and
-hands outputs to the transport without waiting.
+hands outputs to the transport without waiting. With a zero-bubble schedule
+(``"zb"``, ``"zb-h1"``) a backward is two tasks: B sends the input gradients
+and keeps what W needs; W, ready as soon as its B has run, sums the weight
+gradients.
 
 Dispatch is asynchronous: a task's program is launched and the queue moves on
 at once, so the stages of one process compute at the same time on their own
