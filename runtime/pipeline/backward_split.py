@@ -14,7 +14,7 @@ crosses between them per device (a leading axis over the mesh axes it varies
 on), so every collective stays where the fused backward had it.
 
 Example:
-    >>> split = BackwardSplit(backward, residual_avals, weight_outputs=3)   # doctest: +SKIP
+    >>> split = BackwardSplit(backward, avals, input_outputs=[False, False, True])  # doctest: +SKIP
     >>> g_in, carried = split.input_gradients(*leaves)                     # doctest: +SKIP
     >>> weights = split.weight_gradients(split.kept(leaves), carried)      # doctest: +SKIP
 """

@@ -410,7 +410,8 @@ class DispatchQueue:
         residuals, cotangents = st.residuals.pop(mb), st.cotangents.pop(mb)
         st.backwards += 1
         if self._split:  # B: the inbound gradients now, what W needs kept
-            g_in, st.deferred[mb] = st.program.backward_input(residuals, cotangents)
+            g_in, carried = st.program.backward_input(residuals, cotangents)
+            st.deferred[mb] = st.program.weight_inputs(residuals, cotangents, carried)
             sums = []
         else:
             sums, g_in = st.program.backward(residuals, cotangents)

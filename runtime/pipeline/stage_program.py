@@ -65,7 +65,10 @@ class StageProgram:
         self.forward_backward = jax.jit(self._forward_backward)
         #: ``(outbound values or model outputs, state updates)``: no residuals
         self.forward_only = jax.jit(self._body)
-        #: split backward (zero-bubble schedules): B, then W from what B leaves; built on first use
+        #: split backward (zero-bubble schedules), built by :meth:`split_backward`: B is
+        #: ``backward_input(residuals, cotangents) → (inbound gradients, carried)`` (last stage:
+        #: ``forward_backward_input(...) → (loss, inbound gradients, W's inputs)``), W is
+        #: ``backward_weights(*weight_inputs(...)) → (gradients, state updates)``
         self.backward_input: Callable | None = None
         self.forward_backward_input: Callable | None = None
         self.backward_weights: Callable | None = None
@@ -217,14 +220,13 @@ class StageProgram:
             return list(flat[:n_params]), list(flat[n_params:])
 
         def input_backward(residuals, cotangents):
-            flat = jax.tree.leaves((residuals, cotangents))
-            g_in, carried = split.input_gradients(*flat)
-            return g_in, (split.kept(flat), carried)
+            return split.input_gradients(*jax.tree.leaves((residuals, cotangents)))
 
         def forward_input_backward(params, args, inbound, batch):
             value, residuals = self._loss_forward(params, args, inbound, batch)
-            g_in, w_state = input_backward(residuals, jax.numpy.ones_like(value))
-            return value, g_in, w_state
+            flat = jax.tree.leaves((residuals, jax.numpy.ones_like(value)))
+            g_in, carried = split.input_gradients(*flat)
+            return value, g_in, (split.kept(flat), carried)  # the kept residuals are new values here
 
         self.backward_weights = jax.jit(weights)
         if self.last:
@@ -233,6 +235,11 @@ class StageProgram:
             self.backward_input = jax.jit(input_backward)
         self._split = split
         return split
+
+    def weight_inputs(self, residuals, cotangents, carried) -> tuple[list, list]:
+        """What W reads: the residual and gradient leaves it uses (picked outside B's program,
+        so they are not copied) and the values B ``carried`` to it."""
+        return self._split.kept(jax.tree.leaves((residuals, cotangents))), list(carried)
 
     def compile(self, params, args, batch=None, *, split: bool = False) -> None:
         """Compile this stage's programs ahead of time (before any message is exchanged).
@@ -254,8 +261,9 @@ class StageProgram:
                 _, _, w_state = first.out_info
                 self.forward_backward_input = first
             else:
-                first = self.backward_input.lower(forward.out_info[1], self.outbound_cotangent_avals()).compile()
-                _, w_state = first.out_info
+                residuals, cotangents = forward.out_info[1], self.outbound_cotangent_avals()
+                first = self.backward_input.lower(residuals, cotangents).compile()
+                w_state = self.weight_inputs(residuals, cotangents, first.out_info[1])
                 self.backward_input = first
             self.backward_weights = self.backward_weights.lower(*w_state).compile()
             self.split_compiled = True
