@@ -158,8 +158,8 @@ class StageProgram:
         g_params, g_in = vjp(cotangents)
         return (list(g_params), list(updates)), g_in
 
-    def _forward_backward(self, params, args, inbound, batch):
-        """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
+    def _loss_fn(self, params, args, inbound, batch) -> Callable:
+        """Last stage: ``(trained params, differentiable inbound) → (loss, state updates)``."""
         f = self._stage_fn(params, args, inbound)
         positions = self.flow.output_positions
 
@@ -170,6 +170,11 @@ class StageProgram:
                 full[k] = x
             return self.loss_fn(jax.tree.unflatten(self.out_tree, full), batch), updates
 
+        return loss
+
+    def _forward_backward(self, params, args, inbound, batch):
+        """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
+        loss = self._loss_fn(params, args, inbound, batch)
         (value, updates), (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             self._trained(params), self._split_inbound(inbound)
         )  # fmt: skip
@@ -177,16 +182,7 @@ class StageProgram:
 
     def _loss_forward(self, params, args, inbound, batch):
         """Last stage: the loss of one microbatch and the residuals of its backward."""
-        f = self._stage_fn(params, args, inbound)
-        positions = self.flow.output_positions
-
-        def loss(trained, diff):
-            _, (outs, updates) = f(trained, diff)
-            full = [None] * self.out_tree.num_leaves
-            for k, x in zip(positions, outs):
-                full[k] = x
-            return self.loss_fn(jax.tree.unflatten(self.out_tree, full), batch), updates
-
+        loss = self._loss_fn(params, args, inbound, batch)
         value, vjp, updates = jax.vjp(loss, self._trained(params), self._split_inbound(inbound), has_aux=True)
         return value, (vjp, updates)
 
