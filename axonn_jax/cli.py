@@ -200,7 +200,7 @@ def _launch(best) -> str:
     """How to run the top-ranked configuration: the example's flags and the Python call."""
     flag = _grid_flag(best.grid)
     mb, offload = best.options.microbatches, best.options.offload
-    schedule = best.options.schedule if best.grid.pipeline > 1 else "message"
+    schedule = best.options.schedule if best.bubble else "message"  # no pipeline: no schedule
     step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
             + [f'schedule="{schedule}"'] * (schedule != "message"))  # fmt: skip
     python = f"axonn_jax.Grid({flag.replace(',', ', ')})"

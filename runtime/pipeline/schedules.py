@@ -297,8 +297,8 @@ class ZeroBubble(MessageDriven):
     def _admits(self, s: int, st: StageView) -> bool:
         if not super()._admits(s, st):
             return False
-        if self.limit is None or s == self._stages - 1:
-            return len(st.deferred) < self.budget or s == self._stages - 1
+        if self.limit is None or s == self._stages - 1:  # the last stage: pick's budget rule bounds it
+            return True
         return st.forwards - st.backwards + len(st.deferred) < self.in_flight_bound(s) + self.budget
 
     def pick(self, states, has_input, microbatches):
