@@ -29,6 +29,7 @@ GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from axonn_jax import __version__
+    from axonn_jax.perf.options import SCHEDULES
 
     ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
     ap.add_argument("--version", action="version", version=f"axonn-jax {__version__}")
@@ -59,6 +60,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
     plan.add_argument("--virtual", type=int, default=1,
                       help="pipeline stages per rank (interleaved) for grids with a pipeline (default 1)")
+    plan.add_argument("--schedule", choices=SCHEDULES, default="message",
+                      help="pipeline schedule priced (zb, zb-h1: zero bubble; default message)")  # fmt: skip
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
 
@@ -109,7 +112,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     if args.efficiency is not None:
         machine = machine.with_efficiency(args.efficiency)
     spec = _spec(parser, args)
-    options = Options(precision=args.precision, recompute=not args.no_recompute)
+    options = Options(precision=args.precision, recompute=not args.no_recompute, schedule=args.schedule)
     t0 = time.perf_counter()
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
@@ -197,7 +200,9 @@ def _launch(best) -> str:
     """How to run the top-ranked configuration: the example's flags and the Python call."""
     flag = _grid_flag(best.grid)
     mb, offload = best.options.microbatches, best.options.offload
-    step = [f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
+    schedule = best.options.schedule if best.bubble else "message"  # no pipeline: no schedule
+    step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
+            + [f'schedule="{schedule}"'] * (schedule != "message"))  # fmt: skip
     python = f"axonn_jax.Grid({flag.replace(',', ', ')})"
     if step:
         python += f" and pm.train_step(..., {', '.join(step)})"

@@ -315,7 +315,10 @@ class Partitioned:
         in one program). With ``pipeline > 1`` it runs the stages through the
         dispatch queue: ``schedule`` is "message" (AxoNN's message-driven
         queue; stage ``s`` keeps at most ``limit - s`` microbatches in flight,
-        default the number of stages + 1), "1f1b" or "gpipe"; the loss is returned on
+        default the number of stages + 1), "1f1b", "gpipe", or a zero-bubble
+        schedule, which splits each stage's backward into B (input gradients) and W
+        (weight gradients) and runs W where a rank would idle: "zb" (message-driven,
+        at most ``pipeline`` deferred W's per stage) or "zb-h1" (static); the loss is returned on
         every process and the gradients of this process's parameters (others
         ``None``). ``remat`` wraps each stage's forward (e.g. ``jax.checkpoint``);
         ``remat`` may also name a policy of :mod:`axonn_jax.runtime.remat` ("none",

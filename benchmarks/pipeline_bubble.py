@@ -1,4 +1,4 @@
-"""Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven vs theory.
+"""Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven / ZB-H1 / zero-bubble message-driven vs theory.
 
 Launches itself under ``mpiexec -n P`` (pipeline=P; for each ``--virtual``
 value V each process runs V interleaved stages, P·V in all, V=1: one stage)
@@ -12,7 +12,9 @@ Two modes, both reported:
   measurement isolates the schedule (what the formula assumes, with
   forward = backward = one unit and the last stage's fused task = two units;
   with virtual stages each stage's task is 1/V of that, so a rank's work per
-  microbatch stays the same);
+  microbatch stays the same; the zero-bubble schedules split the backward's
+  time between B and W, ``--w-share`` of it to W: 0.5, a matmul layer's FLOPs,
+  dx = dy·Wᵀ and dW = xᵀ·dy, so each rank's work per microbatch is unchanged);
 * ``compute``: the model's own compute only (on a shared 2-core machine with
   several processes this is dominated by noise; reported as measured).
 
@@ -33,6 +35,9 @@ if str(HERE) not in sys.path:
 from mpi_launch import PREFIX, is_worker, relaunch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("gpipe", "1f1b", "message", "zb-h1", "zb")
+LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "message": "message-driven", "zb-h1": "ZB-H1",
+          "zb": "zero-bubble message-driven"}  # fmt: skip
 
 
 def parse_args(argv=None):
@@ -42,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--task-ms", type=float, default=40.0)
     p.add_argument("--modes", default="uniform,compute")
+    p.add_argument("--w-share", type=float, default=0.5, help="zero bubble: W's share of the backward")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--out", default=None, help="write the markdown table here too")
     return p.parse_args(argv)
 
@@ -51,6 +58,8 @@ def worker(args) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     import axonn_jax
     from axonn_jax.runtime.pipeline import timeline as trace
+    from axonn_jax.runtime.pipeline.schedules import splits_weights
+    from axonn_jax.runtime.pipeline.tasks import TaskKind
 
     info = axonn_jax.init()
     import jax
@@ -65,12 +74,17 @@ def worker(args) -> None:
         task = args.task_ms / 1e3 / virtual  # one stage's share of its rank's work
         for mode in args.modes.split(","):
             for m in map(int, args.microbatches.split(",")):
-                for schedule in ("gpipe", "1f1b", "message"):
+                for schedule in args.schedules.split(","):
+                    w = args.w_share if splits_weights(schedule) else 0.0  # W's share of a backward
 
-                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode):
+                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode, w=w):
                         if mode != "uniform":
                             return 0.0
-                        return 2 * task if stage == last else task
+                        if kind is TaskKind.WEIGHTS:
+                            return w * task
+                        if kind is TaskKind.BACKWARD:
+                            return (1 - w) * task
+                        return (2 - w) * task if stage == last else task  # the last: F + B
 
                     step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
                                              schedule=schedule, delay=delay)  # fmt: skip
@@ -82,22 +96,26 @@ def worker(args) -> None:
                         results.append({"mode": mode, "m": m, "v": virtual, "schedule": schedule,
                                         "idle_mean": sum(idle.values()) / len(idle), "idle": idle,
                                         "theory": trace.bubble_theory(args.stages, m, virtual),
+                                        "floor": trace.zero_bubble_floor(args.stages, m, virtual),
                                         "theory_v1": trace.bubble_theory(args.stages, m)})  # fmt: skip
     if info.is_main:
         print(PREFIX + json.dumps(results), flush=True)
 
 
 def table(results, stages: int) -> str:
+    names = [s for s in SCHEDULES if any(r["schedule"] == s for r in results)]
     lines = [f"Pipeline bubble, pipeline={stages} (one process per rank; `virtual` stages per "
              "rank), idle fraction per rank averaged over ranks, from the dispatch-queue trace:", "",
-             "| mode | virtual | microbatches | GPipe | 1F1B | message-driven | theory (p−1)/(v·m+p−1) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| mode | virtual | microbatches | " + " | ".join(LABELS[s] for s in names)
+             + " | theory (p−1)/(v·m+p−1) | zero-bubble floor |",
+             "| --- | --- | --- | " + "--- | " * len(names) + "--- | --- |"]  # fmt: skip
     keyed = {(r["mode"], r.get("v", 1), r["m"], r["schedule"]): r for r in results}
     for mode, v, m in sorted({(r["mode"], r.get("v", 1), r["m"]) for r in results},
                              key=lambda t: (t[0] != "uniform", t[1], t[2])):  # fmt: skip
-        cells = [f"{keyed[(mode, v, m, s)]['idle_mean']:.3f}" for s in ("gpipe", "1f1b", "message")]
-        lines.append(f"| {mode} | {v} | {m} | " + " | ".join(cells)
-                     + f" | {keyed[(mode, v, m, 'gpipe')]['theory']:.3f} |")  # fmt: skip
+        cells = [f"{keyed[(mode, v, m, s)]['idle_mean']:.3f}" for s in names]
+        first = keyed[(mode, v, m, names[0])]
+        floor = f"{first['floor']:.3f}" if "floor" in first else "—"
+        lines.append(f"| {mode} | {v} | {m} | " + " | ".join(cells) + f" | {first['theory']:.3f} | {floor} |")
     return "\n".join(lines)
 
 

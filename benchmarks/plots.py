@@ -100,8 +100,11 @@ def pipeline_bubble(result: dict, out: Path) -> Path | None:
     for v, style in zip(sorted({r.get("v", 1) for r in runs}), ("-", ":", "-.")):
         mine = [r for r in runs if r.get("v", 1) == v]
         tag = "" if v == 1 else f", virtual={v}"
-        for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("message", "message-driven")):
+        for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("message", "message-driven"),
+                                ("zb-h1", "ZB-H1"), ("zb", "zero-bubble message-driven")):  # fmt: skip
             by_m = {r["m"]: r["idle_mean"] for r in mine if r["schedule"] == schedule}
+            if not by_m:
+                continue
             ax.plot(ms, [by_m.get(m) for m in ms], marker="o", linestyle=style, label=label + tag)
         theory = {r["m"]: r["theory"] for r in mine}
         ax.plot(ms, [theory.get(m) for m in ms], "k", linestyle="--" if v == 1 else style,

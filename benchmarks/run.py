@@ -84,6 +84,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               timeout_s=1200),  # fmt: skip
     Benchmark("pipeline_async", "Pipeline stages overlapping in one process",
               ("--rounds", "20"), ("--rounds", "4"), devices=2, timeout_s=600),  # fmt: skip
+    Benchmark("pipeline_zero_bubble", "Zero-bubble schedules in one process: W filling the idle time",
+              ("--rounds", "10"), ("--rounds", "2", "--layers", "4", "--rows", "64"), devices=2,
+              timeout_s=600),  # fmt: skip
     Benchmark("pipeline_hop", "One pipeline hop: MpiTransport vs raw mpi4py",
               ("--rounds", "6", "--trips", "20"), ("--rounds", "2", "--trips", "10"),
               devices=1, timeout_s=600),  # fmt: skip

@@ -136,6 +136,12 @@ def bubble_summary(r: dict) -> Rows:
                         "message-driven (theory; theory without virtual stages)",
                         f"{msg['idle_mean']:.2f} ({msg['theory']:.2f}; "
                         f"{msg.get('theory_v1', msg['theory']):.2f})"))  # fmt: skip
+        if "zb" in row:
+            zb = row["zb"]
+            h1 = f"{row['zb-h1']['idle_mean']:.2f}, " if "zb-h1" in row else ""
+            out.append((f"pipeline bubble, virtual={v}, {m} microbatches, zero bubble: idle fraction "
+                        "message-driven zb (ZB-H1, floor)",
+                        f"{zb['idle_mean']:.2f} ({h1}{zb.get('floor', float('nan')):.2f})"))  # fmt: skip
     return out
 
 
@@ -148,6 +154,12 @@ def async_summary(r: dict) -> Rows:
              "dispatch, step time",
              f"{r['speedup']:.2f}× (ideal {2 * r['microbatches'] / (r['microbatches'] + 1):.2f}×; "
              f"stages computing at once {r['overlap_s'] / r['span_s']:.0%} of the step)")]  # fmt: skip
+
+
+def zero_bubble_summary(r: dict) -> Rows:
+    return [("pipeline=2 in one process (2 CPU devices): step time message-driven (fused backward) / "
+             "zero-bubble message-driven (ZB-H1)",
+             f"{r['speedup']['zb']:.2f}× ({r['speedup']['zb-h1']:.2f}×)")]  # fmt: skip
 
 
 def hop_summary(r: dict) -> Rows:
@@ -284,6 +296,7 @@ FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
     "grid_prediction": (prediction_summary, prediction_section),
     "pipeline_bubble": (bubble_summary, bubble_section),
     "pipeline_async": (async_summary, lambda r: r["table"]),
+    "pipeline_zero_bubble": (zero_bubble_summary, lambda r: r["table"]),
     "pipeline_hop": (hop_summary, hop_section),
     "mpi_step": (mpi_step_summary, lambda r: r["table"]),
     "checkpoint_save": (checkpoint_summary, checkpoint_section),

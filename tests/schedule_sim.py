@@ -5,7 +5,14 @@ pipeline rank, over the stages ``r, r+p, …`` that rank owns, as the dispatch
 queue does) on idealised devices: a rank runs one task at a time, a forward and
 a backward of one stage take ``1/v`` of a time unit (the last stage's fused
 forward+loss+backward ``2/v``), a message arrives ``latency`` after its task
-ends. No JAX, no devices: it checks the schedules' logic (no deadlock, the
+ends. Schedules that split the backward (zero bubble) run its B and W parts
+in ``split`` shares of the backward's time (default 1:1, a matmul layer's
+FLOPs); ``forward`` scales the forward's time (``split=(1, 1)``:
+F = B = W, the zero-bubble paper's setting).
+
+``placement(stage, virtual, pipeline)`` gives the rank a stage runs on
+(default: :meth:`Grid.pipeline_rank <axonn_jax.partitioner.grid.Grid.pipeline_rank>`,
+where the runtime places the stage meshes). No JAX, no devices: it checks the schedules' logic (no deadlock, the
 bubble, the residuals kept) in milliseconds.
 
 Example:
@@ -19,10 +26,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
+from axonn_jax.partitioner.grid import Grid
 from axonn_jax.runtime.pipeline.schedules import make_schedule
-from axonn_jax.runtime.pipeline.tasks import TaskKind
+from axonn_jax.runtime.pipeline.tasks import Task, TaskKind
 
-F, B = TaskKind.FORWARD, TaskKind.BACKWARD
+F, B, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.WEIGHTS
 
 
 @dataclasses.dataclass
@@ -34,39 +42,66 @@ class _Stage:
     cotangents: dict = dataclasses.field(default_factory=dict)  # mb → arrival time
     inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrival time
     residuals: set = dataclasses.field(default_factory=set)
-    peak: int = 0
+    deferred: dict = dataclasses.field(default_factory=dict)  # mb → True: B ran, W has not
+    weights: int = 0
+    peak: int = 0  # most microbatches holding residuals (full or W) at once
+    peak_full: int = 0  # most microbatches between forward and B
 
 
 @dataclasses.dataclass(frozen=True)
 class Simulation:
     makespan: float
     idle: float  # mean over ranks of the idle fraction of the makespan
-    peak: dict[int, int]  # stage → most microbatches holding residuals at once
+    peak: dict[int, int]  # stage → most microbatches holding residuals (full or W's) at once
+    peak_full: dict[int, int]  # stage → most microbatches between forward and B
     order: dict[int, list[tuple[int, str, int, float]]]  # rank → (stage, kind, mb, start)
+    #: (rank, W task, time) of each W started while a B of the same rank was ready
+    w_before_b: list = dataclasses.field(default_factory=list)
 
 
-def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
-             latency: float = 0.0, limit: int | None = None) -> Simulation:  # fmt: skip
-    """Simulate one step; raises ``RuntimeError`` on a deadlock."""
+def interleaved(stage: int, virtual: int, pipeline: int) -> int:
+    """The runtime's placement of virtual stage ``stage`` (``stage mod pipeline``)."""
+    return Grid(pipeline=pipeline, virtual=virtual).pipeline_rank(stage)
+
+
+def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
+             latency: float = 0.0, limit: int | None = None, forward: float = 1.0,
+             split: tuple[float, float] = (0.5, 0.5), placement=interleaved) -> Simulation:  # fmt: skip
+    """Simulate one step; raises ``RuntimeError`` on a deadlock.
+
+    ``schedule``: a name, or ``make(pipeline) → Schedule`` for one built here.
+    """
     p, m = pipeline, microbatches
     n = p * virtual
     last = n - 1
     unit = 1.0 / virtual
     stages = {s: _Stage() for s in range(n)}
-    owned = {r: [s for s in range(n) if s % p == r] for r in range(p)}
+    owned = {r: [s for s in range(n) if placement(s, virtual, p) == r] for r in range(p)}
     plans = {}
     for r in range(p):
-        plans[r] = make_schedule(schedule, limit=limit, stages=n, pipeline=p)
+        plans[r] = (make_schedule(schedule, limit=limit, stages=n, pipeline=p) if isinstance(schedule, str)
+                    else schedule(p))  # fmt: skip
         plans[r].start(owned[r], n, m)
+    splits = plans[0].splits_weights
+    t_f, t_b, t_w = forward * unit, split[0] * unit, split[1] * unit
+    if not splits:
+        t_b, t_w = t_b + t_w, 0.0
     free = {r: 0.0 for r in range(p)}  # when each rank's device is next free
     busy = {r: 0.0 for r in range(p)}
     order: dict[int, list] = {r: [] for r in range(p)}
+    w_before_b: list = []
     events: list = []  # (time, seq, kind, payload)
     seq = 0
     now = 0.0
 
     def done() -> bool:
+        if splits:
+            return all(st.weights == m for st in stages.values())
         return all((st.forwards if s == last else st.backwards) == m for s, st in stages.items())
+
+    def hold(st) -> None:
+        st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
+        st.peak_full = max(st.peak_full, len(st.residuals))
 
     while not done():
         progressed = False
@@ -79,6 +114,8 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
                 s, mb, st = task.stage, task.microbatch, stages[task.stage]
                 if task.kind is B:
                     return mb in st.residuals and st.cotangents.get(mb, float("inf")) <= now
+                if task.kind is W:
+                    return mb in st.deferred
                 return mb == st.forwards and (s == 0 or st.inbound.get(mb, float("inf")) <= now)
 
             # cotangents the schedule sees: those arrived by now
@@ -88,24 +125,35 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
             task = plans[r].pick(visible, has_input, m)
             if task is None:
                 continue
+            if task.kind is W and any(has_input(Task(s, B, mb)) for s in owned[r] for mb in stages[s].cotangents):
+                w_before_b.append((r, task, now))
             s, kind, mb = task.stage, task.kind.value, task.microbatch
             st = stages[s]
-            length = (2 * unit if s == last else unit)
+            length = {"F": t_f + (t_b if s == last else 0.0), "B": t_b, "W": t_w}[kind]  # last: F+B
             end = now + length
-            if kind == "F":
+            if kind == "W":
+                del st.deferred[mb]
+                st.weights += 1
+            elif kind == "F":
                 st.inbound.pop(mb, None)
                 st.forwards += 1
                 if s == last:
                     st.backwards += 1
+                    if splits:
+                        st.deferred[mb] = True
+                        hold(st)
                     if s > 0:
                         heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
                 else:
                     st.residuals.add(mb)
-                    st.peak = max(st.peak, len(st.residuals))
+                    hold(st)
                     heapq.heappush(events, (end + latency, seq, "F", (s + 1, mb)))
             else:
                 st.cotangents.pop(mb)
                 st.residuals.discard(mb)
+                if splits:
+                    st.deferred[mb] = True
+                    hold(st)
                 st.backwards += 1
                 if s > 0:
                     heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
@@ -135,4 +183,5 @@ def simulate(schedule: str, pipeline: int, virtual: int, microbatches: int, *,
                 stages[payload[0]].cotangents[payload[1]] = now
     makespan = max(free.values())
     idle = sum(1.0 - b / makespan for b in busy.values()) / p
-    return Simulation(makespan, idle, {s: st.peak for s, st in stages.items()}, order)
+    return Simulation(makespan, idle, {s: st.peak for s, st in stages.items()},
+                      {s: st.peak_full for s, st in stages.items()}, order, w_before_b)  # fmt: skip

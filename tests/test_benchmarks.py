@@ -250,3 +250,17 @@ def test_merge_replaces_the_rerun_benchmark_and_says_so(tmp_path):
     text = run.markdown(outcomes, [], env)
     assert f"Since then: {run.BENCHMARKS[0].name} re-run by `run.py --only x --merge`" in text
     assert "| 1.250 " in text and "| 1.500 " not in text
+
+
+def test_pipeline_zero_bubble_benchmark_runs_and_reports(tmp_path):
+    """Smoke run: its own 2-device process; message, zb and zb-h1 give the same loss and
+    gradients (checked inside); the summary row and table."""
+    bench = next(b for b in run.BENCHMARKS if b.name == "pipeline_zero_bubble")
+    outcome = run.run_benchmark(bench, ["--rounds", "1", "--layers", "4", "--rows", "8",
+                                        "--microbatches", "4"], tmp_path)  # fmt: skip
+    assert outcome.result is not None, outcome.reason
+    r = outcome.result
+    assert r["speedup"]["message"] == 1.0 and r["speedup"]["zb"] > 0
+    measure, value = FORMATTERS["pipeline_zero_bubble"][0](r)[0]
+    assert "zero-bubble" in measure and value.startswith(f"{r['speedup']['zb']:.2f}×")
+    assert "| zb-h1 |" in FORMATTERS["pipeline_zero_bubble"][1](r)

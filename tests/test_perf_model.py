@@ -494,3 +494,38 @@ def test_cli_profile_then_plan(tmp_path, capsys):
     assert main(["plan", "--gpus", "8", "--machine", str(out), "--json", "--precision", "fp32",
                  "--no-recompute", *GPT_ARGS]) == 0  # fmt: skip
     assert json.loads(capsys.readouterr().out)
+
+
+def test_zero_bubble_schedules_are_priced():
+    """zb: the fill and drain of the warm-up forwards only ((p−1)/v forwards), W residuals on
+    top of the message-driven queue's; ZB-H1: (p−1) forwards at 1F1B's memory; no pipeline:
+    every schedule the same."""
+    spec = gpt_spec(layers=8, hidden=512, heads=8, seq=256, batch=64, vocab=4096)
+    machine = machines.get("frontier")
+    grid = Grid(z=2, pipeline=4)
+    got = {s: predict(spec, grid, machine, Options(microbatches=16, recompute=False, schedule=s))
+           for s in ("message", "1f1b", "zb", "zb-h1")}  # fmt: skip
+    assert got["message"].bubble == pytest.approx(3 / 19)  # (p−1)/(m+p−1)
+    assert got["zb"].bubble == pytest.approx(1 / 17)  # (p−1)/3 forwards: 1/(16+1)
+    assert got["zb-h1"].bubble == pytest.approx(1 / 17)
+    assert got["zb"].step_seconds < got["message"].step_seconds == got["1f1b"].step_seconds
+    acts = {s: p.memory.activations for s, p in got.items()}
+    assert acts["zb"] == pytest.approx(acts["message"] * 9 / 5)  # 5 in flight + 4 deferred W's
+    assert acts["zb-h1"] == pytest.approx(acts["message"] * 4 / 5)  # 1F1B's min(m, p)
+    virtual = predict(spec, Grid(z=2, pipeline=4, virtual=2), machine,
+                      Options(microbatches=16, recompute=False, schedule="zb"))  # fmt: skip
+    assert virtual.bubble == pytest.approx(0.5 / 16.5)
+    flat = {s: predict(spec, Grid(z=8), machine, Options(microbatches=4, schedule=s)) for s in ("message", "zb")}
+    assert flat["zb"].step_seconds == flat["message"].step_seconds and flat["zb"].bubble == 0
+    with pytest.raises(ValueError, match="schedule 'zigzag' is unknown"):
+        Options(schedule="zigzag")
+
+
+def test_cli_prices_a_schedule(capsys):
+    args = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "40", "--json", *GPT_ARGS]
+    assert main(args) == 0
+    message = {c["grid_flag"]: c for c in json.loads(capsys.readouterr().out)}
+    assert main([*args, "--schedule", "zb"]) == 0
+    zb = {c["grid_flag"]: c for c in json.loads(capsys.readouterr().out)}
+    piped = [g for g in zb if g in message and message[g]["pipeline"] > 1]
+    assert piped and all(zb[g]["bubble"] < message[g]["bubble"] for g in piped)

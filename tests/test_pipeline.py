@@ -267,6 +267,9 @@ def saved_references(tmp_path_factory):
     (2, "gpt", "pipeline=2,x=2,z=2", [], "local"),  # tensor-parallel collectives inside each process
     (4, "gpt", "pipeline=2,data=2", [], "gloo"),  # data parallel across processes in a stage
     (4, "hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"], "local"),
+    # zero bubble (B and W split): interleaved on 2 processes, one stage per process on 4
+    (2, "gpt", "pipeline=2,virtual=2", ["--schedules=zb,zb-h1", "--trajectory-schedule=zb"], "local"),
+    (4, "gpt", "pipeline=4", ["--schedules=zb,zb-h1", "--trajectory-schedule=zb"], "local"),
 ])  # fmt: skip
 def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, collectives,
                                                       saved_references):  # fmt: skip

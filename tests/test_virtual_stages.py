@@ -160,14 +160,16 @@ def test_schedules_finish_on_virtual_stages(schedule, pipeline, virtual):
     for m in (1, 3, 8):
         for latency in (0.0, 0.3):
             sim = simulate(schedule, pipeline, virtual, m, latency=latency)
+            weights = [(s, "W", mb) for s in range(n) for mb in range(m)] if schedules.splits_weights(schedule) else []
             for rank, order in sim.order.items():
                 assert sorted((s, k, mb) for s, k, mb, _ in order) == sorted(
                     [(s, "FB", mb) for s in range(n) if s == n - 1 and s % pipeline == rank
                      for mb in range(m)]
                     + [(s, k, mb) for s in range(n - 1) if s % pipeline == rank
-                       for k in ("F", "B") for mb in range(m)])  # fmt: skip
-            if schedule == "message":
-                assert all(sim.peak[s] <= max(schedules.default_limit(n) - s, 1) for s in range(n - 1)), sim.peak
+                       for k in ("F", "B") for mb in range(m)]
+                    + [t for t in weights if t[0] % pipeline == rank])  # fmt: skip
+            if schedule in ("message", "zb"):
+                assert all(sim.peak_full[s] <= max(schedules.default_limit(n) - s, 1) for s in range(n - 1)), sim.peak
 
 
 def test_interleaving_shrinks_the_bubble():

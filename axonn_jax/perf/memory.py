@@ -92,7 +92,7 @@ def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:
     return options.bytes.param * (outside + per_block * (kept_blocks + 1))
 
 
-def in_flight(microbatches: int, pipeline: int, virtual: int = 1) -> float:
+def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str = "message") -> float:
     """Microbatches whose activations the first pipeline rank holds at once, in units of
     one microbatch through all of that rank's layers.
 
@@ -102,20 +102,31 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1) -> float:
     its layers, so it holds ``Σ_c min(m, limit − c·p) / v`` — ``min(m, p + 1)``
     without virtual stages (interleaving costs memory).
 
+    Zero bubble: ``"zb"`` also keeps up to ``p`` deferred W's per stage (its W
+    budget), each charged as a whole microbatch of the stage's activations (an
+    upper bound: W keeps its matmuls' inputs and output gradients); ``"zb-h1"``
+    keeps 1F1B's ``min(m, p)`` (stage 0 defers no W). 1F1B and GPipe are priced
+    like the message-driven queue.
+
     Example:
         >>> in_flight(16, 4), in_flight(16, 4, virtual=2), in_flight(2, 4, virtual=2)
         (5.0, 7.0, 2.0)
+        >>> in_flight(16, 4, schedule="zb"), in_flight(16, 4, schedule="zb-h1")
+        (9.0, 4.0)
     """
     if pipeline == 1:
         return 1.0
+    if schedule == "zb-h1":
+        return float(min(microbatches, pipeline))
     limit = default_limit(pipeline * virtual)
-    return sum(min(microbatches, limit - c * pipeline) for c in range(virtual)) / virtual
+    full = sum(min(microbatches, limit - c * pipeline) for c in range(virtual)) / virtual
+    return full + (min(microbatches, pipeline) if schedule == "zb" else 0)
 
 
 def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
     microbatches = options.microbatches
     tokens = spec.tokens / (grid.batch_shards * microbatches)
-    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual)  # first rank
+    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual, options.schedule)  # first rank
     total = 0.0
     for a in spec.activations:
         elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)

@@ -40,14 +40,46 @@ PRECISIONS: dict[str, PrecisionBytes] = {
 }
 
 
+#: the pipeline schedules the model prices (those of ``axonn_jax.runtime.pipeline.schedules``)
+SCHEDULES = ("message", "1f1b", "gpipe", "zb", "zb-h1")
+
+
+def fill_and_drain(pipeline: int, virtual: int, schedule: str, recompute: bool) -> float:
+    """The pipeline's idle time, in microbatch-times of one rank's work.
+
+    GPipe, 1F1B and message-driven: ``(p − 1)/v`` (the classic bubble). Zero
+    bubble: W fills the cool-down, so only the warm-up's forwards remain —
+    ``(p − 1)/v`` forwards for ``"zb"`` (the floor the message-driven policy
+    reaches in ``tests/schedule_sim.py``) and ``(p − 1)`` for ZB-H1 (its
+    ``(p − 1)·(F + B − W)`` with B = W; no interleaving gain is priced). A
+    forward is ``1/3`` of a microbatch's compute (the backward's two matmuls per
+    forward matmul), ``1/4`` under recompute (the forward runs again).
+
+    Example:
+        >>> fill_and_drain(4, 1, "message", False), fill_and_drain(4, 1, "zb", False)
+        (3.0, 1.0)
+    """
+    if pipeline == 1:
+        return 0.0
+    forward = 1 / 4 if recompute else 1 / 3
+    if schedule == "zb":
+        return (pipeline - 1) / virtual * forward
+    if schedule == "zb-h1":
+        return (pipeline - 1) * forward
+    return (pipeline - 1) / virtual
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """``precision`` (``"mixed"`` or ``"fp32"``), activation checkpointing per block
     (``recompute``), optimizer offload to host memory (``offload``; a bucket
     buffer of 16 × ``bucket_bytes`` stays on the device), and the number of
     ``microbatches`` a step's batch is split into (gradient accumulation, or
-    the pipeline's microbatches). ``scatter_batch``: the program reduce-scatters
-    layer outputs onto the batch (``partition``'s default) instead of all-reducing them.
+    the pipeline's microbatches), and the pipeline ``schedule`` (one of
+    :data:`SCHEDULES`; the zero-bubble ones, ``"zb"`` and ``"zb-h1"``, shorten
+    the bubble and keep deferred weight-gradient residuals).
+    ``scatter_batch``: the program reduce-scatters layer outputs onto the batch
+    (``partition``'s default) instead of all-reducing them.
     """
 
     precision: str = "mixed"
@@ -56,8 +88,11 @@ class Options:
     microbatches: int = 1
     bucket_bytes: int = 16 * 2**20
     scatter_batch: bool = True
+    schedule: str = "message"
 
     def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} is unknown; choose one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r} is unknown; choose one of {sorted(PRECISIONS)}")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:

@@ -7,6 +7,8 @@ No overlap of communication with compute is modelled::
              + gradient all-reduces + optimizer update + offload copies
     bubble = (pipeline − 1) / (virtual · microbatches + pipeline − 1)
 
+(zero-bubble schedules: a shorter fill and drain, :func:`~axonn_jax.perf.options.fill_and_drain`.)
+
 (``virtual`` stages per pipeline rank, 1 without interleaving: the fill and
 drain shrink v-fold, and each microbatch crosses each rank boundary v times.)
 
@@ -46,7 +48,7 @@ from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.comm import CollectiveCost, collectives
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.memory import Memory, local_params, memory
-from axonn_jax.perf.options import Options
+from axonn_jax.perf.options import Options, fill_and_drain
 from axonn_jax.perf.spec import ModelSpec
 
 #: Memory passes over each kept activation element: forward write, backward read,
@@ -173,7 +175,8 @@ def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Op
         offload = n_local * (options.bytes.param + options.bytes.grad) / (machine.host_link_gbps * 1e9)
     update_gbps = machine.host_memory_gbps if options.offload else machine.memory_gbps
     optimizer = n_local * OPTIMIZER_BYTES_PER_PARAM / (update_gbps * 1e9)
-    step = (v * mb + p - 1) / (v * mb) * (compute + elementwise + per_mb) + once + optimizer + offload
+    fill = fill_and_drain(p, v, options.schedule, options.recompute)
+    step = (mb + fill) / mb * (compute + elementwise + per_mb) + once + optimizer + offload
     return Prediction(
         grid=grid,
         options=options,
@@ -182,7 +185,7 @@ def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Op
         optimizer_seconds=optimizer,
         comm_seconds=per_mb + once,
         offload_seconds=offload,
-        bubble=(p - 1) / (v * mb + p - 1),
+        bubble=fill / (mb + fill),
         step_seconds=step,
         comm_bytes=sum(c.elements for c in cs) * itemsize,
         flops=flops,

@@ -11,7 +11,10 @@ consumed, so no sender waits on a receive), asks its
 :class:`~axonn_jax.runtime.pipeline.schedules.Schedule` which ready task to
 run (the message-driven schedule: whichever has its input, backward first;
 ``"1f1b"`` and ``"gpipe"``: a fixed order per stage, for comparison), and
-hands outputs to the transport without waiting.
+hands outputs to the transport without waiting. With a zero-bubble schedule
+(``"zb"``, ``"zb-h1"``) a backward is two tasks: B sends the input gradients
+and keeps what W needs; W, ready as soon as its B has run, sums the weight
+gradients.
 
 Dispatch is asynchronous: a task's program is launched and the queue moves on
 at once, so the stages of one process compute at the same time on their own
@@ -52,7 +55,7 @@ from axonn_jax.runtime.pipeline.tasks import (ForwardRun, Message, Task, TaskKin
                                               TrainingRun)  # fmt: skip
 from axonn_jax.runtime.pipeline.transport import Transport
 
-F, B, FB = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD
+F, B, FB, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.FORWARD_BACKWARD, TaskKind.WEIGHTS
 
 #: longest idle wait of the queue: the transport returns sooner when a task ends or a message
 #: arrives or is computed (this only bounds how late a timeout is noticed)
@@ -68,6 +71,8 @@ class _StageState:
     inbound: dict = dataclasses.field(default_factory=dict)  # mb → arrays
     cotangents: dict = dataclasses.field(default_factory=dict)  # mb → arrays
     residuals: dict = dataclasses.field(default_factory=dict)  # mb → vjp
+    weights: int = 0  # split schedules: W tasks launched
+    deferred: dict = dataclasses.field(default_factory=dict)  # split schedules: mb → what B left for W
     expect_f: int = 0  # next microbatch whose forward message is expected
     expect_b: int = 0
     #: sums over microbatches: (parameter gradients, state updates); forward only: state updates
@@ -168,6 +173,8 @@ class DispatchQueue:
         self.depth = depth if asynchronous else 1
         self.asynchronous = asynchronous
         self._no_backward = False  # set by run_forward
+        #: B and W run as separate tasks (zero-bubble schedules); set by each run
+        self._split = False
         self._ahead = 1  # receives posted ahead per link (set by each run)
 
     # --- the step -----------------------------------------------------------
@@ -197,6 +204,7 @@ class DispatchQueue:
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
         self._no_backward = forward_only
+        self._split = not forward_only and getattr(schedule, "splits_weights", False)
         schedule.start(self.local, self.num_stages, microbatches)
         bound = schedule.in_flight_bound(0)
         self._ahead = microbatches if bound is None else min(bound, microbatches)
@@ -251,6 +259,8 @@ class DispatchQueue:
                 elif task.kind is F and s == last:
                     outputs, losses[mb] = self._forward_backward(st, s, mb, params[s], args, batch)
                     ran = Task(s, FB, mb)
+                elif task.kind is W:
+                    outputs = self._weights(st, mb)
                 elif task.kind is F:
                     outputs = self._forward(st, s, mb, params[s], args)
                 else:
@@ -344,9 +354,13 @@ class DispatchQueue:
         mb = task.microbatch
         if task.kind is B:
             return mb in st.residuals and _ready(st.cotangents.get(mb))
+        if task.kind is W:
+            return mb in st.deferred
         return mb == st.forwards and (task.stage == 0 or _ready(st.inbound.get(mb)))
 
     def _finished(self, st: _StageState, s: int, m: int) -> bool:
+        if self._split:
+            return st.weights == m
         if s == self.num_stages - 1 or self._no_backward:
             return st.forwards == m
         return st.backwards == m
@@ -356,7 +370,7 @@ class DispatchQueue:
         inbound = st.inbound.pop(mb, [])
         outs, vjp = st.program.forward(params, args(s, mb), inbound)
         st.residuals[mb] = vjp
-        st.peak = max(st.peak, len(st.residuals))
+        st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
         st.forwards += 1
         nxt = self.programs[s + 1]
         self.transport.send(Message(F, s + 1, mb), outs, nxt.inbound_shardings)
@@ -379,19 +393,38 @@ class DispatchQueue:
 
     def _forward_backward(self, st, s, mb, params, args, batch) -> tuple[list, object]:
         inbound = st.inbound.pop(mb, [])
-        loss, sums, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
+        if self._split:  # forward, loss and B; W later
+            loss, g_in, left = st.program.forward_backward_input(params, args(s, mb), inbound, batch(mb))
+            st.deferred[mb] = left
+            st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
+            sums = []
+        else:
+            loss, sums, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
+            self._accumulate(st, sums)
         st.forwards += 1
         st.backwards += 1
-        self._accumulate(st, sums)
         self._send_backward(s, mb, g_in)
         return [loss, sums, g_in], loss
 
     def _backward(self, st, s, mb) -> list:
-        sums, g_in = st.program.backward(st.residuals.pop(mb), st.cotangents.pop(mb))
+        residuals, cotangents = st.residuals.pop(mb), st.cotangents.pop(mb)
         st.backwards += 1
-        self._accumulate(st, sums)
+        if self._split:  # B: the inbound gradients now, what W needs kept
+            g_in, carried = st.program.backward_input(residuals, cotangents)
+            st.deferred[mb] = st.program.weight_inputs(residuals, cotangents, carried)
+            sums = []
+        else:
+            sums, g_in = st.program.backward(residuals, cotangents)
+            self._accumulate(st, sums)
         self._send_backward(s, mb, g_in)
         return [sums, g_in]
+
+    def _weights(self, st, mb) -> list:
+        """W: the stage's weight gradients (and state updates) of ``mb``, from what its B left."""
+        sums = st.program.backward_weights(*st.deferred.pop(mb))
+        st.weights += 1
+        self._accumulate(st, sums)
+        return sums
 
     def _send_backward(self, s, mb, g_in) -> None:
         """The inbound gradients of stage ``s`` go to stage ``s - 1`` (nothing for stage 0)."""
@@ -413,7 +446,8 @@ class DispatchQueue:
                 waiting.append(f"forward message of microbatch {st.expect_f} from stage {s - 1}")
             if s < self.num_stages - 1 and st.expect_b < m:
                 waiting.append(f"gradient of microbatch {st.expect_b} from stage {s + 1}")
-            parts.append(f"stage {s} (done F {st.forwards}/{m}, B {st.backwards}/{m}) waits for "
+            done = f"F {st.forwards}/{m}, B {st.backwards}/{m}" + (f", W {st.weights}/{m}" if self._split else "")
+            parts.append(f"stage {s} (done {done}) waits for "
                          + (", ".join(waiting) or "nothing"))  # fmt: skip
         return (
             f"pipeline made no progress for {self.timeout:.0f} s: " + "; ".join(parts)

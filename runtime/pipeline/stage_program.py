@@ -20,10 +20,12 @@ from collections.abc import Callable
 
 import jax
 from jax.sharding import NamedSharding
+from jax.stages import Compiled
 
 from axonn_jax.partitioner.flows import StageFlow
 from axonn_jax.partitioner.layout import Layout
 from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.pipeline.backward_split import BackwardSplit
 from axonn_jax.runtime.sharded import on_mesh, sharding, spec
 
 
@@ -63,6 +65,15 @@ class StageProgram:
         self.forward_backward = jax.jit(self._forward_backward)
         #: ``(outbound values or model outputs, state updates)``: no residuals
         self.forward_only = jax.jit(self._body)
+        #: split backward (zero-bubble schedules), built by :meth:`split_backward`: B is
+        #: ``backward_input(residuals, cotangents) → (inbound gradients, carried)`` (last stage:
+        #: ``forward_backward_input(...) → (loss, inbound gradients, W's inputs)``), W is
+        #: ``backward_weights(*weight_inputs(...)) → (gradients, state updates)``
+        self.backward_input: Callable | None = None
+        self.forward_backward_input: Callable | None = None
+        self.backward_weights: Callable | None = None
+        self._split: BackwardSplit | None = None
+        self.split_compiled = False  # True once compile(split=True) compiled B and W
         self.compiled = False  # True once compile() replaced the jits by executables
         self.forward_compiled = False  # True once compile_forward_only() ran
 
@@ -109,7 +120,7 @@ class StageProgram:
                        in_layouts=[storage, arg_layouts, list(flow.inbound_layouts)],
                        out_layouts=(list(flow.outbound_layouts), list(flow.update_layouts)))  # fmt: skip
 
-    def _split(self, inbound):
+    def _split_inbound(self, inbound):
         return [inbound[i] for i in self.diff_in]
 
     def _merge(self, inbound, diff):
@@ -141,7 +152,7 @@ class StageProgram:
     def _forward(self, params, args, inbound):
         """One microbatch forward: (outbound values, residuals for :meth:`backward`)."""
         f = self._stage_fn(params, args, inbound)
-        _, vjp, (outs, updates) = jax.vjp(f, self._trained(params), self._split(inbound), has_aux=True)
+        _, vjp, (outs, updates) = jax.vjp(f, self._trained(params), self._split_inbound(inbound), has_aux=True)
         return outs, (vjp, updates)
 
     @staticmethod
@@ -151,8 +162,8 @@ class StageProgram:
         g_params, g_in = vjp(cotangents)
         return (list(g_params), list(updates)), g_in
 
-    def _forward_backward(self, params, args, inbound, batch):
-        """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
+    def _loss_fn(self, params, args, inbound, batch) -> Callable:
+        """Last stage: ``(trained params, differentiable inbound) → (loss, state updates)``."""
         f = self._stage_fn(params, args, inbound)
         positions = self.flow.output_positions
 
@@ -163,12 +174,74 @@ class StageProgram:
                 full[k] = x
             return self.loss_fn(jax.tree.unflatten(self.out_tree, full), batch), updates
 
+        return loss
+
+    def _forward_backward(self, params, args, inbound, batch):
+        """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
+        loss = self._loss_fn(params, args, inbound, batch)
         (value, updates), (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
-            self._trained(params), self._split(inbound)
+            self._trained(params), self._split_inbound(inbound)
         )  # fmt: skip
         return value, (list(g_params), list(updates)), g_in
 
-    def compile(self, params, args, batch=None) -> None:
+    def _loss_forward(self, params, args, inbound, batch):
+        """Last stage: the loss of one microbatch and the residuals of its backward."""
+        loss = self._loss_fn(params, args, inbound, batch)
+        value, vjp, updates = jax.vjp(loss, self._trained(params), self._split_inbound(inbound), has_aux=True)
+        return value, (vjp, updates)
+
+    # --- the split backward (B, then W) ---------------------------------------
+    def split_backward(self, params, args, batch=None) -> BackwardSplit:
+        """Cut this stage's backward into B and W (:mod:`.backward_split`) and set
+        :attr:`backward_input` (or, last stage, :attr:`forward_backward_input`) and
+        :attr:`backward_weights`; ``params``/``args``/``batch`` as in :meth:`compile`."""
+        if self._split is not None:
+            return self._split
+        inbound = self.inbound_avals()
+        if self.last:
+            value, residuals = jax.eval_shape(self._loss_forward, params, args, inbound, batch)
+            cotangents = jax.ShapeDtypeStruct(value.shape, value.dtype)
+        else:
+            _, residuals = jax.eval_shape(self._forward, params, args, inbound)
+            cotangents = self.outbound_cotangent_avals()
+        leaves, tree = jax.tree.flatten((residuals, cotangents))
+
+        def backward(*flat):
+            (g_params, updates), g_in = self._backward(*jax.tree.unflatten(tree, flat))
+            return [*g_params, *updates, *g_in]
+
+        n_in = len(self.diff_in)
+        n_out = len(jax.eval_shape(backward, *leaves))
+        split = BackwardSplit(backward, leaves, [k >= n_out - n_in for k in range(n_out)])
+        n_params = len(self.trained)
+
+        def weights(kept, carried):
+            flat = split.weight_gradients(kept, carried)
+            return list(flat[:n_params]), list(flat[n_params:])
+
+        def input_backward(residuals, cotangents):
+            return split.input_gradients(*jax.tree.leaves((residuals, cotangents)))
+
+        def forward_input_backward(params, args, inbound, batch):
+            value, residuals = self._loss_forward(params, args, inbound, batch)
+            flat = jax.tree.leaves((residuals, jax.numpy.ones_like(value)))
+            g_in, carried = split.input_gradients(*flat)
+            return value, g_in, (split.kept(flat), carried)  # the kept residuals are new values here
+
+        self.backward_weights = jax.jit(weights)
+        if self.last:
+            self.forward_backward_input = jax.jit(forward_input_backward)
+        else:
+            self.backward_input = jax.jit(input_backward)
+        self._split = split
+        return split
+
+    def weight_inputs(self, residuals, cotangents, carried) -> tuple[list, list]:
+        """What W reads: the residual and gradient leaves it uses (picked outside B's program,
+        so they are not copied) and the values B ``carried`` to it."""
+        return self._split.kept(jax.tree.leaves((residuals, cotangents))), list(carried)
+
+    def compile(self, params, args, batch=None, *, split: bool = False) -> None:
         """Compile this stage's programs ahead of time (before any message is exchanged).
 
         ``params``/``args``/``batch`` are arrays or ShapeDtypeStructs of one
@@ -177,14 +250,31 @@ class StageProgram:
         measures (and times out on) communication only, not a peer's compilation.
         """
         inbound = self.inbound_avals()
-        if self.last:
-            self.forward_backward = self.forward_backward.lower(params, args, inbound, batch).compile()
-        else:
-            forward = self.forward.lower(params, args, inbound).compile()
-            _, residuals = forward.out_info
-            self.backward = self.backward.lower(residuals, self.outbound_cotangent_avals()).compile()
+        if split:
+            self.split_backward(params, args, batch)
+        forward = None
+        if not self.last:
+            forward = self.forward if isinstance(self.forward, Compiled) else self.forward.lower(params, args, inbound).compile()
+        if split and not self.split_compiled:
+            if self.last:
+                first = self.forward_backward_input.lower(params, args, inbound, batch).compile()
+                _, _, w_state = first.out_info
+                self.forward_backward_input = first
+            else:
+                residuals, cotangents = forward.out_info[1], self.outbound_cotangent_avals()
+                first = self.backward_input.lower(residuals, cotangents).compile()
+                w_state = self.weight_inputs(residuals, cotangents, first.out_info[1])
+                self.backward_input = first
+            self.backward_weights = self.backward_weights.lower(*w_state).compile()
+            self.split_compiled = True
+        if not split and not self.compiled:
+            if self.last:
+                self.forward_backward = self.forward_backward.lower(params, args, inbound, batch).compile()
+            else:
+                self.backward = self.backward.lower(forward.out_info[1], self.outbound_cotangent_avals()).compile()
+            self.compiled = True
+        if forward is not None:
             self.forward = forward
-        self.compiled = True
 
     def compile_forward_only(self, params, args) -> None:
         """Compile :attr:`forward_only` (outbound values or the model outputs, and state updates)."""

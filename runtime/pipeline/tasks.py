@@ -27,9 +27,14 @@ class TaskKind(enum.Enum):
     """What a task computes (its value is the short label traces show)."""
 
     FORWARD = "F"  #: a stage's forward, keeping the residuals for its backward
-    BACKWARD = "B"  #: a stage's backward: parameter gradients and the gradient of its inputs
+    #: a stage's backward: parameter gradients and the gradient of its inputs (split
+    #: schedules: the gradient of its inputs only, leaving W its residuals)
+    BACKWARD = "B"
     #: the last stage's forward task when training: forward, loss and backward in one program
+    #: (split schedules: its B part only)
     FORWARD_BACKWARD = "FB"
+    #: split schedules (zero bubble): a stage's weight gradients, from what its B left
+    WEIGHTS = "W"
 
     def __repr__(self) -> str:
         return self.value
@@ -82,7 +87,8 @@ class QueueRun:
     """What every run of the dispatch queue records (:mod:`~axonn_jax.runtime.pipeline.timeline`)."""
 
     records: tuple[TaskRecord, ...]
-    peak_in_flight: Mapping[int, int]  # stage → most microbatches holding residuals at once
+    #: stage → most microbatches holding residuals at once (a deferred W's residuals count too)
+    peak_in_flight: Mapping[int, int]
     origin: float  # wall-clock time (time.time()) of the run's start
 
 

@@ -23,6 +23,10 @@ from pathlib import Path
 Row = tuple[int, int, str, int, float, float, float]
 
 
+#: what each task kind's label means in traces and plots
+KIND_NAMES = {"F": "forward", "B": "backward", "FB": "forward+loss+backward", "W": "weight gradients"}
+
+
 def rows_of(result, rank: int = 0, origin: float | None = None) -> list[Row]:
     """The records of one run of the queue (a :class:`~axonn_jax.runtime.pipeline.tasks.QueueRun`),
     times shifted by its wall-clock origin; kinds as their labels ("F", "B", "FB")."""
@@ -59,7 +63,7 @@ def chrome_trace(rows: Sequence[Row]) -> dict:
     zero = _zero(rows)
     events = []
     for rank, stage, kind, mb, start, end, wait in rows:
-        name = {"F": "forward", "B": "backward", "FB": "forward+loss+backward"}[kind]
+        name = KIND_NAMES[kind]
         events.append({
             "name": f"{kind}{mb}", "cat": name, "ph": "X", "pid": rank, "tid": stage,
             "ts": (start - zero) * 1e6, "dur": max(end - start, 0.0) * 1e6,
@@ -126,6 +130,36 @@ def bubble_theory(stages: int, microbatches: int, virtual: int = 1) -> float:
     return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
+def zero_bubble_floor(pipeline: int, microbatches: int, virtual: int = 1, *, forward: float = 1.0,
+                      backward: float = 1.0) -> float:  # fmt: skip
+    """The least idle fraction of any schedule: the last rank waits for the first forward.
+
+    A forward takes ``forward/v`` per stage, a backward (B + W) ``backward/v``;
+    every rank does ``m·(forward + backward)`` of work and the last one cannot
+    start before ``(p − 1)·forward/v``. Zero-bubble schedules fill everything
+    else (the message-driven one reaches this floor in ``tests/schedule_sim.py``).
+
+    Example:
+        >>> round(zero_bubble_floor(4, 16), 4), round(zero_bubble_floor(4, 16, forward=1, backward=2), 4)
+        (0.0857, 0.0588)
+    """
+    warmup = (pipeline - 1) * forward / virtual
+    return warmup / (warmup + microbatches * (forward + backward))
+
+
+def zb_h1_theory(pipeline: int, microbatches: int, *, forward: float = 1.0, b: float = 0.5,
+                 w: float = 0.5) -> float:  # fmt: skip
+    """ZB-H1's idle fraction (one stage per rank): a bubble of ``(p − 1)·(F + B − W)``
+    against 1F1B's ``(p − 1)·(F + B + W)`` (a third of it when F = B = W).
+
+    Example:
+        >>> round(zb_h1_theory(4, 16, b=1, w=1), 4), round(bubble_theory(4, 16), 4)
+        (0.0588, 0.1579)
+    """
+    bubble = (pipeline - 1) * (forward + b - w)
+    return bubble / (bubble + microbatches * (forward + b + w))
+
+
 def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline",
                   pipeline: int | None = None) -> Path:  # fmt: skip
     """A PNG with one row per stage: forward, backward and (last stage) forward+loss+backward
@@ -157,7 +191,7 @@ def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline",
     row_of = (lambda s: s) if pipeline is None else (lambda s: s % pipeline)  # noqa: E731
     lanes = sorted({row_of(r[1]) for r in rows})
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(lanes) + 1.8), layout="constrained")
-    colours = {"F": "#4c78a8", "B": "#f58518", "FB": "#54a24b"}
+    colours = {"F": "#4c78a8", "B": "#f58518", "FB": "#54a24b", "W": "#b279a2"}
     for rank, stage, kind, mb, start, end, _ in rows:
         y = lanes.index(row_of(stage))
         ax.broken_barh([((start - zero) * 1e3, (end - start) * 1e3)], (y - 0.4, 0.8),
@@ -171,7 +205,6 @@ def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline",
     ax.set_xlabel("time (ms)")
     idle = idle_fractions(rows, pipeline)
     ax.set_title(f"{title} — idle " + ", ".join(f"{name[0]}{s} {f:.0%}" for s, f in idle.items()))
-    labels = {"F": "forward", "B": "backward", "FB": "forward+loss+backward"}
-    fig.legend(handles=[Patch(color=c, label=labels[k]) for k, c in colours.items()],
+    fig.legend(handles=[Patch(color=c, label=KIND_NAMES[k]) for k, c in colours.items()],
                loc="outside lower center", ncol=3, fontsize=7, frameon=False)  # fmt: skip
     return fig

@@ -32,7 +32,7 @@ from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
-from axonn_jax.runtime.pipeline.schedules import check_schedule
+from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
 from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages, on_sharding
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.state_updates import deliver_updates
@@ -93,7 +93,7 @@ class PipelinedValueAndGrad:
 
     # --- one step ---------------------------------------------------------------
     def __call__(self, params, batch, rngs=None) -> tuple[Any, Any]:
-        placed, m = self.placed, self.options.microbatches
+        placed, m, opts = self.placed, self.options.microbatches, self.options
         microbatch = batch_slices(batch, m, placed.grid)
 
         def call(mb):  # RNG keys: one stream per microbatch, the same on every stage
@@ -108,9 +108,10 @@ class PipelinedValueAndGrad:
             return jax.tree.map(lambda x: place(x, batch_sharding(last_mesh, placed.grid, np.shape(x))),
                                 microbatch(mb))  # fmt: skip
 
-        compile_stages(programs, placed, lambda st: st.compiled, lambda s: programs[s].compile(
-            inputs.params[s], inputs.args(s, 0), loss_batch(0) if s == last else None))
-        opts = self.options
+        split = splits_weights(opts.schedule)
+        compile_stages(programs, placed, lambda st: st.split_compiled if split else st.compiled,
+                       lambda s: programs[s].compile(inputs.params[s], inputs.args(s, 0),
+                                                     loss_batch(0) if s == last else None, split=split))  # fmt: skip
         queue = DispatchQueue(programs, placed.homes.local, placed.transport, schedule=opts.schedule,
                               limit=opts.limit, timeout=opts.timeout, delay=opts.delay,
                               asynchronous=opts.asynchronous)  # fmt: skip

@@ -1,6 +1,6 @@
 """Under mpiexec: pipelined training equals the plain single-device computation.
 
-Usage: mpiexec -n P python pipeline_equivalence.py MODEL GRID [--schedules message,1f1b]
+Usage: mpiexec -n P python pipeline_equivalence.py MODEL GRID [--schedules message,1f1b] [--trajectory-schedule zb]
 [--offload] [--references FILE]
 
 The grid is announced to ``axonn_jax.init`` first, so a grid whose stages each fit in
@@ -25,13 +25,14 @@ parser.add_argument("model")
 parser.add_argument("grid", type=axonn_jax.Grid.parse)
 parser.add_argument("--schedules", default="message", type=lambda s: tuple(s.split(",")))
 parser.add_argument("--offload", action="store_true")
+parser.add_argument("--trajectory-schedule", default="message", help="the schedule of the 5 AdamW steps")
 parser.add_argument("--references")
 args = parser.parse_args()
 info = axonn_jax.init(grid=args.grid)  # the grid chooses the CPU collectives
 assert info.distributed and info.process_count > 1, "expected a multi-process launch"
 refs = load_references(args.references) if args.references else None
 failures = run_case(args.model, args.grid, schedules=args.schedules, offload=args.offload,
-                    refs=refs)  # fmt: skip
+                    refs=refs, trajectory_schedule=args.trajectory_schedule)  # fmt: skip
 if failures:
     print(f"FAIL rank {info.process_index}:\n  " + "\n  ".join(failures), flush=True)
     raise SystemExit(1)

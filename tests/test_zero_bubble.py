@@ -1,0 +1,158 @@
+"""Zero-bubble pipelines: each stage's backward split into B (input gradients) and W (weight
+gradients), and the schedules that run W where a rank would idle ("zb", "zb-h1").
+
+The split is checked on its own (B + W equal the fused backward, each operation
+computed once, tensor-parallel ``shard_map`` bodies included) and through the
+pipeline (pipelined == plain Flax/optax, tests/pipeline_cases.py's bounds). The
+schedules' idle time and memory are checked in tests/test_schedule_sim.py.
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+from pipeline_cases import build, run_case
+
+import axonn_jax
+from axonn_jax.runtime.pipeline.backward_split import BackwardSplit
+from axonn_jax.runtime.pipeline.tasks import TaskKind
+
+
+# --- the split on its own --------------------------------------------------------------------
+def _mlp(params, x):
+    for w, b in params:
+        x = jnp.tanh(x @ w + b)
+    return x
+
+
+def _split_of(f, primals, n_inputs: int):
+    """(fused backward, BackwardSplit, leaves): ``f``'s vjp over ``primals`` as a function of
+    flat leaves; the last ``n_inputs`` outputs are input gradients (B), the others W's."""
+    out, vjp = jax.vjp(f, *primals)
+    ct = jnp.cos(out)
+    leaves, tree = jax.tree.flatten((vjp, ct))
+
+    def backward(*flat):
+        vjp_, ct_ = jax.tree.unflatten(tree, flat)
+        grads = vjp_(ct_)
+        return [*jax.tree.leaves(grads[:-n_inputs]), *jax.tree.leaves(grads[-n_inputs:])]
+
+    n_out = len(jax.eval_shape(backward, *leaves))
+    split = BackwardSplit(backward, leaves, [k >= n_out - n_inputs for k in range(n_out)])
+    return backward, split, leaves
+
+
+def _run_split(split, leaves):
+    g_in, carried = jax.jit(split.input_gradients)(*leaves)
+    weights = jax.jit(split.weight_gradients)(split.kept(leaves), carried)
+    return [*weights, *g_in], carried
+
+
+def _primitive_count(jaxpr) -> int:
+    """Equations of a jaxpr, those inside ``shard_map`` bodies counted instead of the call."""
+    n = 0
+    for e in jaxpr.eqns:
+        inner = e.params.get("jaxpr") if e.primitive.name == "shard_map" else None
+        n += _primitive_count(getattr(inner, "jaxpr", inner)) if inner is not None else 1
+    return n
+
+
+def test_b_and_w_equal_the_fused_backward_and_compute_each_operation_once():
+    keys = jax.random.split(jax.random.key(0), 7)
+    params = [(jax.random.normal(keys[i], (8, 8)) / 3, jax.random.normal(keys[i + 3], (8,))) for i in range(3)]
+    x = jax.random.normal(keys[6], (4, 8))
+    backward, split, leaves = _split_of(_mlp, (params, x), 1)
+    fused = jax.jit(backward)(*leaves)
+    got, carried = _run_split(split, leaves)
+    assert len(got) == len(fused) == 7
+    for g, f in zip(got, fused):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(f))
+    # B hands W the output gradient of every layer (dW = xᵀ·dy reads it), nothing recomputed
+    assert len(carried) >= 2 and all(c.shape == (4, 8) for c in carried)
+    n_fused = _primitive_count(jax.make_jaxpr(backward)(*leaves).jaxpr)
+    n_b = _primitive_count(jax.make_jaxpr(split.input_gradients)(*leaves).jaxpr)
+    n_w = _primitive_count(jax.make_jaxpr(split.weight_gradients)(split.kept(leaves), carried).jaxpr)
+    assert n_b + n_w == n_fused and n_b > 0 and n_w > 0
+    # W keeps only what it reads: not the residuals of B alone (tanh's outputs)
+    assert len(split.kept_leaves) < len(leaves)
+
+
+def test_b_and_w_inside_shard_map_keep_the_collectives(devices):
+    """A tensor-parallel MLP (column- then row-parallel, psum): B and W become two shard_maps
+    on the same mesh; per-device values cross between them; results equal the fused backward."""
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def local(w1, w2, x):
+        return jax.lax.psum(jnp.tanh(x @ w1) @ w2, "x")
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "x"), P("x", None), P()), out_specs=P())
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    primals = (jax.random.normal(k1, (8, 16)) / 3, jax.random.normal(k2, (16, 8)) / 4,
+               jax.random.normal(k3, (4, 8)))  # fmt: skip
+    backward, split, leaves = _split_of(f, primals, 1)
+    fused = jax.jit(backward)(*leaves)
+    got, carried = _run_split(split, leaves)
+    assert carried, "B hands W values computed inside the shard_map"
+    for g, want in zip(got, fused):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)
+    n_fused = _primitive_count(jax.make_jaxpr(backward)(*leaves).jaxpr)
+    n_b = _primitive_count(jax.make_jaxpr(split.input_gradients)(*leaves).jaxpr)
+    n_w = _primitive_count(jax.make_jaxpr(split.weight_gradients)(split.kept(leaves), carried).jaxpr)
+    assert n_b + n_w <= n_fused + 2 * len(carried)  # + one reshape each way per carried value
+
+
+# --- through the pipeline -------------------------------------------------------------------
+def test_zero_bubble_pipeline_equals_unpartitioned_and_compiles_once(devices, caplog):
+    """A 4-stage MLP (z=2 inside each stage): loss and gradients with both zero-bubble
+    schedules, 5 AdamW steps with "zb"; B and W are separate compiled programs, every
+    (stage, microbatch) has one W after its B, and later steps compile nothing."""
+    failures = run_case("mlp", axonn_jax.Grid.parse("pipeline=4,z=2"), microbatches=(4,),
+                        schedules=("zb", "zb-h1"), trajectory_schedule="zb")  # fmt: skip
+    assert not failures, "\n".join(failures)
+    case = build("mlp")
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid.parse("pipeline=4,z=2"), *case.inputs(case.batch(1)))
+    step = pm.train_step(case.loss, optax.adamw(1e-3), inputs=case.inputs, microbatches=4, schedule="zb")
+    params, opt_state = step.init(pm.init(jax.random.key(0)))
+    params, opt_state, _ = step(params, opt_state, case.batch(4))
+    records = step.value_and_grad.last_result.records
+    for s in range(4):
+        for mb in range(4):
+            kind = TaskKind.FORWARD_BACKWARD if s == 3 else TaskKind.BACKWARD
+            (b,) = [r for r in records if (r.stage, r.kind, r.microbatch) == (s, kind, mb)]
+            (w,) = [r for r in records if (r.stage, r.kind, r.microbatch) == (s, TaskKind.WEIGHTS, mb)]
+            assert w.start >= b.end - 1e-9
+    from jax.stages import Compiled
+
+    programs = step.value_and_grad.stage_programs(case.inputs(case.batch(1)))
+    *inner, last = programs
+    assert all(isinstance(f, Compiled) for p in inner for f in (p.forward, p.backward_input, p.backward_weights))
+    assert isinstance(last.forward_backward_input, Compiled) and isinstance(last.backward_weights, Compiled)
+    with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+        for _ in range(2):
+            params, opt_state, loss = step(params, opt_state, case.batch(4))
+        jax.block_until_ready(params)
+    compiles = [r.getMessage() for r in caplog.records if "Compiling" in r.getMessage()]
+    assert not compiles, compiles
+    assert np.isfinite(float(loss))
+
+
+# pipeline 2 and 4, virtual 1 and 2, microbatches 1/4/8, tensor-parallel stages
+ZERO_BUBBLE_GRIDS = [
+    ("gpt", "pipeline=2,x=2,z=2", (1, 4, 8)),
+    ("gpt", "pipeline=4,z=2", (1, 4, 8)),
+    ("gpt", "pipeline=2,virtual=2,x=2,z=2", (1, 4, 8)),
+    ("gpt", "pipeline=4,virtual=2,z=2", (4, 8)),
+    ("hf_gpt2", "pipeline=2,x=2,z=2", (4,)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,grid,microbatches", ZERO_BUBBLE_GRIDS)
+def test_zero_bubble_schedules_equal_unpartitioned(model, grid, microbatches, devices):
+    failures = run_case(model, axonn_jax.Grid.parse(grid), microbatches=microbatches,
+                        schedules=("zb", "zb-h1"), trajectory_schedule="zb")  # fmt: skip
+    assert not failures, "\n".join(failures)
