@@ -88,12 +88,24 @@ def _stored(item: str, saved: Mapping) -> set[str]:
 
 
 def _mismatch(item: str, where: str, extra, missing) -> ValueError:
+    remedy = (f"restore with the model{' and optimizer' if item == 'opt_state' else ''} the "
+              "checkpoint was saved with.")  # fmt: skip
+    if item == "opt_state" and any(p.startswith(_TRAIN_STEP_STATE) for p in (*extra, *missing)):
+        remedy = (
+            "the opt_state of pm.train_step(...) has the form of its grid (one state per "
+            "pipeline stage, offload, precision), so a raw save of it restores only onto the same "
+            "grid and settings. Save with ckpt.save_train_state(n, step, params, opt_state) and "
+            "restore with ckpt.restore_train_state(step, params, opt_state): that form restores "
+            "onto any grid. With the same grid, restore with the same settings it was saved with."
+        )
     return ValueError(
         f"the {item} target does not match {where}: missing from the checkpoint "
         f"{sorted(extra) or 'none'}; in the checkpoint but not in the target (of any process) "
-        f"{sorted(missing) or 'none'}. Remedy: restore with the model"
-        f"{' and optimizer' if item == 'opt_state' else ''} the checkpoint was saved with."
+        f"{sorted(missing) or 'none'}. Remedy: {remedy}"
     )
+
+
+_TRAIN_STEP_STATE = "opt_state/optimizer/"  # a train step's OptState saved as it is (Checkpointer.save)
 
 
 def targets(item: str, tree, saved: Mapping[str, LeafMeta | None], where: str):
