@@ -375,7 +375,7 @@ def trainable_groups(placed: PlacedModel) -> dict[int, list[int]]:
     return {s: [i for i in idx if trainable[i]] for s, idx in placed.homes.groups().items()}
 
 
-def master_params(engine: Engine, params, opt_state):
+def master_params(engine: Engine, params, opt_state, *, state_holes: bool = False):
     """``params`` with the float32 master weights of ``opt_state`` in place of the device values.
 
     ``opt_state`` is what :meth:`TrainStep.init` returned (an :class:`OptState`),
@@ -384,7 +384,8 @@ def master_params(engine: Engine, params, opt_state):
     which holds no masters (``pm.init_optimizer``: the parameters are the
     masters). The result has the layout of ``params`` (leaves of other
     processes' stages ``None``; offloaded masters stay in host memory), ready
-    for ``pm.gather``. Model state (BatchNorm statistics) comes from ``params``.
+    for ``pm.gather``. Model state (BatchNorm statistics) comes from ``params``
+    (``state_holes``: it may be ``None`` there).
 
     Example:
         >>> full = pm.gather(master_params(pm.engine, params, opt_state))  # doctest: +SKIP
@@ -401,7 +402,7 @@ def master_params(engine: Engine, params, opt_state):
             f"stages {sorted(groups)} of {placed.grid}. Remedy: pass the opt_state returned by "
             "this process's step.init / step(...) on the same grid."
         )
-    out = placed.param_leaves(params)
+    out = placed.param_leaves(params, state_holes=state_holes)
     for s, idx in groups.items():
         if states[s].master is None:  # fp32 on the device: the parameters are the masters
             continue

@@ -181,7 +181,12 @@ def _dtype_name(leaf) -> str:
 
 
 def optimizer_target(optimizer, param_targets, param_tree, saved):
-    """Optimizer-state target: leaves mirroring a parameter take its sharding."""
+    """Optimizer-state target: leaves mirroring a parameter take its sharding.
+
+    The target of a model with state is its variables dict (``{'params': ...,
+    'batch_stats': ...}``); the optimizer state is over ``params`` alone, as
+    ``optimizer.init(variables['params'])`` (or ``pm.init_optimizer``) made it.
+    """
     shardings = [None if s is ELSEWHERE else s for s in param_targets.values()]
     meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
     if not meshes:
@@ -193,6 +198,7 @@ def optimizer_target(optimizer, param_targets, param_tree, saved):
         None if s is None else jax.ShapeDtypeStruct(saved[p].shape, jnp.dtype(saved[p].dtype))
         for p, s in zip(param_targets, shardings)
     ]
-    params = jax.tree.unflatten(param_tree, abstract)
-    return optimizer_state_shardings(optimizer, params, jax.tree.unflatten(param_tree, shardings),
-                                     NamedSharding(meshes[0], P()))
+    params, shardings = jax.tree.unflatten(param_tree, abstract), jax.tree.unflatten(param_tree, shardings)
+    if isinstance(params, Mapping) and "params" in params and len(params) > 1:  # variables with state
+        params, shardings = params["params"], shardings["params"]
+    return optimizer_state_shardings(optimizer, params, shardings, NamedSharding(meshes[0], P()))

@@ -69,8 +69,10 @@ class SingleMesh(Engine):
 
     # --- optimizer state ------------------------------------------------------
     def init_optimizer(self, optimizer, params, *, wrap=lambda tree: tree):
-        shardings = optimizer_state_shardings(optimizer, params, wrap(self.placed.param_shardings),
-                                              NamedSharding(self.mesh, P()))  # fmt: skip
+        param_shardings = wrap(self.placed.param_shardings)
+        if self.call.stateful:  # the optimizer sees params only, never the BatchNorm statistics
+            params, param_shardings = self.trainable(params), self.call.split(self.placed.param_shardings)[0]
+        shardings = optimizer_state_shardings(optimizer, params, param_shardings, NamedSharding(self.mesh, P()))
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def pack_states(self, states):
