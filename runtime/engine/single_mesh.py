@@ -14,6 +14,7 @@ from axonn_jax.runtime.engine.base import Engine
 from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
+from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import program_function
 from axonn_jax.runtime.step_report import StepReport, abstract_call, step_report
 from axonn_jax.runtime.train_step import SingleMeshStep
@@ -43,7 +44,8 @@ class SingleMesh(Engine):
         params, _ = self.plan_tree(params)
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
-        self.placed.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
+        self.placed.check_params(params, dtypes=False)  # names, shapes, dtypes: a wrong tree never runs
+        params = as_planned(params, self.plan)  # a bf16 step's params: cast to the dtypes planned
         if program.signature not in self._functions:  # one jitted function per input signature
             self._functions[program.signature] = program_function(program, self.mesh, overlap=self.overlap)
         outs = self._functions[program.signature](list(jax.tree.leaves(params)), list(arg_leaves))
