@@ -310,14 +310,9 @@ class PipelinedStep(TrainStep):
         """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
         optimizers = {s: self._program(s).optimizer for s in self._groups()}
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        update = StageUpdate.of(self.placed, optimizers, jax.tree.unflatten(self.plan.param_tree, abstract))
-        if update is not None and self.call.stateful:
-            raise ValueError(
-                f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
-                f"stages, which is not yet supported for models with state (BatchNorm "
-                f"statistics) on {self.placed.grid}. Remedy: a leaf-wise optimizer (clip per "
-                "leaf, e.g. optax.clip), or pipeline=1."
-            )
+        params, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))  # state: not optimized
+        trainable = [i for i, p in enumerate(self.plan.params) if p.trainable]
+        update = StageUpdate.of(self.placed, optimizers, params, trainable)
         if update is not None and self.settings.offload:
             raise ValueError(
                 f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "

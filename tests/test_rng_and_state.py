@@ -17,7 +17,7 @@ from flax import linen as nn
 from flax import nnx
 from partition_cases import (BATCH, GRIDS, LR, STEPS, _leaves, adamw_param_failures,
                              assert_matches_reference)  # fmt: skip
-from rng_cases import (KEY, NNXNet, accumulated_reference,
+from rng_cases import (KEY, NNXNet, accumulated_reference, clipped_adamw,
                        batchnorm_pipeline_failures, batchnorm_reference,
                        dropout_loss, dropout_trajectory, plain_dropout_run)  # fmt: skip
 
@@ -311,12 +311,15 @@ def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devic
         piped.value_and_grad(lambda out, b: jnp.mean(out[0]), microbatches=2)
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_batchnorm_on_a_pipeline_matches_plain_accumulation(microbatches, devices):
-    """pipeline=2,x=2,z=2: each stage updates its own statistics (mean over microbatches)."""
-    x, y, variables, ref_losses, ref_final = batchnorm_reference(STEPS, microbatches)
+@pytest.mark.parametrize("microbatches,optimizer", [(1, None), (2, None), (2, clipped_adamw)],
+                         ids=["mb1", "mb2", "mb2-global-norm-clip"])  # fmt: skip
+def test_batchnorm_on_a_pipeline_matches_plain_accumulation(microbatches, optimizer, devices):
+    """pipeline=2,x=2,z=2: each stage updates its own statistics (mean over microbatches); with
+    global-norm clipping the update mixes the stages (rounds) and the statistics are carried."""
+    optimizer = optimizer and optimizer()
+    x, y, variables, ref_losses, ref_final = batchnorm_reference(STEPS, microbatches, optimizer)
     failures = batchnorm_pipeline_failures(axonn_jax.Grid(pipeline=2, x=2, z=2), microbatches, x, y,
-                                           variables, ref_losses, ref_final)  # fmt: skip
+                                           variables, ref_losses, ref_final, optimizer)  # fmt: skip
     assert not failures, failures
 
 
