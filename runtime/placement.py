@@ -161,6 +161,7 @@ class PlacedModel:
 
     def param_leaves(self, params, *, state_holes: bool = False) -> list:
         """Leaves of a params pytree (``None`` kept for leaves of other processes)."""
+        check_not_donated(params)
         leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
             self.check_params(params)
@@ -176,6 +177,7 @@ class PlacedModel:
         ``state_holes=True``, ``None`` for model state (BatchNorm statistics).
         """
         plan = self.plan
+        check_not_donated(params)
         leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
         if tree != plan.param_tree:
             if is_params_of_state(params, plan.param_tree):
@@ -216,3 +218,23 @@ class PlacedModel:
                     "re-partition with parameters of that dtype."
                 )
 
+
+
+def check_not_donated(tree, what: str = "parameter") -> None:
+    """Refuse arrays whose memory a step took (donated inputs), naming the leaf and the remedy.
+
+    Tracers (inside ``jax.jit``) are not looked at: only concrete arrays can be deleted.
+
+        >>> check_not_donated(old_params)  # doctest: +SKIP
+        ValueError: parameter "['dense']['kernel']" was donated to a step ... Remedy: use the params it returned
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise ValueError(
+                f"{what} '{jax.tree_util.keystr(path)}' has been deleted: it was donated to a step "
+                "(pm.train_step's step, or a jax.jit with donate_argnums), whose outputs took its "
+                "memory. Remedy: use what the step returned "
+                "(params, opt_state, loss = step(params, opt_state, batch)) from then on; to keep "
+                "older values, copy them before the step (jax.tree.map(jnp.copy, params)) or "
+                "pm.gather them."
+            )

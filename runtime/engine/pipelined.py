@@ -62,8 +62,9 @@ class Pipelined(Engine):
     def report(self, args, kwargs, *, optimizer_slots=2):
         grid = self.grid
         raise NotImplementedError(
-            f"{grid} has pipeline={grid.pipeline}: step reports cover grids with "
-            "pipeline=1 (the ones pm.apply runs). Remedy: report one stage's grid, e.g. "
+            f"{grid} has pipeline={grid.pipeline}: step reports trace one program over one "
+            "mesh, and a pipeline runs a program per stage, so they cover grids with pipeline=1 "
+            "only. Remedy: report one stage's grid, e.g. "
             f"Grid(x={grid.x}, y={grid.y}, z={grid.z}, data={grid.data})."
         )
 

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from axonn_jax.partitioner.program import call_signature
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.engine.base import Engine
-from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
+from axonn_jax.runtime.master_optimizer import check_optimizer, optimizer_state_shardings
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.precision import as_planned
@@ -71,6 +71,7 @@ class SingleMesh(Engine):
 
     # --- optimizer state ------------------------------------------------------
     def init_optimizer(self, optimizer, params, *, wrap=lambda tree: tree):
+        check_optimizer(optimizer)
         param_shardings = wrap(self.placed.param_shardings)
         if self.call.stateful:  # the optimizer sees params only, never the BatchNorm statistics
             params, param_shardings = self.trainable(params), self.call.split(self.placed.param_shardings)[0]
