@@ -109,8 +109,8 @@ def check_optimizer(optimizer) -> None:
         >>> check_optimizer(optax.adam)  # doctest: +SKIP
         TypeError: optimizer is the function optax.adam, not a GradientTransformation ... optax.adam(1e-3)
     """
-    if isinstance(optimizer, optax.GradientTransformation):
-        return
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return  # a GradientTransformation, or alike (optax.MultiSteps)
     if callable(optimizer):
         name = getattr(optimizer, "__name__", type(optimizer).__name__)
         module = (getattr(optimizer, "__module__", "") or "").split(".")[0]
