@@ -173,9 +173,10 @@ class CommReport:
 class MemoryReport:
     """Bytes one device holds during a training step, by kind.
 
-    ``parameters``: the stored shards; ``gradients``: same layout and dtype;
-    ``optimizer``: ``optimizer_slots`` fp32 values per parameter element in the
-    parameter layout (2 for Adam: m and v). Kept from the forward pass for the
+    ``parameters``: the stored shards (model state such as BatchNorm
+    statistics included); ``gradients``: those of the trainable parameters,
+    same layout and dtype; ``optimizer``: ``optimizer_slots`` fp32 values per
+    trainable parameter element in the parameter layout (2 for Adam: m and v). Kept from the forward pass for the
     backward pass (``None`` until a step has been traced): ``activations``,
     and ``gathered_weights`` (values computed from parameters only, e.g. weight
     blocks after the depth all-gather).
@@ -202,11 +203,11 @@ class MemoryReport:
             True
         """
         params = plan.params if params is None else params
-        held = sum(p.bytes_per_device(plan.grid) for p in params)
-        elements = sum(math.prod(p.local_shape(plan.grid)) for p in params)
+        trainable = [p for p in params if p.trainable]  # model state has no gradient nor optimizer state
+        elements = sum(math.prod(p.local_shape(plan.grid)) for p in trainable)
         return cls(
-            parameters=held,
-            gradients=held,
+            parameters=sum(p.bytes_per_device(plan.grid) for p in params),
+            gradients=sum(p.bytes_per_device(plan.grid) for p in trainable),
             optimizer=optimizer_slots * elements * np.dtype(np.float32).itemsize,
             optimizer_slots=optimizer_slots,
             activations=activations,

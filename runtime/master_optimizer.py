@@ -103,6 +103,31 @@ def state_labels(optimizer: optax.GradientTransformation, state, params) -> list
     return list(jax.tree.leaves(labels))
 
 
+def check_optimizer(optimizer) -> None:
+    """Refuse what is not an optax ``GradientTransformation``, naming the remedy.
+
+    The usual slip is the factory itself, ``optax.adam`` for ``optax.adam(1e-3)``:
+
+        >>> check_optimizer(optax.adam)  # doctest: +SKIP
+        TypeError: optimizer is the function optax.adam, not a GradientTransformation ... optax.adam(1e-3)
+    """
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return  # a GradientTransformation, or alike (optax.MultiSteps)
+    if callable(optimizer):
+        name = getattr(optimizer, "__name__", type(optimizer).__name__)
+        module = (getattr(optimizer, "__module__", "") or "").split(".")[0]
+        called = f"{module}.{name}" if module else name
+        raise TypeError(
+            f"optimizer is the function {called}, not a GradientTransformation: the factory was "
+            f"passed without calling it. Remedy: call it with its hyperparameters, e.g. "
+            f"{called}(1e-3) (the learning rate), as in pm.train_step(loss_fn, {called}(1e-3))."
+        )
+    raise TypeError(
+        f"optimizer must be an optax GradientTransformation (e.g. optax.adamw(1e-3)), got "
+        f"{type(optimizer).__name__}. Remedy: build it with optax (optax.chain(...) combines several)."
+    )
+
+
 def check_offloadable(optimizer: optax.GradientTransformation) -> None:
     """Refuse, before anything compiles, an optimizer whose state cannot live in host memory.
 

@@ -143,6 +143,37 @@ def unwrap_params(tree, param_tree) -> tuple[Any, bool]:
     return tree, False
 
 
+def state_collections(param_tree) -> list[str]:
+    """The collections besides ``params`` of a model planned with state (``[]`` without state).
+
+    Example:
+        >>> state_collections(jax.tree.structure({"params": {"w": 0}, "batch_stats": {"m": 0}}))
+        ['batch_stats']
+    """
+    full = jax.tree.unflatten(param_tree, [0] * param_tree.num_leaves)
+    if not (isinstance(full, Mapping) and "params" in full and len(full) > 1):
+        return []
+    return sorted(k for k in full if k != "params")
+
+
+def is_params_of_state(tree, param_tree) -> bool:
+    """Whether ``tree`` is the ``params`` collection alone of a model planned with state.
+
+    Such a model is planned (and runs) over its whole variables dict
+    ``{'params': ..., 'batch_stats': ...}``; optimizers see ``params`` only.
+    ``None`` leaves (other processes' pipeline stages) count as leaves.
+
+    Example:
+        >>> plan_tree = jax.tree.structure({"params": {"w": 0}, "batch_stats": {"m": 0}})
+        >>> is_params_of_state({"w": 1.0}, plan_tree)
+        True
+    """
+    if not state_collections(param_tree):
+        return False
+    params = jax.tree.unflatten(param_tree, [0] * param_tree.num_leaves)["params"]
+    return jax.tree.structure(tree, is_leaf=lambda x: x is None) == jax.tree.structure(params)
+
+
 def wrap_params(tree, wrapped: bool):
     """``tree`` in the form :func:`unwrap_params` found it in."""
     return {"params": tree} if wrapped else tree

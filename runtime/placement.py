@@ -27,6 +27,7 @@ from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.trace import path_string
 from axonn_jax.runtime.collectives import HostCollectives, host_comm
 from axonn_jax.runtime.mesh import local_stages
+from axonn_jax.runtime.model_call import is_params_of_state, state_collections
 from axonn_jax.runtime.sharded import place
 from axonn_jax.runtime.pipeline.transport import InProcessTransport, MpiTransport, Transport
 
@@ -135,10 +136,13 @@ class PlacedModel:
                   for leaf, sh in zip(leaves, shardings)]  # fmt: skip
         return jax.tree.unflatten(self.plan.param_tree, placed)
 
-    def gather(self, params):
-        """Full parameters as host NumPy arrays, on every process."""
-        leaves = self.param_leaves(params)
-        self.check_params(params, dtypes=False)
+    def gather(self, params, *, state_holes: bool = False):
+        """Full parameters as host NumPy arrays, on every process.
+
+        ``state_holes``: model-state leaves may be ``None`` (gathering the ``params`` alone).
+        """
+        leaves = self.param_leaves(params, state_holes=state_holes)
+        self.check_params(params, dtypes=False, state_holes=state_holes)
         out: list = [None] * len(leaves)
         groups: dict = {}
         for i, leaf in enumerate(leaves):
@@ -155,24 +159,35 @@ class PlacedModel:
                     out[i] = a if out[i] is None else out[i]
         return jax.tree.unflatten(self.plan.param_tree, out)
 
-    def param_leaves(self, params) -> list:
+    def param_leaves(self, params, *, state_holes: bool = False) -> list:
         """Leaves of a params pytree (``None`` kept for leaves of other processes)."""
+        check_not_donated(params)
         leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
             self.check_params(params)
         if any(leaf is None and h is not None for leaf, h in zip(leaves, self.homes.home)):
-            self.check_params(params)
+            self.check_params(params, state_holes=state_holes)
         return leaves
 
-    def check_params(self, params, *, dtypes: bool = True) -> None:
+    def check_params(self, params, *, dtypes: bool = True, state_holes: bool = False) -> None:
         """Raise ``ValueError`` naming the first leaf that does not match the plan.
 
         ``dtypes=False`` accepts floating leaves of another precision (the
-        half-precision device parameters of ``train_step(precision=...)``).
+        half-precision device parameters of ``train_step(precision=...)``);
+        ``state_holes=True``, ``None`` for model state (BatchNorm statistics).
         """
         plan = self.plan
+        check_not_donated(params)
         leaves_with_path, tree = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)
         if tree != plan.param_tree:
+            if is_params_of_state(params, plan.param_tree):
+                state = state_collections(plan.param_tree)
+                raise ValueError(
+                    f"these are the 'params' alone, but the model has state ({', '.join(state)}) "
+                    f"and runs on its whole variables dict. Remedy: pass the whole variables dict "
+                    f"(params and {' and '.join(state)}), e.g. {{**variables, 'params': params}} "
+                    "with variables from pm.init / pm.shard(model.init(...))."
+                )
             expected = {p.path for p in plan.params}
             got = {path_string(k) for k, _ in leaves_with_path}
             raise ValueError(
@@ -182,7 +197,7 @@ class PlacedModel:
             )
         for i, ((_, leaf), p) in enumerate(zip(leaves_with_path, plan.params)):
             if leaf is None:
-                if self.homes.home[i] is not None:
+                if self.homes.home[i] is not None and not (state_holes and not p.trainable):
                     raise ValueError(
                         f"parameter '{p.path}' is None but this process runs a stage that uses "
                         f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard."
@@ -203,3 +218,23 @@ class PlacedModel:
                     "re-partition with parameters of that dtype."
                 )
 
+
+
+def check_not_donated(tree, what: str = "parameter") -> None:
+    """Refuse arrays whose memory a step took (donated inputs), naming the leaf and the remedy.
+
+    Tracers (inside ``jax.jit``) are not looked at: only concrete arrays can be deleted.
+
+        >>> check_not_donated(old_params)  # doctest: +SKIP
+        ValueError: parameter "['dense']['kernel']" was donated to a step ... Remedy: use the params it returned
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) and leaf.is_deleted():
+            raise ValueError(
+                f"{what} '{jax.tree_util.keystr(path)}' has been deleted: it was donated to a step "
+                "(pm.train_step's step, or a jax.jit with donate_argnums), whose outputs took its "
+                "memory. Remedy: use what the step returned "
+                "(params, opt_state, loss = step(params, opt_state, batch)) from then on; to keep "
+                "older values, copy them before the step (jax.tree.map(jnp.copy, params)) or "
+                "pm.gather them."
+            )

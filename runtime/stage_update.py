@@ -14,7 +14,9 @@ step counters, constants, results of exchanges). An equation whose inputs belong
 to several stages *mixes* them; its stage-owned operands must be small (a
 per-stage sum of squares is one scalar): they are exchanged between stages (a
 host copy in one process, the host collectives' ``allgather`` across processes) and
-the equation runs, identically, on every stage. The update thus splits into
+the equation runs, identically, on every stage; or, when one stage holds a large
+operand (a gradient scaled by a norm that another stage finished), the small
+operands come to that stage and it alone computes the equation. The update thus splits into
 rounds: each stage computes what it can, the mixing operands are exchanged, the
 next round continues. A mixing equation with large operands (whole parameters
 moving between stages) is refused with the transformation, the source line and
@@ -56,7 +58,7 @@ class _Op:
     params: dict
     args: list[int]
     outs: list[int]
-    mixing: bool  # stage-owned args are read from the exchange
+    exchanged: frozenset[int]  # args read from the exchange (other stages' small values)
     owner: int | None
     round: int
 
@@ -116,19 +118,26 @@ class _Tracer:
     def emit(self, primitive, params, ins, shapes, where: str, force_mixing: bool = False) -> list[int]:
         stages = {self.owner[a] for a in ins} - {None}
         mixing = force_mixing and bool(stages) or len(stages) > 1
-        if mixing:
-            for a in ins:
-                if self.owner[a] is not None:
-                    self._check_small(a, primitive, where, stages)
-                    self.published.add(a)
-            owner, deps = None, frozenset()
-            rnd = max(self.round[a] + (self.owner[a] is not None) for a in ins)
+        large = {self.owner[a] for a in ins if self.owner[a] is not None
+                 and math.prod(self.shape[a]) > MAX_EXCHANGED_ELEMENTS}  # fmt: skip
+        if mixing and len(large) == 1 and not force_mixing:
+            # e.g. a gradient of stage 0 scaled by a norm finished on stage 1: the other stages'
+            # (small) operands come to the stage holding the large one, which computes it
+            (owner,) = large
+            exchanged = frozenset(a for a in ins if self.owner[a] not in (None, owner))
         else:
-            owner = next(iter(stages), None)
-            deps = frozenset().union(*(self.deps[a] for a in ins))
-            rnd = max((self.round[a] for a in ins), default=0)
+            owner = None if mixing else next(iter(stages), None)
+            exchanged = frozenset(a for a in ins if mixing and self.owner[a] is not None)
+        for a in exchanged:
+            self._check_small(a, primitive, where, stages)
+            self.published.add(a)
+        if owner is None and mixing:
+            deps = frozenset()  # the same value on every stage
+        else:
+            deps = frozenset().union(*(self.deps[a] for a in ins if a not in exchanged))
+        rnd = max((self.round[a] + (a in exchanged) for a in ins), default=0)
         outs = [self.new(owner, deps, rnd, s) for s in shapes]
-        self.ops.append(_Op(primitive, params, list(ins), outs, mixing, owner, rnd))
+        self.ops.append(_Op(primitive, params, list(ins), outs, exchanged, owner, rnd))
         return outs
 
     def _check_small(self, a, primitive, where, stages) -> None:
@@ -188,19 +197,24 @@ class StageUpdate:
         self.rounds = max((tracer.round[o] for o in out_ids), default=0) + 1
 
     @classmethod
-    def of(cls, placed, masters: dict[int, MasterOptimizer], abstract_params) -> StageUpdate | None:
+    def of(cls, placed, masters: dict[int, MasterOptimizer], abstract_params,
+           trainable: Sequence[int] | None = None) -> StageUpdate | None:  # fmt: skip
         """Trace ``masters``' update on the full ``abstract_params``; ``None`` if separable.
 
         Args:
             placed: the :class:`~axonn_jax.runtime.placement.PlacedModel`.
             masters: local stage → its :class:`MasterOptimizer` (same optimizer and precision).
-            abstract_params: ShapeDtypeStructs of every parameter (the plan's tree).
+            abstract_params: ShapeDtypeStructs of every trained parameter (the plan's tree,
+                or of a model with state its ``params`` alone).
+            trainable: the plan's indices of the leaves of ``abstract_params``, in order
+                (default: every parameter of the plan).
         """
         master = next(iter(masters.values()))
         plan = placed.plan
-        n = len(plan.params)
-        owner_of = [users[0] if users else 0 for users in placed.homes.users]
-        paths = [p.path for p in plan.params]
+        trainable = list(range(len(plan.params)) if trainable is None else trainable)
+        n = len(trainable)
+        owner_of = [placed.homes.users[i][0] if placed.homes.users[i] else 0 for i in trainable]
+        paths = [plan.params[i].path for i in trainable]
         params = jax.eval_shape(master.precision.to_device, abstract_params)
         state = jax.eval_shape(_full_state(master), abstract_params)
         finite = jax.ShapeDtypeStruct((), np.bool_) if master.precision.half else None
@@ -236,7 +250,8 @@ class StageUpdate:
         if not tracer.published:
             return None
         groups = placed.homes.groups()
-        units = [_unit(tracer, s, set(groups[s]), placed.meshes[s], in_labels, out_labels, in_ids, out_ids)
+        held = {s: {k for k, i in enumerate(trainable) if i in set(groups[s])} for s in masters}
+        units = [_unit(tracer, s, held[s], placed.meshes[s], in_labels, out_labels, in_ids, out_ids)
                  for s in sorted(masters)]  # fmt: skip
         return cls(tracer, in_ids, out_ids, units, masters, placed.meshes, placed.host)
 
@@ -262,7 +277,10 @@ class StageUpdate:
                               jax.device_put(exchanged[k[1]], NamedSharding(mesh, P())) for k in in_keys]  # fmt: skip
                     env.update(zip(out_keys, run(*values)))
                 for i in u.publish[r]:
-                    mine[i] = np.asarray(env[i].addressable_data(0))
+                    value = env[i]  # a small input leaf may still be sharded: every element goes
+                    if not value.sharding.is_fully_replicated:
+                        value = jax.device_put(value, NamedSharding(self.meshes[u.stage], P()))
+                    mine[i] = np.asarray(value.addressable_data(0))
             if r + 1 < self.rounds:
                 for part in self.host.allgather(mine):
                     for i, value in part.items():
@@ -310,7 +328,7 @@ def _unit(tracer: _Tracer, stage: int, held: set[int], mesh, in_labels, out_labe
                 f"of stage {op.owner} that it does not hold. Remedy: pipeline=1."
             )  # internal: outputs are checked before
         computed.append(op)
-        needed.update(a for a in op.args if not (op.mixing and tracer.owner[a] is not None))
+        needed.update(a for a in op.args if a not in op.exchanged)
     computed.reverse()
     rounds = max(tracer.round[o] for o in out_ids) + 1
     available = {in_ids[k] for k in inputs} | set(tracer.consts)
@@ -333,7 +351,7 @@ def _unit(tracer: _Tracer, stage: int, held: set[int], mesh, in_labels, out_labe
         in_keys: list = []
         for op in ops:
             for a in op.args:
-                key = ("x", a) if op.mixing and tracer.owner[a] is not None else a
+                key = ("x", a) if a in op.exchanged else a
                 if key not in in_keys and a not in tracer.consts and not (key == a and a in produced):
                     in_keys.append(key)
         out_keys = [o for o in sorted(produced) if o in final or o in pub or later_uses.get(o, -1) > r]
@@ -355,7 +373,7 @@ def _program(tracer: _Tracer, ops: list[_Op], in_keys: list, out_keys: list[int]
                 if a in tracer.consts:
                     args.append(tracer.consts[a])
                 else:
-                    args.append(env[("x", a)] if op.mixing and tracer.owner[a] is not None else env[a])
+                    args.append(env[("x", a)] if a in op.exchanged else env[a])
             if op.primitive is None:
                 outs = args
             else:

@@ -38,8 +38,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
-from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, check_offloadable
-from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, check_offloadable, check_optimizer
+from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.stage_update import StageUpdate, describe
 
@@ -110,6 +110,7 @@ class TrainStep(abc.ABC):
         self.placed: PlacedModel = engine.placed
         self.call: ModelCall = engine.call
         self.plan = engine.plan
+        check_optimizer(optimizer)
         self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes)
         self._refuse(self.settings)
         self.options = options
@@ -158,6 +159,7 @@ class TrainStep(abc.ABC):
         Collective under MPI: first checks that every rank runs the same
         optimizer (hyperparameters included) and step options.
         """
+        self.placed.check_params(params, dtypes=False)  # another model's params: refused here, by name
         self._check_ranks_agree()
         self._check_exact()
         leaves = self.placed.param_leaves(params)
@@ -277,7 +279,7 @@ class SingleMeshStep(TrainStep):
         return step
 
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
-        _check_step_inputs(params, opt_state)
+        _check_step_inputs(params, opt_state, batch)
         return self._program(0).run(params, opt_state, batch, rngs)
 
 
@@ -310,14 +312,9 @@ class PipelinedStep(TrainStep):
         """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
         optimizers = {s: self._program(s).optimizer for s in self._groups()}
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        update = StageUpdate.of(self.placed, optimizers, jax.tree.unflatten(self.plan.param_tree, abstract))
-        if update is not None and self.call.stateful:
-            raise ValueError(
-                f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
-                f"stages, which is not yet supported for models with state (BatchNorm "
-                f"statistics) on {self.placed.grid}. Remedy: a leaf-wise optimizer (clip per "
-                "leaf, e.g. optax.clip), or pipeline=1."
-            )
+        params, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))  # state: not optimized
+        trainable = [i for i, p in enumerate(self.plan.params) if p.trainable]
+        update = StageUpdate.of(self.placed, optimizers, params, trainable)
         if update is not None and self.settings.offload:
             raise ValueError(
                 f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
@@ -330,7 +327,7 @@ class PipelinedStep(TrainStep):
         self.across_stages  # noqa: B018 - analysed once; raises what cannot be exact
 
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
-        _check_step_inputs(params, opt_state)
+        _check_step_inputs(params, opt_state, batch)
         placed = self.placed
         loss, grads = self.value_and_grad(params, batch, rngs)
         if self.call.stateful:  # the new state takes the place of the old; it is not optimized
@@ -375,7 +372,7 @@ def trainable_groups(placed: PlacedModel) -> dict[int, list[int]]:
     return {s: [i for i in idx if trainable[i]] for s, idx in placed.homes.groups().items()}
 
 
-def master_params(engine: Engine, params, opt_state):
+def master_params(engine: Engine, params, opt_state, *, state_holes: bool = False):
     """``params`` with the float32 master weights of ``opt_state`` in place of the device values.
 
     ``opt_state`` is what :meth:`TrainStep.init` returned (an :class:`OptState`),
@@ -384,7 +381,8 @@ def master_params(engine: Engine, params, opt_state):
     which holds no masters (``pm.init_optimizer``: the parameters are the
     masters). The result has the layout of ``params`` (leaves of other
     processes' stages ``None``; offloaded masters stay in host memory), ready
-    for ``pm.gather``. Model state (BatchNorm statistics) comes from ``params``.
+    for ``pm.gather``. Model state (BatchNorm statistics) comes from ``params``
+    (``state_holes``: it may be ``None`` there).
 
     Example:
         >>> full = pm.gather(master_params(pm.engine, params, opt_state))  # doctest: +SKIP
@@ -401,7 +399,7 @@ def master_params(engine: Engine, params, opt_state):
             f"stages {sorted(groups)} of {placed.grid}. Remedy: pass the opt_state returned by "
             "this process's step.init / step(...) on the same grid."
         )
-    out = placed.param_leaves(params)
+    out = placed.param_leaves(params, state_holes=state_holes)
     for s, idx in groups.items():
         if states[s].master is None:  # fp32 on the device: the parameters are the masters
             continue
@@ -411,8 +409,17 @@ def master_params(engine: Engine, params, opt_state):
     return jax.tree.unflatten(placed.plan.param_tree, out)
 
 
-def _check_step_inputs(params, opt_state) -> None:
-    """Clear errors for an opt_state from elsewhere and for params an earlier step donated."""
+def _check_step_inputs(params, opt_state, batch=None) -> None:
+    """Clear errors for a step traced by ``jax.jit``, an opt_state from elsewhere and for
+    params an earlier step donated."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, opt_state, batch))):
+        raise TypeError(
+            "pm.train_step(...) returns a step that compiles itself (one jitted program per "
+            "stage, donated inputs, fixed layouts; with a pipeline, a dispatch queue run from "
+            "Python), so it cannot be traced by jax.jit, jax.grad or jax.vmap. Remedy: call it "
+            "directly, step(params, opt_state, batch), without jax.jit; for a step of your own "
+            "under jax.jit, use pm.apply (or pm.value_and_grad) and optax (README)."
+        )
     if not isinstance(opt_state, OptState):
         raise TypeError(
             f"opt_state must be what step.init(params) returned (an OptState), got "
@@ -420,14 +427,8 @@ def _check_step_inputs(params, opt_state) -> None:
             "pass both to every step (optimizer.init(params) is not enough: the step keeps "
             "master weights and the loss scale there)."
         )
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise ValueError(
-                f"parameter '{jax.tree_util.keystr(path)}' has been deleted: an earlier step "
-                "was given these params and donated their memory to its outputs. Remedy: pass "
-                "the params returned by the previous step; to keep older values, copy them "
-                "first (jax.tree.map(jnp.copy, params)) or save them with pm.gather."
-            )
+    check_not_donated(params)
+    check_not_donated(opt_state, "optimizer state leaf")
 
 
 def _stable_repr(value) -> str:

@@ -101,12 +101,19 @@ def _bn_loss(out, batch):
     return jnp.mean((out - batch[1]) ** 2)
 
 
-def batchnorm_reference(steps: int, microbatches: int):
-    """Plain AdamW with gradient accumulation; new statistics: the mean of the microbatches'."""
+def clipped_adamw():
+    """A stage-mixing optimizer: the global norm of every stage's gradients clips all of them
+    (0.05 is below the gradient norm of every step of these references, so it always clips)."""
+    return optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(LR))
+
+
+def batchnorm_reference(steps: int, microbatches: int, optimizer=None):
+    """Plain AdamW (or ``optimizer``) with gradient accumulation; new statistics: the mean of the
+    microbatches'."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 16)).astype(np.float32)
     y = rng.standard_normal((16, 16)).astype(np.float32)
-    model, optimizer = DeepBN(), optax.adamw(LR)
+    model, optimizer = DeepBN(), optimizer or optax.adamw(LR)
     variables = model.init(jax.random.key(0), x, train=False)
     size = 16 // microbatches
 
@@ -122,19 +129,23 @@ def batchnorm_reference(steps: int, microbatches: int):
             (loss, upd), g = jax.value_and_grad(loss_of, has_aux=True)(v["params"])
             grads.append(g), updates.append(upd), losses.append(float(loss))
         g = jax.tree.map(lambda *a: sum(a) / microbatches, *grads)
+        norms.append(float(optax.global_norm(g)))
         delta, s = optimizer.update(g, s, v["params"])
         new = {"params": optax.apply_updates(v["params"], delta),
                **jax.tree.map(lambda *a: sum(a) / microbatches, *updates)}  # fmt: skip
         return new, s, float(np.mean(losses))
 
-    v, s, losses = variables, optimizer.init(variables["params"]), []
+    v, s, losses, norms = variables, optimizer.init(variables["params"]), [], []
     for _ in range(steps):
         v, s, loss = step(v, s)
         losses.append(loss)
+    if steps and min(norms) <= 0.05:
+        raise AssertionError(f"gradient norms {norms}: clipped_adamw() would not always clip")
     return x, y, variables, losses, v
 
 
-def batchnorm_pipeline_failures(grid, microbatches, x, y, variables, ref_losses, ref_final) -> list:
+def batchnorm_pipeline_failures(grid, microbatches, x, y, variables, ref_losses, ref_final,
+                                optimizer=None) -> list:  # fmt: skip
     """Train DeepBN with pm.train_step on ``grid``; what differs from the reference (this rank's leaves)."""
     import axonn_jax
     from axonn_jax.partitioner.trace import path_string
@@ -144,7 +155,7 @@ def batchnorm_pipeline_failures(grid, microbatches, x, y, variables, ref_losses,
     failures = []
     if not all(any(p.startswith("batch_stats/") for p in st.params) for st in pm.plan.stages):
         failures.append("a stage without BatchNorm statistics: the test would not cover both")
-    step = pm.train_step(_bn_loss, optax.adamw(LR), inputs=lambda batch: (batch[0],),
+    step = pm.train_step(_bn_loss, optimizer or optax.adamw(LR), inputs=lambda batch: (batch[0],),
                          microbatches=microbatches)  # fmt: skip
     p, s = step.init(pm.shard(variables))
     losses = []

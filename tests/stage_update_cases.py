@@ -88,7 +88,7 @@ def run(grid: axonn_jax.Grid, name: str, precision: str = "fp32") -> list[str]:
     step = pm.train_step(case.loss, OPTIMIZERS[name](), inputs=case.inputs, microbatches=MICROBATCHES,
                          precision=precision)  # fmt: skip
     params, opt_state = step.init(pm.shard(init))
-    if step._stage_update() is None:
+    if step.across_stages is None:
         failures.append(f"{name} on {grid} ran per stage, not as the whole-model update")
     for k in range(STEPS):
         params, opt_state, loss = step(params, opt_state, batch)

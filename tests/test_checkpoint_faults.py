@@ -22,9 +22,10 @@ from axonn_jax.runtime.checkpoint import writer_lock
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "checkpoint_fault.py"
 
 
-def _run(mode: str, directory: Path) -> subprocess.CompletedProcess:
+def _run(mode: str, directory: Path, script: Path = SCRIPT) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, str(SCRIPT), mode, str(directory)], env=env,
+    args = [mode] if mode else []
+    return subprocess.run([sys.executable, str(script), *args, str(directory)], env=env,
                           capture_output=True, text=True, timeout=240)  # fmt: skip
 
 
@@ -40,6 +41,16 @@ def test_a_script_ending_with_a_save_pending_commits_it_and_says_so(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the script ended with the save of step 2" in result.stderr and "close the Checkpointer" in result.stderr
     assert _latest_w(tmp_path) == (2, 2.0)
+
+
+def test_a_save_through_a_checkpointer_dropped_at_once_is_committed(tmp_path):
+    """``Checkpointer(d).save(7, params)`` as the last line: the object is gone, the save is not."""
+    result = _run("", tmp_path, SCRIPT.parent / "dropped_checkpointer.py")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "the script ended with the save of step 7" in result.stderr
+    assert _latest_w(tmp_path) == (7, 7.0)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["7"]
 
 
 @pytest.mark.parametrize("mode,cause", [("disk-full", "No space left on device"),

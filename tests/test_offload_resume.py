@@ -138,3 +138,15 @@ def test_pipeline_state_resumes_exactly_and_restores_onto_a_flat_grid(devices, t
             assert resumed == losses
         else:
             np.testing.assert_allclose(resumed, losses, rtol=1e-5)
+
+
+def test_a_raw_pipeline_train_state_onto_a_flat_grid_names_save_train_state(devices, tmp_path):
+    """ckpt.save(n, params, opt_state) of a pipeline step is in the pipeline's form ({stage: state}):
+    restoring it onto a flat step's opt_state names the calls that work across grids."""
+    step, params, opt_state = _step(dict(pipeline=2, x=2, z=2), "fp32", offload=False)[1:]
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, params, opt_state)
+    flat_params, flat_state = _step(dict(x=2, z=2, data=2), "fp32", offload=False)[2:]
+    with pytest.raises(ValueError, match=r"(?s)opt_state/optimizer/inner.*save_train_state"
+                                         r".*restore_train_state\(step, params, opt_state\)"):  # fmt: skip
+        Checkpointer(tmp_path, read_only=True).restore(params=flat_params, opt_state=flat_state)

@@ -166,9 +166,12 @@ def test_apply_refuses_a_tree_with_other_names_shapes_or_dtypes(devices):
     swapped = {"narrow": params["out"], "out": params["narrow"]}
     with pytest.raises(ValueError, match=r"'narrow/bias' has shape"):
         pm.apply(swapped, X)
-    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    with pytest.raises(ValueError, match=r"has dtype bfloat16, the plan expects float32"):
-        pm.apply(half, X)
+    ints = jax.tree.map(lambda a: a.astype(jnp.int32), params)
+    with pytest.raises(ValueError, match=r"has dtype int32, the plan expects float32"):
+        pm.apply(ints, X)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)  # a bf16 step's: cast as planned
+    cast = jax.tree.map(lambda a: a.astype(jnp.float32), half)
+    np.testing.assert_array_equal(np.asarray(pm.apply(half, X)), np.asarray(pm.apply(cast, X)))
 
 
 def test_nnx_weights_loaded_after_partition_are_used(devices):
@@ -215,6 +218,40 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
     new_params, opt_state, _ = step(params, opt_state, X)
     with pytest.raises(ValueError, match=r"parameter '\['narrow'\]\['bias'\]' has been deleted.*donated"):
         step(params, opt_state, X)  # the first step donated these
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, y=2, z=2), dict(pipeline=2, x=2, z=2)],
+                         ids=["x2y2z2", "pipeline2"])  # fmt: skip
+def test_train_step_misuse_is_named_with_the_remedy(grid, devices):
+    """Another model's params at step.init, the optimizer factory, params and state a step
+    donated, and jax.jit around the step: each refused at once, naming what to do."""
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid(**grid), X)
+    target = np.ones((8, 8), np.float32)
+
+    def loss(out, batch):
+        return jnp.mean((out - target) ** 2)
+
+    with pytest.raises(TypeError, match=r"optax\.adam, not a GradientTransformation.*optax\.adam\(1e-3\)"):
+        pm.train_step(loss, optax.adam)
+    step = pm.train_step(loss, optax.adam(1e-3))
+    params = pm.init(jax.random.key(0))
+    bigger = jax.tree.map(lambda a: np.zeros(tuple(2 * d for d in a.shape), np.float32), pm.gather(params))
+    with pytest.raises(ValueError, match=r"'narrow/bias' has shape \(12,\), the plan expects \(6,\)"):
+        step.init(bigger)
+    params, opt_state = step.init(params)
+    with pytest.raises(TypeError, match=r"compiles itself.*without jax\.jit"):
+        jax.jit(step)(params, opt_state, X)
+    new_params, new_state, _ = step(params, opt_state, X)
+    donated = r"has been deleted: it was donated to a step.*Remedy: use what the step returned"
+    with pytest.raises(ValueError, match="parameter .*" + donated):
+        pm.apply(params, X)
+    with pytest.raises(ValueError, match="parameter .*" + donated):
+        pm.gather(params)
+    with pytest.raises(ValueError, match="optimizer state leaf .*" + donated):
+        step(new_params, opt_state, X)
+    step(new_params, new_state, X)  # what the step returned works
 
 
 def test_fallback_warnings_name_the_model_line_once(devices):

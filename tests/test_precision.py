@@ -131,3 +131,24 @@ def test_fp16_overflow_on_rank_1_skips_on_both_ranks_under_mpiexec():
             assert fields["finite"] == "False" and fields["unchanged"] == "True", line.group(0)
             assert fields["scale"] == "16384.0->8192.0", line.group(0)
             assert fields["then"] == "8192.0,16384.0", line.group(0)
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(pipeline=2, x=2, z=2)],
+                         ids=lambda g: ",".join(f"{k}={v}" for k, v in g.items()))  # fmt: skip
+def test_evaluating_with_the_params_of_a_bf16_step(grid, devices):
+    """HF GPT-2: pm.apply takes the bf16 params a precision="bf16" step returns, equal (bit for
+    bit) to pm.apply of those params cast to float32 by hand, and to the plain model on them."""
+    from partition_cases import third_party
+
+    case = third_party("hf_gpt2")
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args)
+    step = pm.train_step(lambda out, batch: case.loss(out, *batch), optax.adamw(1e-2), precision="bf16")
+    params, opt_state = step.init(pm.init(jax.random.key(0)))
+    params, opt_state, _ = step(params, opt_state, case.args)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    logits = np.asarray(pm.apply(params, *case.args).logits)
+    cast = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    np.testing.assert_array_equal(logits, np.asarray(pm.apply(cast, *case.args).logits))
+    full = jax.tree.map(lambda x: np.asarray(x, np.float32), pm.gather(params))
+    plain = np.asarray(case.model.apply({"params": full}, *case.args).logits)
+    np.testing.assert_allclose(logits, plain, rtol=1e-4, atol=1e-4 * np.max(np.abs(plain)))

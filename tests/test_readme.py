@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import monitoring
@@ -98,6 +99,11 @@ def test_readme_convenient_form_runs(readme):
     namespace = dict(readme)
     exec(compile(readme_blocks()[1], "README.md (convenient form)", "exec"), namespace)
     assert np.isfinite(float(namespace["loss"]))
+    # evaluation with the step's bf16 params: pm.apply casts them as the plan was traced
+    pm, params, batch = namespace["pm"], namespace["params"], namespace["batch"]
+    cast = jax.tree.map(lambda x: None if x is None else x.astype(jnp.float32), params,
+                        is_leaf=lambda x: x is None)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(namespace["logits"]), np.asarray(pm.apply(cast, batch[:, :-1])))
 
 
 @pytest.mark.mpi

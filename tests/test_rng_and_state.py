@@ -17,7 +17,7 @@ from flax import linen as nn
 from flax import nnx
 from partition_cases import (BATCH, GRIDS, LR, STEPS, _leaves, adamw_param_failures,
                              assert_matches_reference)  # fmt: skip
-from rng_cases import (KEY, NNXNet, accumulated_reference,
+from rng_cases import (KEY, NNXNet, accumulated_reference, clipped_adamw,
                        batchnorm_pipeline_failures, batchnorm_reference,
                        dropout_loss, dropout_trajectory, plain_dropout_run)  # fmt: skip
 
@@ -311,12 +311,15 @@ def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devic
         piped.value_and_grad(lambda out, b: jnp.mean(out[0]), microbatches=2)
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_batchnorm_on_a_pipeline_matches_plain_accumulation(microbatches, devices):
-    """pipeline=2,x=2,z=2: each stage updates its own statistics (mean over microbatches)."""
-    x, y, variables, ref_losses, ref_final = batchnorm_reference(STEPS, microbatches)
+@pytest.mark.parametrize("microbatches,optimizer", [(1, None), (2, None), (2, clipped_adamw)],
+                         ids=["mb1", "mb2", "mb2-global-norm-clip"])  # fmt: skip
+def test_batchnorm_on_a_pipeline_matches_plain_accumulation(microbatches, optimizer, devices):
+    """pipeline=2,x=2,z=2: each stage updates its own statistics (mean over microbatches); with
+    global-norm clipping the update mixes the stages (rounds) and the statistics are carried."""
+    optimizer = optimizer and optimizer()
+    x, y, variables, ref_losses, ref_final = batchnorm_reference(STEPS, microbatches, optimizer)
     failures = batchnorm_pipeline_failures(axonn_jax.Grid(pipeline=2, x=2, z=2), microbatches, x, y,
-                                           variables, ref_losses, ref_final)  # fmt: skip
+                                           variables, ref_losses, ref_final, optimizer)  # fmt: skip
     assert not failures, failures
 
 
@@ -344,3 +347,70 @@ def test_nnx_state_on_a_pipeline(devices):
     for path, r in _leaves(ref_stats).items():
         np.testing.assert_allclose(state[path], r, rtol=1e-5, atol=1e-6, err_msg=path)
     assert int(state["drop/rngs/count"]) == 1
+
+
+def test_optimizer_helpers_see_the_params_of_a_model_with_state(devices, tmp_path):
+    """DeepBN (variables = params + batch_stats), an own jitted AdamW step: init_optimizer from the
+    params or the whole variables, gather of the params alone, ckpt.restore(optimizer=) and the
+    report all see params only, as plain Flax/optax does (optimizer.init(variables['params']))."""
+    from axonn_jax.checkpoint import Checkpointer
+    from rng_cases import DeepBN, _bn_loss
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    y = rng.standard_normal((16, 16)).astype(np.float32)
+    model, optimizer = DeepBN(), optax.adamw(LR)
+    variables = model.init(jax.random.key(0), x, train=False)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, z=2, data=2), x, mutable=["batch_stats"])
+
+    def make_step(apply):
+        @jax.jit
+        def step(v, s):
+            def loss_of(p):
+                out, updates = apply({**v, "params": p}, x, mutable=["batch_stats"])
+                return _bn_loss(out, (x, y)), updates
+
+            (loss, updates), grads = jax.value_and_grad(loss_of, has_aux=True)(v["params"])
+            delta, s = optimizer.update(grads, s, v["params"])
+            return {**v, **updates, "params": optax.apply_updates(v["params"], delta)}, s, loss
+
+        return step
+
+    plain_step, own_step = make_step(model.apply), make_step(pm.apply)
+    v, s = variables, optimizer.init(variables["params"])
+    pv = pm.shard(variables)
+    from_params, from_variables = pm.init_optimizer(optimizer, pv["params"]), pm.init_optimizer(optimizer, pv)
+    for got in (from_params, from_variables):
+        assert jax.tree.structure(got) == jax.tree.structure(s)  # no Adam moments for batch_stats
+    ps = from_variables
+    for _ in range(3):
+        v, s, ref_loss = plain_step(v, s)
+        pv, ps, loss = own_step(pv, ps)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    got, want, init = _leaves(pm.gather(pv)), _leaves(v), _leaves(variables)
+    for path, ref in want.items():
+        assert np.linalg.norm(got[path] - ref) <= 1e-3 * np.linalg.norm(ref - init[path]) + 1e-6, path
+    alone = pm.gather(pv["params"])  # the params subtree is accepted and comes back alone
+    assert jax.tree.structure(alone) == jax.tree.structure(v["params"])
+    for path, value in _leaves(alone).items():
+        np.testing.assert_array_equal(value, got[f"params/{path}"])
+    # the README's own-step checkpoint: whole variables as params, the optimizer over params only
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(3, pv, ps)
+    restored = Checkpointer(tmp_path, read_only=True).restore(params=pm.param_structs, optimizer=optimizer)
+    for a, b in zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(ps), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    pv2, ps2, loss = own_step(restored.params, restored.opt_state)
+    v, s, ref_loss = plain_step(v, s)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    # the params alone where the model needs its state: the remedy that works
+    with pytest.raises(ValueError, match=r"pass the whole variables dict \(params and batch_stats\)"):
+        pm.apply(pv2["params"], x, mutable=["batch_stats"])
+    # the report counts gradients and Adam moments for the trainable parameters only
+    mem = pm.report().memory
+    trainable = [p for p in pm.plan.params if p.trainable]
+    assert len(trainable) == len(jax.tree.leaves(variables["params"])) < len(pm.plan.params)
+    assert mem.gradients == sum(p.bytes_per_device(pm.grid) for p in trainable)
+    local = sum(int(np.prod(p.local_shape(pm.grid))) for p in trainable)
+    assert mem.optimizer == 2 * 4 * local
+    assert mem.parameters > mem.gradients

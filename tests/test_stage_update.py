@@ -33,10 +33,10 @@ def gpt_two_stages(devices):
 def test_leaf_wise_optimizer_keeps_per_stage_updates(gpt_two_stages):
     case, pm, params = gpt_two_stages
     step = pm.train_step(case.loss, optax.MultiSteps(optax.adamw(1e-3), 2), inputs=case.inputs)
-    assert step._stage_update() is None
+    assert step.across_stages is None
     clipped = pm.train_step(case.loss, optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)),
                             inputs=case.inputs)  # fmt: skip
-    assert clipped._stage_update() is not None and clipped._stage_update().rounds > 1
+    assert clipped.across_stages is not None and clipped.across_stages.rounds > 1
 
 
 def _normalize_flat() -> optax.GradientTransformation:

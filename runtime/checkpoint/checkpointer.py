@@ -171,6 +171,7 @@ class Checkpointer:
         except Exception as err:
             raise self._failed(int(step), err) from err
         self.pending_step = int(step)
+        lifetime.pending(self)
 
     def save_train_state(self, step: int, train_step, params, opt_state, extra: Mapping | None = None,
                          *, rng: jax.Array | None = None) -> None:  # fmt: skip
@@ -208,6 +209,8 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as err:
             raise self._failed(step, err) from err
+        finally:
+            lifetime.settled(self)
         if step is not None:
             lifetime.committed(self.directory)  # a later step committed: nothing is lost
 

@@ -24,6 +24,9 @@ import weakref
 from pathlib import Path
 
 _WRITERS: weakref.WeakSet = weakref.WeakSet()  # open writing Checkpointers of this process
+# writers with a save in flight, held strongly: ``Checkpointer(d).save(7, p)`` drops the
+# object at once, and its save must still be finished here, not lost with it
+_PENDING: set = set()
 _FAILED_SAVES: dict[Path, str] = {}  # per directory, a failed save no later step made good
 _threads_stuck = False  # orbax's threads of a failed save never end
 
@@ -35,6 +38,17 @@ def opened(writer) -> None:
 
 def closed(writer) -> None:
     _WRITERS.discard(writer)
+    _PENDING.discard(writer)
+
+
+def pending(writer) -> None:
+    """``writer`` started a save: kept alive (even if the script drops it) until it settles."""
+    _PENDING.add(writer)
+
+
+def settled(writer) -> None:
+    """``writer``'s save is committed or failed: nothing of it to finish at exit."""
+    _PENDING.discard(writer)
 
 
 def writing_to(directory: Path) -> bool:
@@ -58,7 +72,7 @@ def finish_at_exit() -> None:
     """Commit saves still pending when the script ends (warning), or exit 1 if one failed."""
     from axonn_jax.runtime.checkpoint.checkpointer import CheckpointError
 
-    for ckpt in list(_WRITERS):
+    for ckpt in {*_WRITERS, *_PENDING}:
         step = ckpt.pending_step
         try:
             ckpt.close()

@@ -88,12 +88,24 @@ def _stored(item: str, saved: Mapping) -> set[str]:
 
 
 def _mismatch(item: str, where: str, extra, missing) -> ValueError:
+    remedy = (f"restore with the model{' and optimizer' if item == 'opt_state' else ''} the "
+              "checkpoint was saved with.")  # fmt: skip
+    if item == "opt_state" and any(p.startswith(_TRAIN_STEP_STATE) for p in (*extra, *missing)):
+        remedy = (
+            "the opt_state of pm.train_step(...) has the form of its grid (one state per "
+            "pipeline stage, offload, precision), so a raw save of it restores only onto the same "
+            "grid and settings. Save with ckpt.save_train_state(n, step, params, opt_state) and "
+            "restore with ckpt.restore_train_state(step, params, opt_state): that form restores "
+            "onto any grid. With the same grid, restore with the same settings it was saved with."
+        )
     return ValueError(
         f"the {item} target does not match {where}: missing from the checkpoint "
         f"{sorted(extra) or 'none'}; in the checkpoint but not in the target (of any process) "
-        f"{sorted(missing) or 'none'}. Remedy: restore with the model"
-        f"{' and optimizer' if item == 'opt_state' else ''} the checkpoint was saved with."
+        f"{sorted(missing) or 'none'}. Remedy: {remedy}"
     )
+
+
+_TRAIN_STEP_STATE = "opt_state/optimizer/"  # a train step's OptState saved as it is (Checkpointer.save)
 
 
 def targets(item: str, tree, saved: Mapping[str, LeafMeta | None], where: str):
@@ -169,7 +181,12 @@ def _dtype_name(leaf) -> str:
 
 
 def optimizer_target(optimizer, param_targets, param_tree, saved):
-    """Optimizer-state target: leaves mirroring a parameter take its sharding."""
+    """Optimizer-state target: leaves mirroring a parameter take its sharding.
+
+    The target of a model with state is its variables dict (``{'params': ...,
+    'batch_stats': ...}``); the optimizer state is over ``params`` alone, as
+    ``optimizer.init(variables['params'])`` (or ``pm.init_optimizer``) made it.
+    """
     shardings = [None if s is ELSEWHERE else s for s in param_targets.values()]
     meshes = [s.mesh for s in shardings if isinstance(s, NamedSharding)]
     if not meshes:
@@ -181,6 +198,7 @@ def optimizer_target(optimizer, param_targets, param_tree, saved):
         None if s is None else jax.ShapeDtypeStruct(saved[p].shape, jnp.dtype(saved[p].dtype))
         for p, s in zip(param_targets, shardings)
     ]
-    params = jax.tree.unflatten(param_tree, abstract)
-    return optimizer_state_shardings(optimizer, params, jax.tree.unflatten(param_tree, shardings),
-                                     NamedSharding(meshes[0], P()))
+    params, shardings = jax.tree.unflatten(param_tree, abstract), jax.tree.unflatten(param_tree, shardings)
+    if isinstance(params, Mapping) and "params" in params and len(params) > 1:  # variables with state
+        params, shardings = params["params"], shardings["params"]
+    return optimizer_state_shardings(optimizer, params, shardings, NamedSharding(meshes[0], P()))

@@ -13,7 +13,7 @@ import jax
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program
 from axonn_jax.runtime.microbatches import default_inputs
-from axonn_jax.runtime.model_call import ModelCall, check_differentiable, unwrap_params
+from axonn_jax.runtime.model_call import ModelCall, check_differentiable, is_params_of_state, unwrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.programs import ProgramCache
@@ -88,19 +88,43 @@ class Engine(abc.ABC):
 
     def gather(self, params, opt_state=None):
         """Full parameters as host arrays, on every process; the float32 masters of
-        ``opt_state`` (a train step's) in place of the device values where it keeps them."""
+        ``opt_state`` (a train step's) in place of the device values where it keeps them.
+
+        ``params`` may be the ``params`` alone of a model with state (returned alone)."""
+        alone = self.is_params_alone(params)
+        if alone:  # the state's leaves left out (None)
+            params = self.call.merge(params, self._state_holes())
         if opt_state is not None:
             from axonn_jax.runtime.train_step import master_params
 
-            params = master_params(self, params, opt_state)
-        return self.placed.gather(params)
+            params = master_params(self, params, opt_state, state_holes=alone)
+        full = self.placed.gather(params, state_holes=alone)
+        return self.call.split(full)[0] if alone else full
+
+    def is_params_alone(self, tree) -> bool:
+        """Whether ``tree`` is the ``params`` collection alone of a model with state."""
+        return self.call.stateful and is_params_of_state(tree, self.plan.param_tree)
+
+    def trainable(self, tree):
+        """The ``params`` an optimizer sees: of a model with state, ``tree['params']``
+        (``tree`` the variables dict, or its ``params`` already); else ``tree`` itself."""
+        if not self.call.stateful or self.is_params_alone(tree):
+            return tree
+        self.placed.check_params(tree, dtypes=False)
+        return self.call.split(tree)[0]
+
+    def _state_holes(self):
+        """The model-state collections with ``None`` leaves."""
+        holes = jax.tree.unflatten(self.plan.param_tree, [None] * len(self.plan.params))
+        return self.call.split(holes)[1]
 
     @abc.abstractmethod
     def init_optimizer(self, optimizer, params, *, wrap: Callable = lambda tree: tree):
         """``optimizer.init(params)`` laid out as a jitted step returns it.
 
         ``wrap(tree)``: a plan-shaped tree in the form ``params`` came in (the
-        face accepts the linen variables dict ``{'params': ...}`` too).
+        face accepts the linen variables dict ``{'params': ...}`` too). Of a
+        model with state the optimizer sees ``params`` only (:meth:`trainable`).
         """
 
     # --- execution ------------------------------------------------------------

@@ -11,9 +11,10 @@ from jax.sharding import PartitionSpec as P
 from axonn_jax.partitioner.program import call_signature
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.engine.base import Engine
-from axonn_jax.runtime.master_optimizer import optimizer_state_shardings
+from axonn_jax.runtime.master_optimizer import check_optimizer, optimizer_state_shardings
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
+from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import program_function
 from axonn_jax.runtime.step_report import StepReport, abstract_call, step_report
 from axonn_jax.runtime.train_step import SingleMeshStep
@@ -43,7 +44,8 @@ class SingleMesh(Engine):
         params, _ = self.plan_tree(params)
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
-        self.placed.check_params(params)  # names, shapes and dtypes: cheap, and a wrong tree never runs
+        self.placed.check_params(params, dtypes=False)  # names, shapes, dtypes: a wrong tree never runs
+        params = as_planned(params, self.plan)  # a bf16 step's params: cast to the dtypes planned
         if program.signature not in self._functions:  # one jitted function per input signature
             self._functions[program.signature] = program_function(program, self.mesh, overlap=self.overlap)
         outs = self._functions[program.signature](list(jax.tree.leaves(params)), list(arg_leaves))
@@ -69,8 +71,11 @@ class SingleMesh(Engine):
 
     # --- optimizer state ------------------------------------------------------
     def init_optimizer(self, optimizer, params, *, wrap=lambda tree: tree):
-        shardings = optimizer_state_shardings(optimizer, params, wrap(self.placed.param_shardings),
-                                              NamedSharding(self.mesh, P()))  # fmt: skip
+        check_optimizer(optimizer)
+        param_shardings = wrap(self.placed.param_shardings)
+        if self.call.stateful:  # the optimizer sees params only, never the BatchNorm statistics
+            params, param_shardings = self.trainable(params), self.call.split(self.placed.param_shardings)[0]
+        shardings = optimizer_state_shardings(optimizer, params, param_shardings, NamedSharding(self.mesh, P()))
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
 
     def pack_states(self, states):
