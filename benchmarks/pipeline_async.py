@@ -66,8 +66,9 @@ def _cores_used(fn) -> float:
     return cpu / wall
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def pipelined_mlp(args):
+    """``(pm, params, batch, loss)``: the benchmark's MLP on ``Grid(pipeline=2)``, its batch of
+    ``microbatches`` microbatches and a mean-squared loss (jax imported after XLA_FLAGS is set)."""
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
@@ -75,17 +76,26 @@ def main(argv=None) -> dict:
     import numpy as np
 
     import axonn_jax
-    from axonn_jax.runtime.pipeline import timeline
 
-    m = args.microbatches
-    model = _model(args.layers, args.width)
-    x = np.random.default_rng(0).standard_normal((args.rows * m, args.width)).astype(np.float32)
-    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=DEVICES), x[: args.rows])
-    params = pm.init(jax.random.key(0))
+    rows = args.rows * args.microbatches
+    x = np.random.default_rng(0).standard_normal((rows, args.width)).astype(np.float32)
+    pm = axonn_jax.partition(_model(args.layers, args.width), axonn_jax.Grid(pipeline=DEVICES), x[: args.rows])
 
     def loss(out, batch):
         return jnp.mean((out - batch) ** 2)
 
+    return pm, pm.init(jax.random.key(0)), x, loss
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    pm, params, x, loss = pipelined_mlp(args)  # first: it sets XLA_FLAGS
+    import jax
+    import numpy as np
+
+    from axonn_jax.runtime.pipeline import timeline
+
+    m = args.microbatches
     steps = {mode: pm.value_and_grad(loss, inputs=lambda b: (b,), microbatches=m,
                                      asynchronous=mode == "async")
              for mode in ("async", "serial")}  # fmt: skip

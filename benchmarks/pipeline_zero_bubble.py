@@ -15,7 +15,6 @@ same loss and gradients (checked to the pipeline tests' bounds).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -25,7 +24,6 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-DEVICES = 2
 SCHEDULES = ("message", "zb", "zb-h1")
 
 
@@ -40,26 +38,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    args = parse_args(argv)
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from pipeline_async import _model
+    from pipeline_async import pipelined_mlp
 
-    import axonn_jax
+    args = parse_args(argv)
+    pm, params, x, loss = pipelined_mlp(args)  # first: it sets XLA_FLAGS
+    import jax
+    import numpy as np
+
     from axonn_jax.runtime.pipeline import timeline
 
     m = args.microbatches
-    model = _model(args.layers, args.width)
-    x = np.random.default_rng(0).standard_normal((args.rows * m, args.width)).astype(np.float32)
-    pm = axonn_jax.partition(model, axonn_jax.Grid(pipeline=DEVICES), x[: args.rows])
-    params = pm.init(jax.random.key(0))
-
-    def loss(out, batch):
-        return jnp.mean((out - batch) ** 2)
-
     steps = {s: pm.value_and_grad(loss, inputs=lambda b: (b,), microbatches=m, schedule=s) for s in SCHEDULES}
     results = {}
     for s, step in steps.items():  # compile and warm up

@@ -60,6 +60,19 @@ CASES = [("linen", g) for g in GRIDS + PIPELINES] + [("nnx", "x=2,y=2,z=2"), ("n
 
 
 @pytest.mark.parametrize("kind,grid", CASES, ids=str)
+
+def _train_like_plain(pm, step, batch, init, plain, what: str) -> list[str]:
+    """STEPS steps of ``step`` from ``init``: losses, then parameters against the plain run's
+    ``(losses, final params, first gradients)``; returns the parameter mismatches."""
+    losses, final, grads = plain
+    params, state = step.init(pm.shard(init))
+    trained = []
+    for _ in range(STEPS):
+        params, state, loss = step(params, state, batch)
+        trained.append(float(loss))
+    np.testing.assert_allclose(trained, losses, rtol=1e-5, err_msg=what)
+    return compare_params(pm.gather(params), final, init, grads, what)
+
 def test_keyword_only_input_trains_like_the_plain_model(kind, grid, devices):
     """``inputs=`` returning a dict (value_and_grad), the default by keyword name (train_step),
     2 microbatches each: loss, every gradient, 5 AdamW steps against the plain model."""
@@ -75,13 +88,7 @@ def test_keyword_only_input_trains_like_the_plain_model(kind, grid, devices):
     assert abs(float(loss) - losses[0]) <= 1e-5 * abs(losses[0]), (what, float(loss), losses[0])
     failures = compare_grads(pm.gather(got), grads, what)
     step = pm.train_step(_loss, optax.adamw(LR), microbatches=2)  # the batch's "inputs" by name
-    params, state = step.init(pm.shard(init))
-    trained = []
-    for _ in range(STEPS):
-        params, state, loss = step(params, state, batch)
-        trained.append(float(loss))
-    np.testing.assert_allclose(trained, losses, rtol=1e-5, err_msg=what)
-    failures += compare_params(pm.gather(params), final, init, grads, what)
+    failures += _train_like_plain(pm, step, batch, init, (losses, final, grads), what)
     assert not failures, "\n".join(failures)
 
 
@@ -122,13 +129,7 @@ def test_graph_batch_runs_whole_on_a_pipeline(grid, devices):
     out = pm.forward(pm.shard(init), *batch)
     np.testing.assert_allclose(out, apply(init, *batch), rtol=1e-5, atol=1e-5)  # test_forward's bounds
     step = pm.train_step(_graph_loss, optax.adamw(LR))
-    params, state = step.init(pm.shard(init))
-    trained = []
-    for _ in range(STEPS):
-        params, state, loss = step(params, state, batch)
-        trained.append(float(loss))
-    np.testing.assert_allclose(trained, losses, rtol=1e-5, err_msg=what)
-    failures += compare_params(pm.gather(params), final, init, grads, what)
+    failures += _train_like_plain(pm, step, batch, init, (losses, final, grads), what)
     assert not failures, "\n".join(failures)
     with pytest.raises(ValueError, match=r"microbatches=2 .* leading dims differ \(\[0\]: 64, \[1\]: 128, "
                                          r"\[2\]: 128, \[3\]: 128, \[4\]: 8, .*Remedy: microbatches=1"):
