@@ -3,8 +3,11 @@
 Gloo, JAX's CPU collectives across processes, prints one line per process
 and collective group from C++ ("[Gloo] Rank 1 is connected to 1 peer ranks.
 Expected number of connected peer ranks is : 1"), often in the middle of a
-line of the program's own output. :func:`drop_gloo_lines` removes them at
-the file-descriptor level, so they are gone whoever writes them;
+line of the program's own output, and its threads interleave the pieces of
+their reports. :func:`drop_gloo_lines` gives Python's ``sys.stdout`` a file
+descriptor of its own (the real standard output) and routes file descriptor 1
+— what C and C++ code writes, Gloo included — through a filter that removes
+the reports, so the program's lines never mix with Gloo's pieces;
 :func:`silence_stdout` drops a process's whole standard output (ranks other
 than 0).
 
@@ -22,7 +25,6 @@ import re
 import sys
 import threading
 
-_PREFIX = b"[Gloo] "
 #: one Gloo connection report, with its line end
 GLOO_LINE = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of "
                        rb"connected peer ranks is : \d+\r?\n?")  # fmt: skip
@@ -31,8 +33,6 @@ GLOO_PIECES = re.compile(rb"\[Gloo\] Rank ?\d*|\s?is connected to ?\d*|\d* ?peer
                          rb"Expected number of connected peer ranks is : ?\d*")  # fmt: skip
 #: what a line that held only reports is left with once its pieces are gone
 _LEFTOVER = re.compile(rb"[\d\s.]*")
-#: text that may begin a report piece: a partial line holding one waits for its line end
-_MARKERS = (b"[Glo", b"Gloo]", b"connected", b"peer ranks", b"Expected number")
 _FILTERING: list[threading.Thread] = []
 
 
@@ -40,32 +40,37 @@ def strip_gloo(chunk: bytes) -> tuple[bytes, bytes]:
     """``chunk`` without Gloo's reports: ``(ready to write, held back)``.
 
     Complete lines are cleaned; a line that held only reports (whole or in the
-    interleaved pieces of Gloo's threads) is dropped with its line end. Of a
-    line not yet complete, what may belong to a report is held back (to be
-    prefixed to the next chunk); the rest is ready at once, so a progress line
-    without a line end still shows.
+    interleaved pieces of Gloo's threads) is dropped with its line end. A line
+    not yet complete is held back (prefixed to the next chunk): file descriptor
+    1 carries only C/C++ output once :func:`drop_gloo_lines` ran, Python's own
+    progress lines go straight out.
 
     >>> strip_gloo(b"compiling... [Gloo] Rank 0 is connected to 1 peer ranks. Expected "
     ...            b"number of connected peer ranks is : 1\\ndone\\n")
     (b'compiling... done\\n', b'')
     >>> strip_gloo(b"[Gloo] Rank 1\\n is connected to 1 peer ranks. Expected number of connected peer "
-    ...            b"ranks is : 1\\nstep 1 [Glo")
-    (b'step 1 ', b'[Glo')
+    ...            b"ranks is : 1\\nlog line\\n[Glo")
+    (b'log line\\n', b'[Glo')
     """
     *lines, partial = chunk.split(b"\n")
-    ready = [_clean_line(line + b"\n") for line in lines]
-    starts = [partial.find(m) for m in _MARKERS if m in partial]
-    starts += [len(partial) - size for size in range(1, len(_PREFIX)) if partial.endswith(_PREFIX[:size])]
-    cut = min(starts, default=len(partial))
-    return b"".join(ready) + partial[:cut], partial[cut:]
+    return b"".join(_clean_line(line + b"\n") for line in lines), partial
 
 
 def _clean_line(line: bytes) -> bytes:
-    """One line (with its line end) without Gloo's reports; ``b""`` if it held nothing else."""
-    if b"Gloo" not in line and b"peer ranks" not in line:
-        return line
-    kept = GLOO_PIECES.sub(b"", GLOO_LINE.sub(b"", line))
-    return b"" if _LEFTOVER.fullmatch(kept) else kept
+    """One line (with its line end) without Gloo's reports; ``b""`` if it held nothing else.
+
+    Once a report was seen, a line of digits alone is a piece of one (the numbers
+    of interleaved reports): file descriptor 1 carries only C/C++ output here.
+    """
+    global _SEEN_REPORT
+    if b"Gloo" in line or b"peer ranks" in line or b"is connected to" in line:
+        _SEEN_REPORT = True
+        kept = GLOO_PIECES.sub(b"", GLOO_LINE.sub(b"", line))
+        return b"" if _LEFTOVER.fullmatch(kept) else kept
+    return b"" if _SEEN_REPORT and _LEFTOVER.fullmatch(line) else line
+
+
+_SEEN_REPORT = False
 
 
 def drop_gloo_lines() -> None:
@@ -81,6 +86,9 @@ def drop_gloo_lines() -> None:
     read, write = os.pipe()
     os.dup2(write, 1)
     os.close(write)
+    # Python's own output goes straight out, line by line: never mixed with Gloo's pieces
+    sys.stdout = open(os.dup(restore), "w", buffering=1, encoding=sys.stdout.encoding,  # noqa: SIM115
+                      errors=sys.stdout.errors)  # fmt: skip
 
     def pump() -> None:
         held = b""
@@ -115,3 +123,4 @@ def silence_stdout() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - Python's stdout may have its own descriptor

@@ -97,9 +97,9 @@ def test_gloo_lines_are_stripped_also_mid_line_and_across_chunks():
 
     assert strip_gloo(b"a\n" + GLOO + b"b\n") == (b"a\nb\n", b"")
     assert strip_gloo(b"compiling... " + GLOO + b"done\n") == (b"compiling... done\n", b"")
-    ready, held = strip_gloo(b"step 1 " + GLOO[:20])  # a report cut by the pipe: held back
-    assert ready == b"step 1 " and held == GLOO[:20]
-    assert strip_gloo(held + GLOO[20:] + b"x") == (b"x", b"")
+    ready, held = strip_gloo(b"step 1 " + GLOO[:20])  # a line cut by the pipe: held back whole
+    assert ready == b"" and held == b"step 1 " + GLOO[:20]
+    assert strip_gloo(held + GLOO[20:] + b"x") == (b"step 1 ", b"x")
     assert strip_gloo(b"[Glo") == (b"", b"[Glo") and strip_gloo(b"[x]\n") == (b"[x]\n", b"")
 
 
