@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from axonn_jax.partitioner.plan import Plan
-from axonn_jax.partitioner.program import PlanOptions, Program
+from axonn_jax.partitioner.program import PlanOptions, Program, call_signature
 from axonn_jax.runtime.microbatches import default_inputs
 from axonn_jax.runtime.model_call import ModelCall, check_differentiable, is_params_of_state, unwrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.programs import ProgramCache
 from axonn_jax.runtime.remat import resolve_remat
+from axonn_jax.runtime.step_report import abstract_call
 
 if TYPE_CHECKING:
     from axonn_jax.runtime.stage_report import PipelineReport
@@ -45,6 +46,7 @@ class Engine(abc.ABC):
         #: how training calls the model (flags, RNG streams, state)
         self.call = ModelCall.of(program.traced)
         self._placed: PlacedModel | None = None
+        self._reports: dict = {}  # (call signature, optimizer slots) → report
 
     # --- programs -------------------------------------------------------------
     def program_for(self, args: tuple, kwargs: dict) -> Program:
@@ -164,9 +166,22 @@ class Engine(abc.ABC):
         """A complete step (see :meth:`axonn_jax.Partitioned.train_step`)."""
         return self.step_type(self, loss_fn, optimizer, **options)
 
-    @abc.abstractmethod
     def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport | PipelineReport:
-        """Communication, memory and FLOPs of one training step (traced, no devices; per stage on pipelines)."""
+        """Communication, memory and FLOPs of one training step (traced, no devices; per stage on
+        pipelines), once per input signature; no inputs: the example inputs given to ``partition``."""
+        if not args and not kwargs:
+            args, kwargs = self.program.traced.example_call()
+        key = (call_signature(args, kwargs), optimizer_slots)
+        if key not in self._reports:
+            args, kwargs = abstract_call(args, kwargs)
+            self._reports[key] = self._build_report(self.program_for(args, kwargs), args, kwargs,
+                                                    optimizer_slots=optimizer_slots)  # fmt: skip
+        return self._reports[key]
+
+    @abc.abstractmethod
+    def _build_report(self, program: Program, args: tuple, kwargs: dict, *,
+                      optimizer_slots: int) -> StepReport | PipelineReport:  # fmt: skip
+        """:meth:`report`'s result for one call (abstract ``args``/``kwargs``)."""
 
     # --- optimizer state: the form a train step returns ---------------------------
     @abc.abstractmethod

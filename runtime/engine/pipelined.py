@@ -6,13 +6,11 @@ import functools
 
 import jax
 
-from axonn_jax.partitioner.program import call_signature
 from axonn_jax.runtime.engine.base import Engine
 from axonn_jax.runtime.pipeline.forward import pipelined_forward
 from axonn_jax.runtime.pipeline.setup import StagePrograms
 from axonn_jax.runtime.pipeline.training import PipelinedValueAndGrad, PipelineOptions
 from axonn_jax.runtime.stage_report import PipelineReport, pipeline_report
-from axonn_jax.runtime.step_report import abstract_call
 from axonn_jax.runtime.train_step import PipelinedStep
 
 
@@ -27,10 +25,6 @@ class Pipelined(Engine):
     """
 
     step_type = PipelinedStep
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._reports: dict = {}
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -66,16 +60,9 @@ class Pipelined(Engine):
         options = PipelineOptions(microbatches, remat=remat, **pipeline)
         return PipelinedValueAndGrad(self.stages, self.placed, self.call, loss_fn, inputs=inputs, options=options)
 
-    def report(self, args, kwargs, *, optimizer_slots=2) -> PipelineReport:
+    def _build_report(self, program, args, kwargs, *, optimizer_slots) -> PipelineReport:
         """Every stage's step (collectives, memory, FLOPs), the messages between them, summed."""
-        if not args and not kwargs:
-            args, kwargs = self.program.traced.example_call()
-        key = (call_signature(args, kwargs), optimizer_slots)
-        if key not in self._reports:
-            args, kwargs = abstract_call(args, kwargs)
-            self._reports[key] = pipeline_report(self.plan, self.program_for(args, kwargs), args, kwargs,
-                                                 overlap=self.overlap, optimizer_slots=optimizer_slots)  # fmt: skip
-        return self._reports[key]
+        return pipeline_report(self.plan, program, args, kwargs, overlap=self.overlap, optimizer_slots=optimizer_slots)
 
     # --- optimizer state ------------------------------------------------------
     def init_optimizer(self, optimizer, params, *, wrap=lambda tree: tree):

@@ -8,7 +8,6 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axonn_jax.partitioner.program import call_signature
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.engine.base import Engine
 from axonn_jax.runtime.master_optimizer import check_optimizer, optimizer_state_shardings
@@ -16,7 +15,7 @@ from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import program_function
-from axonn_jax.runtime.step_report import StepReport, abstract_call, step_report
+from axonn_jax.runtime.step_report import StepReport, step_report
 from axonn_jax.runtime.train_step import SingleMeshStep
 
 
@@ -33,7 +32,6 @@ class SingleMesh(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._functions: dict = {}  # program signature → jitted program function
-        self._reports: dict = {}
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
@@ -59,15 +57,8 @@ class SingleMesh(Engine):
         del pipeline  # no dispatch queue
         return microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs, microbatches, remat, self.call)
 
-    def report(self, args, kwargs, *, optimizer_slots=2) -> StepReport:
-        if not args and not kwargs:
-            args, kwargs = self.program.traced.example_call()
-        key = (call_signature(args, kwargs), optimizer_slots)
-        if key not in self._reports:
-            args, kwargs = abstract_call(args, kwargs)
-            self._reports[key] = step_report(self.plan, self.program_for(args, kwargs), args, kwargs,
-                                             overlap=self.overlap, optimizer_slots=optimizer_slots)  # fmt: skip
-        return self._reports[key]
+    def _build_report(self, program, args, kwargs, *, optimizer_slots) -> StepReport:
+        return step_report(self.plan, program, args, kwargs, overlap=self.overlap, optimizer_slots=optimizer_slots)
 
     # --- optimizer state ------------------------------------------------------
     def init_optimizer(self, optimizer, params, *, wrap=lambda tree: tree):
