@@ -62,6 +62,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                       help="pipeline stages per rank (interleaved) for grids with a pipeline (default 1)")
     plan.add_argument("--schedule", choices=SCHEDULES, default="message",
                       help="pipeline schedule priced (zb, zb-h1: zero bubble; default message)")  # fmt: skip
+    plan.add_argument("--no-scatter-batch", action="store_true",
+                      help="price the all-reduce form (partition(..., scatter_batch=False)): each "
+                           "layer's partial sums all-reduced, not reduce-scattered onto the batch")  # fmt: skip
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
 
@@ -112,7 +115,8 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     if args.efficiency is not None:
         machine = machine.with_efficiency(args.efficiency)
     spec = _spec(parser, args)
-    options = Options(precision=args.precision, recompute=not args.no_recompute, schedule=args.schedule)
+    options = Options(precision=args.precision, recompute=not args.no_recompute, schedule=args.schedule,
+                      scatter_batch=not args.no_scatter_batch)  # fmt: skip
     t0 = time.perf_counter()
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
@@ -204,6 +208,8 @@ def _launch(best) -> str:
     step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
             + [f'schedule="{schedule}"'] * (schedule != "message"))  # fmt: skip
     python = f"axonn_jax.Grid({flag.replace(',', ', ')})"
+    if not best.options.scatter_batch:
+        python = f"partition(model, {python}, ..., scatter_batch=False)"
     if step:
         python += f" and pm.train_step(..., {', '.join(step)})"
     return (f"\nto launch rank 1: --grid {flag} --microbatches {mb}{' --offload' * offload}"

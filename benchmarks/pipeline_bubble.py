@@ -12,9 +12,11 @@ Two modes, both reported:
   measurement isolates the schedule (what the formula assumes, with
   forward = backward = one unit and the last stage's fused task = two units;
   with virtual stages each stage's task is 1/V of that, so a rank's work per
-  microbatch stays the same; the zero-bubble schedules split the backward's
-  time between B and W, ``--w-share`` of it to W: 0.5, a matmul layer's FLOPs,
-  dx = dy·Wᵀ and dW = xᵀ·dy, so each rank's work per microbatch is unchanged);
+  microbatch stays the same; the zero-bubble schedules split each stage's
+  backward time between B and W in the ratio of the two programs' FLOPs
+  (``BackwardSplit.flops``; matmul layers ≈ 1:1, dx = dy·Wᵀ and dW = xᵀ·dy),
+  or ``--w-share`` of it to W if given, so each rank's work per microbatch is
+  unchanged);
 * ``compute``: the model's own compute only (on a shared 2-core machine with
   several processes this is dominated by noise; reported as measured).
 
@@ -47,7 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--task-ms", type=float, default=40.0)
     p.add_argument("--modes", default="uniform,compute")
-    p.add_argument("--w-share", type=float, default=0.5, help="zero bubble: W's share of the backward")
+    p.add_argument("--w-share", type=float, default=None,
+                   help="zero bubble: W's share of the backward (default: from the B and W programs' FLOPs)")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--out", default=None, help="write the markdown table here too")
     return p.parse_args(argv)
@@ -72,14 +75,16 @@ def worker(args) -> None:
         pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
         params = pm.init(jax.random.key(0))
         task = args.task_ms / 1e3 / virtual  # one stage's share of its rank's work
+        shares: dict[int, float] = {}  # stage → W's share of its backward, from FLOPs
         for mode in args.modes.split(","):
             for m in map(int, args.microbatches.split(",")):
                 for schedule in args.schedules.split(","):
-                    w = args.w_share if splits_weights(schedule) else 0.0  # W's share of a backward
+                    split = splits_weights(schedule)
 
-                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode, w=w):
+                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode, split=split):
                         if mode != "uniform":
                             return 0.0
+                        w = (args.w_share if args.w_share is not None else shares.get(stage, 0.5)) if split else 0.0
                         if kind is TaskKind.WEIGHTS:
                             return w * task
                         if kind is TaskKind.BACKWARD:
@@ -89,6 +94,8 @@ def worker(args) -> None:
                     step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
                                              schedule=schedule, delay=delay)  # fmt: skip
                     step(params, case.batch(m))  # compile and warm up
+                    if split and not shares:
+                        shares.update(w_shares(step.stage_programs(case.inputs(case.batch(1)))))
                     step(params, case.batch(m))
                     rows = step.trace()
                     if info.is_main:
@@ -97,9 +104,22 @@ def worker(args) -> None:
                                         "idle_mean": sum(idle.values()) / len(idle), "idle": idle,
                                         "theory": trace.bubble_theory(args.stages, m, virtual),
                                         "floor": trace.zero_bubble_floor(args.stages, m, virtual),
-                                        "theory_v1": trace.bubble_theory(args.stages, m)})  # fmt: skip
+                                        "theory_v1": trace.bubble_theory(args.stages, m),
+                                        "w_share": ({s: args.w_share for s in shares} if args.w_share is not None
+                                                    else dict(shares)) if split else {}})  # fmt: skip
     if info.is_main:
         print(PREFIX + json.dumps(results), flush=True)
+
+
+def w_shares(programs) -> dict[int, float]:
+    """Stage → W's share of its backward, ``W / (B + W)`` FLOPs of the split programs of this
+    process's stages (the others are split where they run)."""
+    shares = {}
+    for stage, program in enumerate(programs):
+        if program.backward_split is not None:
+            b, w = program.backward_split.flops()
+            shares[stage] = w / (b + w) if b + w else 0.5
+    return shares
 
 
 def table(results, stages: int) -> str:
@@ -116,6 +136,11 @@ def table(results, stages: int) -> str:
         first = keyed[(mode, v, m, names[0])]
         floor = f"{first['floor']:.3f}" if "floor" in first else "—"
         lines.append(f"| {mode} | {v} | {m} | " + " | ".join(cells) + f" | {first['theory']:.3f} | {floor} |")
+    shares = {(r.get("v", 1), int(s)): w for r in results for s, w in r.get("w_share", {}).items()}
+    if shares:
+        lines += ["", "Zero bubble, uniform mode: W's share of each backward (rank 0's stages, from the B "
+                  "and W programs' FLOPs unless `--w-share` is given): "
+                  + ", ".join(f"virtual={v} stage {s}: {w:.2f}" for (v, s), w in sorted(shares.items()))]  # fmt: skip
     return "\n".join(lines)
 
 

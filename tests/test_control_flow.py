@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import grid_id
-from control_flow_cases import LOOPS, RECURRENT, SCANNED, ScanGPT, _tokens, build
+from conftest import grid_id, spread
+from control_flow_cases import MODELS, ScanGPT, _tokens, build
 from partition_cases import GRIDS, adamw_trajectory, assert_matches_reference, reference_apply, trajectories
 
 import axonn_jax
@@ -27,15 +27,8 @@ from axonn_jax.partitioner.flows import variable_layouts
 
 #: the five grids of test_partition plus the two of the redundancy table it lacks
 CONTROL_GRIDS = GRIDS + [dict(x=4, data=2), dict(z=2, data=4)]
-#: variants of a model already run on every grid: two grids that use all four axes
-VARIANTS = {"scan_gpt_remat", "lstm_plain"}
-#: the transformers (about a minute per grid on 2 CPU cores) on the grids of the
-#: redundancy table by default; the others are marked slow (still run in CI)
-QUICK = {"scan_gpt": CONTROL_GRIDS[:1] + CONTROL_GRIDS[2:3] + CONTROL_GRIDS[5:],
-         "scan_gpt_nnx": CONTROL_GRIDS[:1] + CONTROL_GRIDS[2:3] + CONTROL_GRIDS[5:]}  # fmt: skip
-CASES = [(m, g) if (m not in VARIANTS or g in (GRIDS[0], GRIDS[2])) and g in QUICK.get(m, [g])
-         else pytest.param(m, g, marks=pytest.mark.slow)
-         for m in SCANNED + RECURRENT + LOOPS for g in CONTROL_GRIDS]  # fmt: skip
+#: every model on two grids of the table, each grid under several models (conftest.spread)
+CASES = spread(MODELS, CONTROL_GRIDS)
 _ids = lambda v: grid_id(v) if isinstance(v, dict) else v  # noqa: E731
 
 

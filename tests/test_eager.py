@@ -1,4 +1,4 @@
-"""Eager ``pm.apply`` (and eager ``jax.grad`` of it) equals the jitted call on every grid."""
+"""Eager ``pm.apply`` (and eager ``jax.grad`` of it) equals the jitted call on the grids of the table."""
 
 import re
 from pathlib import Path
@@ -6,15 +6,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import grid_id
+from conftest import grid_id, spread
 from partition_cases import GRIDS, build, reference_apply
 
 import axonn_jax
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
-@pytest.mark.parametrize("name,overlap", [("gpt_linen", "all"), ("mlp_nnx", "all"), ("gpt_linen", "none")])
-def test_eager_apply_and_grad_equal_jitted(name, overlap, grid, devices):
+#: each variant on two grids, every grid of the table under some variant (conftest.spread)
+VARIANTS = spread([("gpt_linen", "all"), ("mlp_nnx", "all"), ("gpt_linen", "none")], GRIDS)
+
+
+@pytest.mark.parametrize("variant,grid", VARIANTS, ids=lambda v: grid_id(v) if isinstance(v, dict) else "-".join(v))
+def test_eager_apply_and_grad_equal_jitted(variant, grid, devices):
+    name, overlap = variant
     case = build(name)
     params, _ = reference_apply(case)
     pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args, overlap=overlap)

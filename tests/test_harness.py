@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -13,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pytest_lines(*make_args: str) -> list[str]:
-    out = subprocess.run(["make", "-n", "test", *make_args], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, check=True).stdout  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "-n", "test", *make_args], cwd=ROOT, capture_output=True, env=env,
+                         text=True, timeout=60, check=True).stdout  # a `make test X=...` around us: not ours
     lines = [line for line in out.splitlines() if " -m pytest " in line]
     assert len(lines) == 2, out
     return lines
@@ -48,3 +50,17 @@ def test_a_job_past_its_timeout_fails_with_its_own_message_and_output():
     with pytest.raises(AssertionError, match=r"(?s)print_then_sleep.py 60 ran past its timeout of 10 s"
                                              r".*started, now sleeping"):  # fmt: skip
         run_mpi(2, "print_then_sleep.py", "60", timeout=10)
+
+
+def test_spread_keeps_every_grid_and_gives_each_name_distinct_grids():
+    from conftest import spread
+
+    grids = ["g0", "g1", "g2", "g3", "g4"]
+    cases = spread(["a", "b", "c"], grids)
+    assert cases == [("a", "g0"), ("a", "g1"), ("b", "g2"), ("b", "g3"), ("c", "g4"), ("c", "g0")]
+    for names, per in ((list("abcdefghij"), 2), (["x", "y"], 3)):
+        cases = spread(names, grids, per_name=per)
+        assert {g for _, g in cases} == set(grids)
+        assert all(len({g for n, g in cases if n == name}) == per for name in names)
+    with pytest.raises(ValueError, match="2 names x 2 grids leave some of the 5 grids untested"):
+        spread(["a", "b"], grids)

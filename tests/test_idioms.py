@@ -1,4 +1,4 @@
-"""Models written as their communities write them, on the five grids of the table.
+"""Models written as their communities write them, on the grids where each idiom is at stake.
 
 Gemma's nnx attention with a stacked ``kv_einsum`` or fused ``qkv_einsum``
 kernel, a jraph-style graph net (``segment_sum`` over senders/receivers), a
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import spread
 from flax import linen as nn
 from flax import nnx
 from idiom_cases import IMAGES, GemmaBlock, GraphNet, ResNetBN, gemma_inputs, gpt_with_dropout, graph_batch
@@ -27,6 +28,10 @@ from axonn_jax import Grid
 
 #: the five grids of this table (8 devices each; every axis is split in some of them)
 GRIDS = ["x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2"]
+#: where a batch idiom (graph batches, batch statistics) is at stake: the batch split twice
+DATA_GRIDS = ["z=2,data=4", "y=2,z=2,data=2"]
+#: where dropout's masks are at stake: the activations split over x (and y)
+TENSOR_GRIDS = ["x=2,y=2,z=2", "x=4,data=2"]
 
 
 def _plain_and_partitioned(case: Case, grid: str):
@@ -55,8 +60,8 @@ def _gemma(fused: bool) -> Case:
     return Case(model, args, lambda out, *_: jnp.mean(out**2))
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["kv_einsum", "qkv_einsum"])
-@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("fused,grid", spread([False, True], GRIDS, per_name=3),
+                         ids=lambda v: {False: "kv_einsum", True: "qkv_einsum"}.get(v, v))
 def test_gemma_attention_splits_heads_not_the_stack(grid, fused, devices):
     pm, result = _plain_and_partitioned(_gemma(fused), grid)
     params = {p.path: p for p in pm.plan.params}
@@ -75,7 +80,7 @@ def test_gemma_attention_splits_heads_not_the_stack(grid, fused, devices):
 # --- a jraph-style graph net: segment_sum, node lookups by edge ---------------------------
 
 
-@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("grid", DATA_GRIDS)
 def test_graph_net_splits_nodes_edges_and_graphs(grid, devices):
     """Edges, nodes and graphs each split over the batch axes, features over x and y."""
     batch = graph_batch()
@@ -139,7 +144,7 @@ def bn_reference():
     return model, variables, ref
 
 
-@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("grid", DATA_GRIDS)
 def test_batchnorm_axis_name_gives_global_batch_statistics(grid, bn_reference, devices):
     model, variables, (ref_losses, ref_grads, ref_final) = bn_reference
     pm = axonn_jax.partition(model, Grid.parse(grid), IMAGES, mutable=["batch_stats"])
@@ -216,7 +221,7 @@ def gpt_dropout_reference():
     return model, tokens, params, keys, ref
 
 
-@pytest.mark.parametrize("grid", GRIDS)
+@pytest.mark.parametrize("grid", TENSOR_GRIDS)
 def test_gpt_with_dropout_splits_its_masks(grid, gpt_dropout_reference, devices):
     """The repo's GPT with dropout 0.1: the plain masks bit for bit, nothing repeated."""
     from rng_cases import KEY, dropout_trajectory

@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from conftest import grid_id, grids_of
+from conftest import grid_id
 from mpi_util import run_mpi
 
 pytestmark = pytest.mark.mpi
@@ -22,8 +22,10 @@ def _check(result, grids, cases=("block", "mlp")):
 
 @pytest.mark.slow
 @pytest.mark.timeout(660)  # the job's own 600 s timeout fires first
-def test_kernels_two_processes_all_grids():
-    grids = _grid_args(grids_of(8))
+def test_kernels_two_processes_every_axis_across_processes():
+    """Each axis alone over all 8 devices (so across the 2 processes), then the mixed grids."""
+    grids = _grid_args([dict(x=8), dict(y=8), dict(z=8), dict(data=8)]) + [
+        "x=2,y=2,z=2", "x=4,z=2", "y=2,z=2,data=2", "x=2,z=2,data=2"]
     result = run_mpi(2, "kernel_equivalence.py", *grids, devices_per_process=4, timeout=600)
     _check(result, grids)
 

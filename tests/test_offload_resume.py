@@ -92,9 +92,12 @@ def test_three_plus_three_steps_equal_six(saved_run):
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("grid,offload", [(dict(pipeline=2, x=2, z=2), True), (dict(z=4, data=2), False),
-                                          (dict(pipeline=2, z=2, data=2), False),
-                                          (dict(pipeline=2, virtual=2, x=2, z=2), True)])  # fmt: skip
+#: each grid and mode restored from one precision's run, both precisions onto a pipeline
+RESTORES = [("fp32", dict(pipeline=2, x=2, z=2), True), ("fp32", dict(z=4, data=2), False),
+            ("bf16", dict(pipeline=2, z=2, data=2), False), ("bf16", dict(pipeline=2, virtual=2, x=2, z=2), True)]
+
+
+@pytest.mark.parametrize("saved_run,grid,offload", RESTORES, indirect=["saved_run"])
 def test_restore_onto_another_grid_and_mode_holds_the_saved_values(saved_run, grid, offload):
     """Saved offloaded on x=2,z=2,data=2; restored with or without a pipeline and offload."""
     pm, step, params, opt_state = _step(grid, saved_run["precision"], offload=offload, seed=1)

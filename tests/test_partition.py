@@ -1,7 +1,8 @@
 """axonn_jax.partition equals the plain single-device Flax/optax computation.
 
-For every model of the repo (linen and nnx) and the grids of the issue, on 8
-simulated CPU devices, in fp32:
+For every model of the repo (linen and nnx) on two grids each (every grid of
+the table under several models: conftest.spread), on 8 simulated CPU devices,
+in fp32:
 
 * loss of every step: |Δ| ≤ 1e-5·|ref|;
 * gradients of step 1, per leaf: max|Δ| ≤ 1e-5·max|ref leaf| + 1e-6·G, where G
@@ -19,14 +20,12 @@ simulated CPU devices, in fp32:
 
 import numpy as np
 import pytest
-from conftest import grid_id
+from conftest import grid_id, spread
 from partition_cases import BATCH_MIXING, DATA_Z_GRIDS, GRIDS, MODELS, assert_matches_reference, trajectories
 
 
-#: every model on every grid (the 5 grids the README quotes); BERT and Llama beyond the two
-#: grids that exercise all four axes are marked slow (they dominate the suite time)
-CASES = [(m, g) if m not in ("hf_bert", "hf_llama") or g in (GRIDS[0], GRIDS[2])
-         else pytest.param(m, g, marks=pytest.mark.slow) for m in MODELS for g in GRIDS]  # fmt: skip
+#: every model on two of the 5 grids the README quotes, each grid under four models
+CASES = spread(MODELS, GRIDS)
 
 
 @pytest.mark.parametrize("model,grid", CASES, ids=lambda v: grid_id(v) if isinstance(v, dict) else v)
@@ -34,9 +33,9 @@ def test_train_steps_match_unpartitioned(model, grid, devices):
     assert_matches_reference(trajectories(model, grid), f"{model} {grid}")
 
 
-@pytest.mark.parametrize("model,grid", [(m, g) for m in BATCH_MIXING for g in DATA_Z_GRIDS],
+@pytest.mark.parametrize("model,grid", spread(BATCH_MIXING, DATA_Z_GRIDS),
                          ids=lambda v: grid_id(v) if isinstance(v, dict) else v)  # fmt: skip
-def test_models_that_mix_batch_rows_match_on_every_data_z_grid(model, grid, devices):
+def test_models_that_mix_batch_rows_match_on_the_data_z_grids(model, grid, devices):
     """cumsum, sort and normalisation over the batch dim: the batch is split over data and z
     together, so a relayout that put the blocks back in another order would be caught."""
     assert_matches_reference(trajectories(model, grid), f"{model} {grid}")

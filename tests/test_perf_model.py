@@ -529,3 +529,20 @@ def test_cli_prices_a_schedule(capsys):
     zb = {c["grid_flag"]: c for c in json.loads(capsys.readouterr().out)}
     piped = [g for g in zb if g in message and message[g]["pipeline"] > 1]
     assert piped and all(zb[g]["bubble"] < message[g]["bubble"] for g in piped)
+
+
+def test_cli_prices_the_all_reduce_form(capsys):
+    """--no-scatter-batch ranks the scatter_batch=False program: its bytes differ from the
+    default form's on every grid that splits layers over x or y and equal them elsewhere (the
+    forms differ only there), and the launch line names the option."""
+    args = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "40", "--json", "--no-pipeline", *GPT_ARGS]
+    assert main(args) == 0
+    scatter = {c["grid_flag"]: c for c in json.loads(capsys.readouterr().out)}
+    assert main([*args, "--no-scatter-batch"]) == 0
+    reduce = {c["grid_flag"]: c for c in json.loads(capsys.readouterr().out)}
+    assert sorted(scatter) == sorted(reduce)
+    for g, c in scatter.items():
+        differs = reduce[g]["comm_bytes_per_gpu"] != c["comm_bytes_per_gpu"]
+        assert differs == (c["x"] * c["y"] > 1), (g, c["comm_bytes_per_gpu"], reduce[g]["comm_bytes_per_gpu"])
+    assert main(["plan", "--gpus", "8", "--machine", "frontier", "--no-pipeline", "--no-scatter-batch", *GPT_ARGS]) == 0
+    assert "scatter_batch=False" in capsys.readouterr().out

@@ -81,6 +81,27 @@ def test_b_and_w_equal_the_fused_backward_and_compute_each_operation_once():
     assert len(split.kept_leaves) < len(leaves)
 
 
+def test_b_and_w_flops_are_the_matmul_layers_halves():
+    """Dense layers without activations: B is dx = dy·Wᵀ per layer (the model input's gradient
+    is asked for too), W is dW = xᵀ·dy and db per layer: 2·m·k·n per product, db a row sum."""
+    rows, width, layers = 4, 8, 3
+    keys = jax.random.split(jax.random.key(2), layers + 1)
+    params = [(jax.random.normal(keys[i], (width, width)), jnp.zeros(width)) for i in range(layers)]
+    x = jax.random.normal(keys[-1], (rows, width))
+
+    def dense(ps, x):
+        for w, b in ps:
+            x = x @ w + b
+        return x
+
+    _, split, _ = _split_of(dense, (params, x), 1)
+    b, w = split.flops()
+    matmul = 2 * rows * width * width
+    assert b == layers * matmul  # dx for every layer (the model input's gradient is asked for too)
+    # dW, and db = the row sum of dy (JAX reduces the broadcast's transpose in one or two steps)
+    assert layers * (matmul + rows * width) <= w <= layers * (matmul + (rows + 1) * width)
+
+
 def test_b_and_w_inside_shard_map_keep_the_collectives(devices):
     """A tensor-parallel MLP (column- then row-parallel, psum): B and W become two shard_maps
     on the same mesh; per-device values cross between them; results equal the fused backward."""
@@ -156,3 +177,33 @@ def test_zero_bubble_schedules_equal_unpartitioned(model, grid, microbatches, de
     failures = run_case(model, axonn_jax.Grid.parse(grid), microbatches=microbatches,
                         schedules=("zb", "zb-h1"), trajectory_schedule="zb")  # fmt: skip
     assert not failures, "\n".join(failures)
+
+
+def _bytes_per_device(avals) -> int:
+    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(avals))
+
+
+def test_held_residual_bytes_are_measured_per_stage(devices):
+    """The queue measures the bytes per device each stage holds at once. With the fused backward:
+    exactly the peak microbatches in flight × one microbatch's residuals (the forward program's
+    outputs). With zb also what B leaves for a deferred W (the residuals and output gradient W
+    reads, B's carried values): between one microbatch's residuals and the peak × all three.
+    Both fail if a B or a W does not release what it held (6 microbatches, peak below 6)."""
+    case = build("gpt")
+    pm = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, x=2, z=2), *case.inputs(case.batch(1)))
+    params = pm.init(jax.random.key(0))
+    runs = {}
+    for schedule in ("message", "zb"):
+        step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=6, schedule=schedule)
+        step(params, case.batch(6))
+        runs[schedule] = (step.stage_programs(case.inputs(case.batch(1)))[0], step.last_result)
+    program, run = runs["message"]
+    residuals = _bytes_per_device(program.forward.out_info[1])
+    assert 1 < run.peak_in_flight[0] < 6, run.peak_in_flight  # released as the B's ran
+    assert run.peak_held_bytes[0] == run.peak_in_flight[0] * residuals, (run.peak_held_bytes, residuals)
+    program, run = runs["zb"]
+    carried = _bytes_per_device(program.backward_input.out_info[1])  # 0 here: stage 0 has no B
+    gradient = _bytes_per_device(program.outbound_cotangent_avals())  # dy, which W reads
+    assert 1 < run.peak_in_flight[0] < 6, run.peak_in_flight
+    assert residuals <= run.peak_held_bytes[0] <= run.peak_in_flight[0] * (residuals + gradient + carried), (
+        run.peak_held_bytes, run.peak_in_flight, residuals, gradient, carried)

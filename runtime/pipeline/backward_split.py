@@ -27,6 +27,8 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec
 
+from axonn_jax.partitioner import flops
+
 #: the primitive names of ``shard_map`` (cut inside) across JAX versions
 _SHARD_MAP = ("shard_map",)
 
@@ -199,6 +201,7 @@ class BackwardSplit:
     """
 
     def __init__(self, backward: Callable, avals: Sequence, input_outputs: Sequence[bool]):
+        self._avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
         closed = jax.make_jaxpr(backward)(*avals)
         self._consts = closed.consts
         self.cut = _Cut(closed.jaxpr, input_outputs)
@@ -216,3 +219,12 @@ class BackwardSplit:
     def kept(self, leaves: Sequence) -> list:
         return [leaves[k] for k in self.kept_leaves]
 
+    def flops(self) -> tuple[int, int]:
+        """``(B's FLOPs, W's FLOPs)`` per device, counted on the two traced halves the way
+        :mod:`~axonn_jax.partitioner.flops` counts (matmul layers: about 1:1, ``dx = dy·Wᵀ``
+        and ``dW = xᵀ·dy``; a first stage whose input is data has no B). The uniform mode of
+        ``benchmarks/pipeline_bubble.py`` splits a backward's time between B and W in this ratio."""
+        b = jax.make_jaxpr(self.input_gradients)(*self._avals)
+        _, carried = jax.eval_shape(self.input_gradients, *self._avals)
+        w = jax.make_jaxpr(self.weight_gradients)(self.kept(self._avals), carried)
+        return flops.count(b).total, flops.count(w).total

@@ -48,6 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
@@ -78,8 +79,32 @@ class _StageState:
     #: sums over microbatches: (parameter gradients, state updates); forward only: state updates
     totals: object = None
     peak: int = 0
+    held: dict = dataclasses.field(default_factory=dict)  # (kind, mb) → bytes per device held
+    peak_bytes: int = 0  # most bytes per device held at once in residuals and deferred W inputs
     posted_f: int = 0  # receives are posted for the forward messages of microbatches below this
     posted_b: int = 0
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of the arrays in ``tree`` (each array's shard, from its sharding)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        if hasattr(x, "sharding"):
+            shard = x.sharding.shard_shape(x.shape)
+            total += int(np.prod(shard, dtype=np.int64)) * x.dtype.itemsize
+    return total
+
+
+def _hold(st: _StageState, key: tuple, tree) -> None:
+    """Counts ``tree`` (residuals awaiting B, or what B left for W) as held by the stage until
+    :func:`_release`; updates the stage's peaks (microbatches, bytes per device)."""
+    st.held[key] = _bytes_per_device(tree)
+    st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
+    st.peak_bytes = max(st.peak_bytes, sum(st.held.values()))
+
+
+def _release(st: _StageState, key: tuple) -> None:
+    st.held.pop(key, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +225,7 @@ class DispatchQueue:
         return ForwardRun(*trace, outputs=outputs, updates={s: t or [] for s, t in totals.items()})
 
     def _run(self, params, args, batch, microbatches: int, schedule: Schedule, forward_only: bool):
-        """``(last-stage results per microbatch, {stage: totals}, (records, peak, origin))``."""
+        """``(last-stage results per microbatch, {stage: totals}, (records, peak, origin, peak bytes))``."""
         last = self.num_stages - 1
         t0, origin = time.perf_counter(), time.time()
         self._no_backward = forward_only
@@ -278,8 +303,9 @@ class DispatchQueue:
         self.transport.close()
         totals = {s: st.totals for s, st in states.items()}
         peak = {s: st.peak for s, st in states.items()}
+        peak_bytes = {s: st.peak_bytes for s, st in states.items()}
         records.sort(key=lambda r: (r.start, r.stage))
-        return tuple(losses[mb] for mb in sorted(losses)), totals, (tuple(records), peak, origin)
+        return tuple(losses[mb] for mb in sorted(losses)), totals, (tuple(records), peak, origin, peak_bytes)
 
     def _emulate(self, seconds: float, states: dict, m: int) -> None:
         """Hold the queue for ``seconds`` as a device busy that long would, while receiving
@@ -370,7 +396,7 @@ class DispatchQueue:
         inbound = st.inbound.pop(mb, [])
         outs, vjp = st.program.forward(params, args(s, mb), inbound)
         st.residuals[mb] = vjp
-        st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
+        _hold(st, ("residuals", mb), vjp)
         st.forwards += 1
         nxt = self.programs[s + 1]
         self.transport.send(Message(F, s + 1, mb), outs, nxt.inbound_shardings)
@@ -396,7 +422,7 @@ class DispatchQueue:
         if self._split:  # forward, loss and B; W later
             loss, g_in, left = st.program.forward_backward_input(params, args(s, mb), inbound, batch(mb))
             st.deferred[mb] = left
-            st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
+            _hold(st, ("deferred", mb), left)
             sums = []
         else:
             loss, sums, g_in = st.program.forward_backward(params, args(s, mb), inbound, batch(mb))
@@ -408,10 +434,12 @@ class DispatchQueue:
 
     def _backward(self, st, s, mb) -> list:
         residuals, cotangents = st.residuals.pop(mb), st.cotangents.pop(mb)
+        _release(st, ("residuals", mb))
         st.backwards += 1
         if self._split:  # B: the inbound gradients now, what W needs kept
             g_in, carried = st.program.backward_input(residuals, cotangents)
             st.deferred[mb] = st.program.weight_inputs(residuals, cotangents, carried)
+            _hold(st, ("deferred", mb), st.deferred[mb])  # with B's carried values
             sums = []
         else:
             sums, g_in = st.program.backward(residuals, cotangents)
@@ -422,6 +450,7 @@ class DispatchQueue:
     def _weights(self, st, mb) -> list:
         """W: the stage's weight gradients (and state updates) of ``mb``, from what its B left."""
         sums = st.program.backward_weights(*st.deferred.pop(mb))
+        _release(st, ("deferred", mb))
         st.weights += 1
         self._accumulate(st, sums)
         return sums

@@ -236,6 +236,11 @@ class StageProgram:
         self._split = split
         return split
 
+    @property
+    def backward_split(self) -> BackwardSplit | None:
+        """The B/W cut of this stage's backward (None until a zero-bubble schedule built it)."""
+        return self._split
+
     def weight_inputs(self, residuals, cotangents, carried) -> tuple[list, list]:
         """What W reads: the residual and gradient leaves it uses (picked outside B's program,
         so they are not copied) and the values B ``carried`` to it."""

@@ -90,6 +90,9 @@ class QueueRun:
     #: stage → most microbatches holding residuals at once (a deferred W's residuals count too)
     peak_in_flight: Mapping[int, int]
     origin: float  # wall-clock time (time.time()) of the run's start
+    #: stage → most bytes per device held at once in residuals awaiting B and, in split
+    #: (zero-bubble) schedules, the inputs B left for a deferred W
+    peak_held_bytes: Mapping[int, int]
 
 
 @dataclasses.dataclass(frozen=True)
