@@ -9,8 +9,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the run's processes (pytest-xdist workers, mpiexec ranks,
 # example subprocesses): many files compile the same plain reference and example programs.
 # The key is the program, the flags and JAX's version, so a stale entry is never used.
-# AXONN_TEST_COMPILATION_CACHE=0 turns it off.
-if os.environ.get("AXONN_TEST_COMPILATION_CACHE", "1") != "0":
+# Opt-in (AXONN_TEST_COMPILATION_CACHE=1): with it on, a pipelined scan_gpt_nnx case aborted
+# inside XLA in a loaded 2-worker run (twice; never without it), not yet explained.
+if os.environ.get("AXONN_TEST_COMPILATION_CACHE", "0") == "1":
     _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
