@@ -76,15 +76,20 @@ def worker(args) -> None:
         params = pm.init(jax.random.key(0))
         task = args.task_ms / 1e3 / virtual  # one stage's share of its rank's work
         shares: dict[int, float] = {}  # stage → W's share of its backward, from FLOPs
+
+        def w_share(stage: int, shares=shares) -> float:
+            return args.w_share if args.w_share is not None else shares.get(stage, 0.5)
+
         for mode in args.modes.split(","):
             for m in map(int, args.microbatches.split(",")):
                 for schedule in args.schedules.split(","):
                     split = splits_weights(schedule)
 
-                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode, split=split):
+                    def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode, split=split,
+                              w_share=w_share):  # fmt: skip
                         if mode != "uniform":
                             return 0.0
-                        w = (args.w_share if args.w_share is not None else shares.get(stage, 0.5)) if split else 0.0
+                        w = w_share(stage) if split else 0.0
                         if kind is TaskKind.WEIGHTS:
                             return w * task
                         if kind is TaskKind.BACKWARD:
@@ -94,7 +99,7 @@ def worker(args) -> None:
                     step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
                                              schedule=schedule, delay=delay)  # fmt: skip
                     step(params, case.batch(m))  # compile and warm up
-                    if split and not shares:
+                    if split and not shares and args.w_share is None:
                         shares.update(w_shares(step.stage_programs(case.inputs(case.batch(1)))))
                     step(params, case.batch(m))
                     rows = step.trace()
@@ -105,8 +110,7 @@ def worker(args) -> None:
                                         "theory": trace.bubble_theory(args.stages, m, virtual),
                                         "floor": trace.zero_bubble_floor(args.stages, m, virtual),
                                         "theory_v1": trace.bubble_theory(args.stages, m),
-                                        "w_share": ({s: args.w_share for s in shares} if args.w_share is not None
-                                                    else dict(shares)) if split else {}})  # fmt: skip
+                                        "w_share": dict(shares) if split else {}})  # fmt: skip
     if info.is_main:
         print(PREFIX + json.dumps(results), flush=True)
 
@@ -139,7 +143,7 @@ def table(results, stages: int) -> str:
     shares = {(r.get("v", 1), int(s)): w for r in results for s, w in r.get("w_share", {}).items()}
     if shares:
         lines += ["", "Zero bubble, uniform mode: W's share of each backward (rank 0's stages, from the B "
-                  "and W programs' FLOPs unless `--w-share` is given): "
+                  "and W programs' FLOPs): "
                   + ", ".join(f"virtual={v} stage {s}: {w:.2f}" for (v, s), w in sorted(shares.items()))]  # fmt: skip
     return "\n".join(lines)
 

@@ -67,6 +67,14 @@ def array_bytes(tree) -> Bytes:
     return Bytes(max(u[0] for u in per_device.values()), max(u[1] for u in per_device.values()))
 
 
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of ``tree``'s arrays (or sharded shape structs), from each leaf's
+    sharding alone: no buffer is touched, so it costs next to nothing on a hot path (the
+    dispatch queue's count of held residuals). Even shardings: ``array_bytes(tree).total``."""
+    return sum(math.prod(x.sharding.shard_shape(tuple(x.shape))) * np.dtype(x.dtype).itemsize
+               for x in jax.tree.leaves(tree) if getattr(x, "sharding", None) is not None)  # fmt: skip
+
+
 def local_param_count(params, shardings) -> int:
     """Number of parameter elements one device stores (its shards)."""
     return sum(

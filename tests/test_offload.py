@@ -31,7 +31,7 @@ from conftest import grid_id
 import axonn_jax
 from axonn_jax.runtime.mesh import stage_meshes
 from axonn_jax.models import GPT, GPTConfig, next_token_loss
-from axonn_jax.runtime.memory import Bytes, MeasuredMemory, array_bytes, compiled_bytes, entry_layout_bytes
+from axonn_jax.runtime.memory import Bytes, MeasuredMemory, array_bytes, compiled_bytes, entry_layout_bytes, shard_bytes
 from axonn_jax.runtime.master_optimizer import HOST, MasterOptimizer, MasterState, coupling
 from axonn_jax.runtime.precision import as_planned
 
@@ -328,3 +328,17 @@ def test_multisteps_with_offload_is_refused_at_construction_with_a_remedy_that_w
         else:
             err, bound = float(np.linalg.norm(g - w)), 1e-3 * float(np.linalg.norm(w - w0))
         assert err <= bound, f"{update_on}: {jax.tree_util.keystr(path)} differs by {err:.3g} > {bound:.3g}"
+
+
+def test_shard_bytes_from_shardings_equal_the_shards_held(devices):
+    """``shard_bytes`` reads only shardings; on live arrays it equals the bytes of their shards
+    on a device, and a shape struct with the same sharding counts the same."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(devices).reshape(2, 4), ("a", "b"))
+    tree = {"w": jax.device_put(np.ones((8, 12), np.float32), NamedSharding(mesh, P("a", "b"))),
+            "v": jax.device_put(np.ones((6,), np.int32), NamedSharding(mesh, P()))}  # fmt: skip
+    assert shard_bytes(tree) == array_bytes(tree).total == 4 * 3 * 4 + 6 * 4
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    assert shard_bytes(avals) == shard_bytes(tree)
+

@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from pipeline_cases import build, run_case
 
 import axonn_jax
+from axonn_jax.runtime.memory import shard_bytes
 from axonn_jax.runtime.pipeline.backward_split import BackwardSplit
 from axonn_jax.runtime.pipeline.tasks import TaskKind
 
@@ -179,10 +180,6 @@ def test_zero_bubble_schedules_equal_unpartitioned(model, grid, microbatches, de
     assert not failures, "\n".join(failures)
 
 
-def _bytes_per_device(avals) -> int:
-    return sum(int(np.prod(a.sharding.shard_shape(a.shape))) * a.dtype.itemsize for a in jax.tree.leaves(avals))
-
-
 def test_held_residual_bytes_are_measured_per_stage(devices):
     """The queue measures the bytes per device each stage holds at once. With the fused backward:
     exactly the peak microbatches in flight × one microbatch's residuals (the forward program's
@@ -198,12 +195,12 @@ def test_held_residual_bytes_are_measured_per_stage(devices):
         step(params, case.batch(6))
         runs[schedule] = (step.stage_programs(case.inputs(case.batch(1)))[0], step.last_result)
     program, run = runs["message"]
-    residuals = _bytes_per_device(program.forward.out_info[1])
+    residuals = shard_bytes(program.forward.out_info[1])
     assert 1 < run.peak_in_flight[0] < 6, run.peak_in_flight  # released as the B's ran
     assert run.peak_held_bytes[0] == run.peak_in_flight[0] * residuals, (run.peak_held_bytes, residuals)
     program, run = runs["zb"]
-    carried = _bytes_per_device(program.backward_input.out_info[1])  # 0 here: stage 0 has no B
-    gradient = _bytes_per_device(program.outbound_cotangent_avals())  # dy, which W reads
+    carried = shard_bytes(program.backward_input.out_info[1])  # 0 here: stage 0 has no B
+    gradient = shard_bytes(program.outbound_cotangent_avals())  # dy, which W reads
     assert 1 < run.peak_in_flight[0] < 6, run.peak_in_flight
     assert residuals <= run.peak_held_bytes[0] <= run.peak_in_flight[0] * (residuals + gradient + carried), (
         run.peak_held_bytes, run.peak_in_flight, residuals, gradient, carried)

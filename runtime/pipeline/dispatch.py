@@ -48,8 +48,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 
+from axonn_jax.runtime.memory import shard_bytes
 from axonn_jax.runtime.pipeline.schedules import MessageDriven, Schedule, make_schedule
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.tasks import (ForwardRun, Message, Task, TaskKind, TaskRecord,
@@ -85,20 +85,10 @@ class _StageState:
     posted_b: int = 0
 
 
-def _bytes_per_device(tree) -> int:
-    """Bytes one device holds of the arrays in ``tree`` (each array's shard, from its sharding)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        if hasattr(x, "sharding"):
-            shard = x.sharding.shard_shape(x.shape)
-            total += int(np.prod(shard, dtype=np.int64)) * x.dtype.itemsize
-    return total
-
-
 def _hold(st: _StageState, key: tuple, tree) -> None:
     """Counts ``tree`` (residuals awaiting B, or what B left for W) as held by the stage until
     :func:`_release`; updates the stage's peaks (microbatches, bytes per device)."""
-    st.held[key] = _bytes_per_device(tree)
+    st.held[key] = shard_bytes(tree)
     st.peak = max(st.peak, len(st.residuals) + len(st.deferred))
     st.peak_bytes = max(st.peak_bytes, sum(st.held.values()))
 
