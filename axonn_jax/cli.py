@@ -18,6 +18,7 @@ partitioner's plan of that model (no devices are used).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -52,21 +53,27 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--json", action="store_true", help="print JSON: one object per configuration")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed",
                       help="mixed: bf16 weights, fp32 master + Adam (20 B/param); fp32: 16 B/param")  # fmt: skip
-    plan.add_argument("--no-recompute", action="store_true",
-                      help="no activation checkpointing (default: checkpoint every block)")  # fmt: skip
+    plan.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+                      help="activation checkpointing of every block (auto: searched, default)")  # fmt: skip
+    plan.add_argument("--no-recompute", action="store_true", help="the same as --recompute off")
     plan.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
                       help="optimizer state in host memory (auto: whichever is faster and fits)")  # fmt: skip
     plan.add_argument("--no-pipeline", action="store_true", help="only grids with pipeline = 1")
     plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
-    plan.add_argument("--virtual", type=int, default=1,
-                      help="pipeline stages per rank (interleaved) for grids with a pipeline (default 1)")
-    plan.add_argument("--schedule", choices=SCHEDULES, default="message",
-                      help="pipeline schedule priced (zb, zb-h1: zero bubble; default message)")  # fmt: skip
+    plan.add_argument("--virtual", type=int,
+                      help="fix the pipeline stages per rank (interleaved; default: searched)")
+    plan.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="message",
+                      help="pipeline schedule priced (zb, zb-h1: zero bubble; auto: search those "
+                           "priced differently; default message)")  # fmt: skip
     plan.add_argument("--no-scatter-batch", action="store_true",
                       help="price the all-reduce form (partition(..., scatter_batch=False)): each "
                            "layer's partial sums all-reduced, not reduce-scattered onto the batch")  # fmt: skip
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
+    plan.add_argument("--check-memory", type=int, nargs="?", const=3, default=0, metavar="K",
+                      help="compile the top K (default 3) configurations' train steps ahead of time "
+                           "on this machine's devices and drop those whose compiled bytes exceed "
+                           "the device memory (CPU: --gpus devices are simulated)")  # fmt: skip
 
     prof = sub.add_parser("profile", help="measure this machine and write a profile JSON",
                           description="Collective bandwidth/latency by group, GEMM rate, memory.")  # fmt: skip
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
 def _plan(parser: argparse.ArgumentParser, args) -> int:
     from axonn_jax.perf import machines
     from axonn_jax.perf.options import Options
-    from axonn_jax.search import search
+    from axonn_jax.search import PRICED_SCHEDULES, search
 
     if args.gpus < 1:
         parser.error(f"--gpus must be >= 1, got {args.gpus}")
@@ -104,7 +111,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--top must be >= 1, got {args.top}")
     if args.microbatches is not None and args.microbatches < 1:
         parser.error(f"--microbatches must be >= 1, got {args.microbatches}")
-    if args.virtual < 1:
+    if args.virtual is not None and args.virtual < 1:
         parser.error(f"--virtual must be >= 1 (stages per pipeline rank), got {args.virtual}")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
@@ -114,19 +121,38 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(str(e))
     if args.efficiency is not None:
         machine = machine.with_efficiency(args.efficiency)
+    if args.check_memory < 0:
+        parser.error(f"--check-memory must be >= 0, got {args.check_memory}")
+    recompute = "off" if args.no_recompute else args.recompute
+    schedule = "message" if args.schedule == "auto" else args.schedule
+    options = Options(precision=args.precision, schedule=schedule, scatter_batch=not args.no_scatter_batch)
+    if args.check_memory:
+        _simulate_cpu_devices(args.gpus)
     spec = _spec(parser, args)
-    options = Options(precision=args.precision, recompute=not args.no_recompute, schedule=args.schedule,
-                      scatter_batch=not args.no_scatter_batch)  # fmt: skip
+    model = _model(parser, args) if args.check_memory else None
     t0 = time.perf_counter()
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
-                    microbatches=args.microbatches, virtual=args.virtual)  # fmt: skip
+                    microbatches=args.microbatches, virtual=args.virtual, recompute=recompute,
+                    schedules=PRICED_SCHEDULES if args.schedule == "auto" else None)  # fmt: skip
     seconds = time.perf_counter() - t0
+    checks = None
+    if model is not None and result.ranked:
+        checks = _check(model, result, args.check_memory, machine)
+        result = dataclasses.replace(result, ranked=tuple(c.prediction for c in checks if c.fits))
     if args.json:
-        print(json.dumps([{**p.as_dict(), "grid_flag": _grid_flag(p.grid)} for p in result.ranked],
-                         indent=2))  # fmt: skip
+        rows = [{**p.as_dict(), "grid_flag": _grid_flag(p.grid)} for p in result.ranked]
+        if checks is not None:
+            rows = [{**row, "memory_check": c.as_dict()} for row, c in
+                    zip(rows, [c for c in checks if c.fits])]  # fmt: skip
+        print(json.dumps(rows, indent=2))
     else:
-        print(_table(spec, machine, options, args.gpus, result, seconds))
+        print(_table(spec, machine, options, args.gpus, result, seconds, recompute))
+        if checks is not None:
+            from axonn_jax.memory_check import format_checks
+
+            print(f"\ncompiled ahead of time on this machine's devices (limit "
+                  f"{machine.memory_gib:g} GiB per device):\n{format_checks(checks)}")  # fmt: skip
         if result.ranked:
             print(_launch(result.ranked[0]))
     if not result.ranked:
@@ -138,6 +164,33 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         )
         return 1
     return 0
+
+
+def _check(model, result, k: int, machine):
+    """The memory checks of the top ``k`` configurations, then the others unchecked."""
+    from axonn_jax.memory_check import MemoryCheck, check_memory
+
+    flax_model, inputs = model
+    limit = machine.memory_gib * 2**30
+    checked = check_memory(flax_model, inputs, result.ranked[:k], limit_bytes=limit)
+    return checked + [MemoryCheck(p, limit, note=f"beyond the top {k}") for p in result.ranked[k:]]
+
+
+def _model(parser, args) -> tuple:
+    """``(flax model, example inputs)`` for the memory check: the factory's, or the GPT of
+    the flags (its spec is :func:`~axonn_jax.perf.spec.gpt_spec` of the same flags)."""
+    import jax
+    import jax.numpy as jnp
+
+    if args.model:
+        model, inputs = _factory(parser, args.model)()
+        return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    from axonn_jax.models import GPT, GPTConfig
+
+    config = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden=args.hidden,
+                       num_heads=args.heads, max_seq_len=args.seq, ffn_hidden=args.ffn,
+                       tie_embeddings=not args.untied)  # fmt: skip
+    return GPT(config), (jax.ShapeDtypeStruct((args.batch, args.seq), jnp.int32),)
 
 
 def _spec(parser, args):
@@ -167,6 +220,22 @@ def _spec(parser, args):
 def _spec_from_factory(parser, target: str):
     from axonn_jax.perf.traced import spec_from_model
 
+    made = _factory(parser, target)()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        parser.error(
+            f"--model {target}: the factory must return (flax model, example inputs), got "
+            f"{type(made).__name__}"
+        )
+    model, inputs = made
+    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+    try:
+        return spec_from_model(model, *inputs, name=f"{target} ({type(model).__name__})")
+    except (TypeError, ValueError) as e:
+        parser.error(f"--model {target}: cannot plan the model: {e}")
+
+
+def _factory(parser, target: str):
+    """The callable ``module:factory`` names (imported like ``python -m`` would)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         parser.error(f"--model must be module:factory (e.g. mypkg.models:make_gpt), got {target!r}")
@@ -179,18 +248,7 @@ def _spec_from_factory(parser, target: str):
     factory = getattr(module, attr, None)
     if not callable(factory):
         parser.error(f"--model {target}: {module_name!r} has no callable {attr!r}")
-    made = factory()
-    if not (isinstance(made, tuple) and len(made) == 2):
-        parser.error(
-            f"--model {target}: the factory must return (flax model, example inputs), got "
-            f"{type(made).__name__}"
-        )
-    model, inputs = made
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    try:
-        return spec_from_model(model, *inputs, name=f"{target} ({type(model).__name__})")
-    except (TypeError, ValueError) as e:
-        parser.error(f"--model {target}: cannot plan the model: {e}")
+    return factory
 
 
 def _grid_flag(grid) -> str:
@@ -205,14 +263,16 @@ def _launch(best) -> str:
     flag = _grid_flag(best.grid)
     mb, offload = best.options.microbatches, best.options.offload
     schedule = best.options.schedule if best.bubble else "message"  # no pipeline: no schedule
+    remat = best.options.recompute
     step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
-            + [f'schedule="{schedule}"'] * (schedule != "message"))  # fmt: skip
+            + [f'schedule="{schedule}"'] * (schedule != "message") + ['remat="full"'] * remat)  # fmt: skip
     python = f"axonn_jax.Grid({flag.replace(',', ', ')})"
     if not best.options.scatter_batch:
         python = f"partition(model, {python}, ..., scatter_batch=False)"
     if step:
         python += f" and pm.train_step(..., {', '.join(step)})"
     return (f"\nto launch rank 1: --grid {flag} --microbatches {mb}{' --offload' * offload}"
+            f"{' --remat full' * remat}"
             f"   (in Python: {python})")
 
 
@@ -220,24 +280,25 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _table(spec, machine, options, gpus, result, seconds) -> str:
+def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto") -> str:
     head = (
         f"{spec.name}: {spec.num_params / 1e9:.2f}B parameters, {spec.tokens:,} tokens per step, "
         f"on {gpus} × {machine.name}\n"
         f"compute at {machine.peak_tflops:g} TFLOP/s × {machine.efficiency:g}; "
         f"{options.precision} precision; "
-        f"{'activation checkpointing' if options.recompute else 'no recompute'}; "
+        f"activation checkpointing {'searched' if recompute == 'auto' else recompute}; "
         f"{result.summary()}; searched in {seconds:.2f} s"
     )
-    cols = ("rank", "x", "y", "z", "data", "pipe", "mb", "offload", "comm s", "compute s",
-            "step s", "bubble", "params GiB", "grads GiB", "optim GiB", "activ GiB",
-            "total GiB")  # fmt: skip
+    cols = ("rank", "x", "y", "z", "data", "pipe", "mb", "virt", "remat", "sched", "offload",
+            "comm s", "compute s", "step s", "bubble", "params GiB", "grads GiB", "optim GiB",
+            "activ GiB", "total GiB")  # fmt: skip
     rows = [cols]
     for i, p in enumerate(result.ranked, 1):
         g, m = p.grid, p.memory
-        pipe = f"{g.pipeline}×{g.virtual}" if g.virtual > 1 else str(g.pipeline)
-        rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), pipe,
-                     str(p.options.microbatches), "yes" if p.options.offload else "no",
+        o = p.options
+        rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
+                     str(o.microbatches), str(g.virtual), "yes" if o.recompute else "no",
+                     o.schedule if g.pipeline > 1 else "-", "yes" if o.offload else "no",
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
                      f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),
                      _gib(m.activations), _gib(m.device)))  # fmt: skip
@@ -256,9 +317,7 @@ def _profile(parser, args) -> int:
         parser.error(f"--devices must be >= 2 (collectives need a group), got {args.devices}")
     if args.repeats < 1:
         parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:  # CPU: simulate the devices
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}".strip()
+    _simulate_cpu_devices(args.devices)
     import jax
 
     from axonn_jax.perf import machines
@@ -277,6 +336,13 @@ def _profile(parser, args) -> int:
     for key in sorted(machine.intra_node):
         print(f"{str(key):>19}   {machine.intra_node[key]:14.3g}   {machine.latency_us[key]:10.1f}")
     return 0
+
+
+def _simulate_cpu_devices(n: int) -> None:
+    """On CPU, ``n`` simulated devices (effective only if JAX has not started yet)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def _machines() -> int:

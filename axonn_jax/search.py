@@ -1,11 +1,23 @@
-"""Grid search: every (x, y, z, data, pipeline) for N devices, filtered and ranked. Pure.
+"""Configuration search: grid × virtual stages × recompute × schedule × offload × microbatches. Pure.
 
-For each grid whose product is N: reject it if it does not divide the
-model's dims (the partitioner would replicate part of a layer), then pick
-the number of microbatches (a divisor of the per-replica batch) and whether
-to offload the optimizer so that the step fits device (and host) memory in
-the least predicted time, and rank the survivors by predicted step time
-(:func:`axonn_jax.perf.step.predict`).
+For each grid (x, y, z, data, pipeline) whose product is N: reject it if it
+does not divide the model's dims (the partitioner would replicate part of a
+layer); otherwise price every choice of
+
+* virtual (interleaved) stages per pipeline rank — 1, and every ``v`` whose
+  ``pipeline·v`` stages split the model's blocks evenly (1 without a pipeline);
+* recompute (activation checkpointing of every block) on and off;
+* the pipeline schedule — only where it changes the price: with a pipeline,
+  those of ``schedules`` (:data:`PRICED_SCHEDULES` are the ones the model
+  prices differently; 1F1B and GPipe are priced like ``"message"``);
+* optimizer offload to host memory on and off;
+* the number of microbatches (a divisor of the per-replica batch),
+
+keep the choices that fit device (and host) memory, and take the one with the
+least predicted step time (:func:`axonn_jax.perf.step.predict`) as the grid's
+configuration. Grids are ranked by that time. Nothing here touches a device:
+the compiled memory of the top configurations is checked by
+:func:`axonn_jax.memory_check.check_memory` (opt in).
 
 Example:
     >>> from axonn_jax.perf.machines import get
@@ -20,30 +32,39 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.memory import in_flight, memory
-from axonn_jax.perf.options import Options
+from axonn_jax.perf.options import SCHEDULES, Options
 from axonn_jax.perf.spec import ModelSpec
 from axonn_jax.perf.step import Prediction, predict
 
 OFFLOAD_CHOICES = ("auto", "on", "off")
+RECOMPUTE_CHOICES = OFFLOAD_CHOICES
+#: the schedules whose prices differ (:func:`~axonn_jax.perf.options.fill_and_drain`,
+#: :func:`~axonn_jax.perf.memory.in_flight`): what ``--schedule auto`` searches
+PRICED_SCHEDULES = ("message", "zb", "zb-h1")
+_ON_OFF = {"auto": (False, True), "on": (True,), "off": (False,)}
 
 
 @dataclasses.dataclass(frozen=True)
 class SearchResult:
-    """The ``top`` predictions, best first, and why the other grids were dropped."""
+    """The ``top`` predictions (one per grid, its best configuration), best first, and why the
+    other grids were dropped."""
 
     ranked: tuple[Prediction, ...]
     considered: int  # grids whose product is the device count
     feasible: int  # grids that divide the model and fit memory
     rejected: dict[str, int]  # reason -> number of grids
+    configurations: int = 0  # (grid, virtual, recompute, schedule, offload, microbatches) priced
 
     def summary(self) -> str:
         dropped = ", ".join(f"{n} {why}" for why, n in self.rejected.items()) or "none dropped"
-        return f"{self.considered} grids considered, {self.feasible} feasible ({dropped})"
+        return (f"{self.considered} grids considered, {self.feasible} feasible ({dropped}), "
+                f"{self.configurations:,} configurations priced")  # fmt: skip
 
 
 def grids(devices: int, *, pipeline: bool = True) -> Iterator[Grid]:
@@ -71,69 +92,123 @@ def search(
     offload: str = "auto",
     pipeline: bool = True,
     microbatches: int | None = None,
-    virtual: int = 1,
+    virtual: int | None = None,
+    recompute: str = "auto",
+    schedules: Sequence[str] | None = None,
 ) -> SearchResult:
     """Rank the grids of ``devices`` devices for ``spec`` on ``machine`` (module docstring).
 
     Args:
-        options: precision and recompute (its offload and microbatches are searched).
-        offload: ``"auto"`` tries both, ``"on"``/``"off"`` forces it.
+        options: precision, bucket size and program form (``scatter_batch``);
+            its schedule is the one priced unless ``schedules`` is given. Its
+            recompute, offload and microbatches are replaced by the search's.
+        offload, recompute: ``"auto"`` tries both, ``"on"``/``"off"`` forces it.
         pipeline: also search pipeline sizes > 1.
         microbatches: fix the number of microbatches instead of searching it.
-        virtual: stages per pipeline rank (interleaved) for the grids with a pipeline.
+        virtual: fix the stages per pipeline rank (grids with a pipeline) instead
+            of searching them.
+        schedules: the pipeline schedules to try (e.g. :data:`PRICED_SCHEDULES`).
     """
     if offload not in OFFLOAD_CHOICES:
         raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     if top < 1:
         raise ValueError(f"top must be >= 1, got {top}")
-    offloads = {"auto": (False, True), "on": (True,), "off": (False,)}[offload]
-    device_bytes = machine.memory_gib * 2**30
-    host_bytes = machine.host_memory_gib * 2**30
+    if virtual is not None and (isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1):
+        raise ValueError(f"virtual must be a positive int (stages per pipeline rank), got {virtual!r}")
+    schedules = tuple(schedules) if schedules else (options.schedule,)
+    unknown = [s for s in schedules if s not in SCHEDULES]
+    if unknown:
+        raise ValueError(f"schedules {unknown} are unknown; choose from {SCHEDULES}")
+    limits = _Limits(machine.memory_gib * 2**30, machine.host_memory_gib * 2**30)
     rejected: collections.Counter = collections.Counter()
     best: list[Prediction] = []
-    considered = 0
-    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-        raise ValueError(f"virtual must be a positive int (stages per pipeline rank), got {virtual!r}")
+    considered = priced = 0
     for grid in grids(devices, pipeline=pipeline):
-        if grid.pipeline > 1 and virtual > 1:
-            grid = dataclasses.replace(grid, virtual=virtual)
         considered += 1
         if spec.problems(grid):
             rejected["do not divide the model"] += 1
             continue
         per_replica = spec.batch // grid.batch_shards
-        counts = [microbatches] if microbatches else _divisors(per_replica)
         if microbatches and per_replica % microbatches:
             rejected["do not divide the batch into microbatches"] += 1
             continue
+        counts = [microbatches] if microbatches else _divisors(per_replica)
+        virtuals = _virtuals(spec, grid, virtual)
+        if not virtuals:
+            rejected["do not divide the model"] += 1
+            continue
         found = None
-        for off in offloads:
-            # only activations depend on the microbatches: price memory once per choice
-            base = memory(spec, grid, dataclasses.replace(options, offload=off, microbatches=1))
-            if base.host > host_bytes:
-                continue
-            fixed = base.device - base.activations
-            fitting = [
-                mb for mb in counts
-                if fixed + base.activations * in_flight(mb, grid.pipeline, grid.virtual) / mb <= device_bytes
-            ]  # fmt: skip
-            if not fitting:
-                continue
-            first = predict(spec, grid, machine,
-                            dataclasses.replace(options, offload=off, microbatches=fitting[0]))  # fmt: skip
-            mb = min(fitting, key=first.step_seconds_with)
-            pred = first if mb == fitting[0] else predict(
-                spec, grid, machine, dataclasses.replace(options, offload=off, microbatches=mb))
-            if found is None or pred.step_seconds < found.step_seconds:
+        for v, rec, schedule, off in itertools.product(
+                virtuals, _ON_OFF[recompute],
+                schedules if grid.pipeline > 1 else schedules[:1], _ON_OFF[offload]):  # fmt: skip
+            g = dataclasses.replace(grid, virtual=v)
+            base = dataclasses.replace(options, recompute=rec, schedule=schedule, offload=off)
+            pred = _best_microbatches(spec, g, machine, base, counts, limits)
+            priced += len(counts)
+            if pred is not None and (found is None or pred.step_seconds < found.step_seconds):
                 found = pred
         if found is None:
             rejected["do not fit memory"] += 1
             continue
         best.append(found)
     best.sort(key=lambda p: p.step_seconds)
-    return SearchResult(tuple(best[:top]), considered, len(best), dict(rejected))
+    return SearchResult(tuple(best[:top]), considered, len(best), dict(rejected), priced)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Limits:
+    device: float  # bytes per device
+    host: float  # bytes of host memory per device
+
+
+def _best_microbatches(spec: ModelSpec, grid: Grid, machine: Machine, options: Options,
+                       counts: list[int], limits: _Limits) -> Prediction | None:
+    """The fastest of ``counts`` microbatches that fits (``None``: none fits).
+
+    Only activations depend on the microbatches: memory is priced once, with one
+    microbatch, and scaled by the microbatches in flight (:func:`in_flight`).
+    Time: :meth:`~Prediction.step_seconds_with` extrapolates exactly from one
+    priced count to the others while the program's collectives keep their
+    kinds; they change where a microbatch's rows stop dividing over x or y
+    (layer outputs are then all-reduced rather than reduce-scattered onto the
+    batch), so one count of each such class is priced in full.
+    """
+    base = memory(spec, grid, dataclasses.replace(options, microbatches=1))
+    if base.host > limits.host:
+        return None
+    p, v, schedule = grid.pipeline, grid.virtual, options.schedule
+    per_microbatch = base.activations / in_flight(1, p, v, schedule)
+    fixed = base.device - base.activations
+    fitting = [mb for mb in counts if fixed + per_microbatch * in_flight(mb, p, v, schedule) / mb <= limits.device]
+    if not fitting:
+        return None
+    rows = spec.batch // grid.batch_shards
+
+    def kind(mb: int) -> tuple[bool, ...]:  # which tensor axes a microbatch's rows divide over
+        return tuple((rows // mb) % grid.axis_size(a) == 0 for a in ("x", "y"))
+
+    priced: dict[tuple[bool, ...], Prediction] = {}
+    for mb in fitting:
+        if kind(mb) not in priced:
+            priced[kind(mb)] = predict(spec, grid, machine, dataclasses.replace(options, microbatches=mb))
+    mb = min(fitting, key=lambda m: priced[kind(m)].step_seconds_with(m))
+    if priced[kind(mb)].options.microbatches == mb:
+        return priced[kind(mb)]
+    return predict(spec, grid, machine, dataclasses.replace(options, microbatches=mb))
+
+
+def _virtuals(spec: ModelSpec, grid: Grid, fixed: int | None) -> list[int]:
+    """Stages per pipeline rank to try on ``grid`` (1 without a pipeline): ``fixed`` if its
+    stages do not exceed the model's blocks, else 1 and every ``v`` > 1 whose
+    pipeline·v stages split the blocks evenly (the model prices balanced stages)."""
+    p, layers = grid.pipeline, spec.layers
+    if p == 1:
+        return [1]
+    if fixed is not None:
+        return [fixed] if p * fixed <= layers else []
+    return [1] + [v for v in range(2, layers // p + 1) if layers % (p * v) == 0]
 
 
 def _divisors(n: int) -> list[int]:

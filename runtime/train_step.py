@@ -282,6 +282,12 @@ class SingleMeshStep(TrainStep):
         _check_step_inputs(params, opt_state, batch)
         return self._program(0).run(params, opt_state, batch, rngs)
 
+    def lower(self, params, opt_state: OptState, batch, rngs=None) -> jax.stages.Lowered:
+        """The step's one program lowered ahead of time for these arguments (``.compile()``,
+        then ``.memory_analysis()``: what :func:`axonn_jax.memory_check.check_memory` reads)."""
+        _check_step_inputs(params, opt_state, batch)
+        return self._program(0).run.lower(params, opt_state, batch, rngs)
+
 
 class PipelinedStep(TrainStep):
     """Gradients from the dispatch queue, then one update program per local stage.

@@ -535,7 +535,9 @@ def test_cli_prices_the_all_reduce_form(capsys):
     """--no-scatter-batch ranks the scatter_batch=False program: its bytes differ from the
     default form's on every grid that splits layers over x or y and equal them elsewhere (the
     forms differ only there), and the launch line names the option."""
-    args = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "40", "--json", "--no-pipeline", *GPT_ARGS]
+    # one microbatch: its rows divide over x and y on every grid, so the two forms differ there
+    args = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "40", "--json", "--no-pipeline",
+            "--microbatches", "1", *GPT_ARGS]
     assert main(args) == 0
     scatter = {c["grid_flag"]: c for c in json.loads(capsys.readouterr().out)}
     assert main([*args, "--no-scatter-batch"]) == 0

@@ -86,13 +86,12 @@ class Prediction:
         Exact: collective calls and weight gathers grow linearly with the
         microbatches, activation bytes do not, compute does not.
         """
-        mb, p, v = microbatches, self.grid.pipeline, self.grid.virtual
+        mb, o = microbatches, self.options
         per_mb = self.per_microbatch_fixed + mb * self.per_microbatch_linear
-        once = self.comm_seconds - self.per_microbatch_fixed - (
-            self.options.microbatches * self.per_microbatch_linear)
+        once = self.comm_seconds - self.per_microbatch_fixed - o.microbatches * self.per_microbatch_linear
         work = self.compute_seconds + self.elementwise_seconds
-        return (v * mb + p - 1) / (v * mb) * (work + per_mb) + once + self.optimizer_seconds + (
-            self.offload_seconds)
+        fill = fill_and_drain(self.grid.pipeline, self.grid.virtual, o.schedule, o.recompute)
+        return (mb + fill) / mb * (work + per_mb) + once + self.optimizer_seconds + self.offload_seconds
 
     def as_dict(self) -> dict:
         g = self.grid
@@ -101,6 +100,8 @@ class Prediction:
             "virtual": g.virtual,
             "microbatches": self.options.microbatches,
             "offload": self.options.offload,
+            "recompute": self.options.recompute,
+            "schedule": self.options.schedule,
             "comm_seconds": self.comm_seconds,
             "compute_seconds": self.compute_seconds,
             "elementwise_seconds": self.elementwise_seconds,
