@@ -298,7 +298,7 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
         o = p.options
         rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
                      str(o.microbatches), str(g.virtual), "yes" if o.recompute else "no",
-                     o.schedule if g.pipeline > 1 else "-", "yes" if o.offload else "no",
+                     o.schedule if p.bubble else "-", "yes" if o.offload else "no",  # no pipeline: no bubble
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
                      f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),
                      _gib(m.activations), _gib(m.device)))  # fmt: skip

@@ -98,21 +98,20 @@ def check_memory(
         grid, options = pred.grid, pred.options
         if grid.size > len(devices):
             out.append(MemoryCheck(pred, limit_bytes, note=f"needs {grid.size} devices, {len(devices)} here"))
-        elif grid.pipeline > 1:
-            out.append(MemoryCheck(pred, limit_bytes, note="pipelined: one program per stage and task"))
         else:
-            out.append(MemoryCheck(pred, limit_bytes, compiled=_compiled_device_bytes(
-                model, example_args, pred, loss_fn, optimizer)))  # fmt: skip
+            out.append(_check_one(model, example_args, pred, limit_bytes, loss_fn, optimizer))
     return out
 
 
-def _compiled_device_bytes(model, example_args, pred: Prediction, loss_fn, optimizer) -> int:
-    """Arguments + temporaries + outputs not aliased to arguments, on one device."""
+def _check_one(model, example_args, pred: Prediction, limit: float, loss_fn, optimizer) -> MemoryCheck:
+    """Compiled bytes per device: arguments + temporaries + outputs not aliased to arguments."""
     options = pred.options
     pm = partition(model, pred.grid, *example_args)
     step = pm.train_step(loss_fn, optimizer, precision=RUNTIME_PRECISION[options.precision],
                          offload=options.offload, microbatches=options.microbatches,
                          remat="full" if options.recompute else None)  # fmt: skip
+    if not step.one_program:
+        return MemoryCheck(pred, limit, note="pipelined: one program per stage and task")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unusable donations, offload placement notes
         params, opt_state = step.init(pm.init(jax.random.key(0)))
@@ -120,8 +119,8 @@ def _compiled_device_bytes(model, example_args, pred: Prediction, loss_fn, optim
         batch = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in example_args]
         compiled = step.lower(params, opt_state, batch[0] if len(batch) == 1 else tuple(batch)).compile()
     b = compiled_bytes(compiled)
-    return b["arguments"].device + b["temp"].device + b["outputs"].device - min(
-        b["aliased"].device, b["outputs"].device)
+    return MemoryCheck(pred, limit, compiled=b["arguments"].device + b["temp"].device + b["outputs"].device
+                       - min(b["aliased"].device, b["outputs"].device))  # fmt: skip
 
 
 def format_checks(checks: Sequence[MemoryCheck]) -> str:

@@ -1,29 +1,37 @@
-"""Predicted vs measured step time over every 8-device grid of a GPT, on this machine.
+"""Predicted vs measured step time over every 8-device grid, for a GPT, a wide MLP and a CNN.
 
 1. Profile this machine's 8 (simulated) devices with the built-in micro-benchmark
-   (collective bandwidth and latency by group shape, GEMM rate).
-2. For every grid with x·y·z·data = 8 (pipeline 1) that divides the model,
-   measure the step time of a ``pm.apply``-based jitted AdamW train step:
-   rounds over all grids in a new random order each, a few steps per grid
-   and round; the measurement is the best step (other processes on the
-   machine only ever add time, and the rounds give every grid its chances
+   (collective bandwidth and latency by group shape, GEMM rate), once.
+2. For each model and every grid with x·y·z·data = 8 (pipeline 1) that
+   divides it, measure the step time of a ``pm.apply``-based jitted AdamW
+   train step: rounds over all grids in a new random order each, a few steps
+   per grid and round; the measurement is the best step (other processes on
+   the machine only ever add time, and the rounds give every grid its chances
    at quiet moments). The median is reported too.
 3. Predict each grid's step time (float32, no recompute, as measured) with
-   the profile, and report Spearman's rank correlation and whether the
-   predicted best grid is among the measured three fastest.
+   the profile, and report per model Spearman's rank correlation and the
+   measured rank of the predicted best grid (the target: #1).
 
-    .venv/bin/python benchmarks/grid_prediction.py [--rounds 5] [--out runs/grid_prediction.md]
+Writes markdown (``--out``) and the same numbers as JSON (``--out`` with
+``.json``); the machine profile goes next to them.
+
+    .venv/bin/python benchmarks/grid_prediction.py [--models gpt,mlp,cnn] [--rounds 2] [--per-round 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -57,41 +65,76 @@ def spearman(a, b) -> float:
     return cov / var if var else float("nan")
 
 
-def build_steps(args, grids):
-    """One compiled AdamW train step per grid (lowered in turn, compiled two at a time)."""
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One model of the benchmark: the Flax model, one step's batch, its loss, its spec."""
+
+    name: str
+    model: object
+    batch: np.ndarray
+    loss: Callable  # loss(outputs, batch)
+    spec: object  # axonn_jax.perf.spec.ModelSpec
+
+
+def make_case(name: str, a) -> Case:
+    """``gpt`` (the flags' GPT), ``mlp`` (wide: ``--mlp-width`` × 3 layers) or ``cnn``."""
+    import jax
+    import jax.numpy as jnp
+
+    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.models import CNN, GPT, MLP, GPTConfig, next_token_loss
+    from axonn_jax.perf.spec import gpt_spec
+    from axonn_jax.perf.traced import spec_from_model
+
+    rng = np.random.default_rng(0)
+    if name == "gpt":
+        config = GPTConfig(vocab_size=a.vocab, num_layers=a.layers, hidden=a.hidden,
+                           num_heads=a.heads, max_seq_len=a.seq)  # fmt: skip
+        tokens = rng.integers(0, a.vocab, (a.batch, a.seq)).astype(np.int32)
+        spec = gpt_spec(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq, batch=a.batch,
+                        vocab=a.vocab)  # fmt: skip
+        return Case(name, GPT(config), tokens, next_token_loss, spec)
+    if name == "mlp":
+        model = MLP(features=(a.mlp_width,) * 3 + (a.mlp_in,))
+        x = rng.standard_normal((a.mlp_batch, a.mlp_in)).astype(np.float32)
+    elif name == "cnn":
+        model = CNN(channels=(32, 64), num_classes=16)
+        x = rng.standard_normal((a.cnn_batch, 32, 32, 8)).astype(np.float32)
+    else:
+        raise ValueError(f"unknown model {name!r}; choose from gpt, mlp, cnn")
+    spec = spec_from_model(model, jax.ShapeDtypeStruct(x.shape, jnp.float32), name=f"{name} ({type(model).__name__})")
+    return Case(name, model, x, squares_loss, spec)
+
+
+def build_steps(case: Case, grids, threads: int):
+    """One compiled AdamW train step per grid (lowered in turn, compiled ``threads`` at a time)."""
     import concurrent.futures
 
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     import optax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import axonn_jax
     from axonn_jax.partitioner.grid import BATCH_AXES
-    from axonn_jax.models import GPT, GPTConfig, next_token_loss
 
-    config = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden=args.hidden,
-                       num_heads=args.heads, max_seq_len=args.seq)  # fmt: skip
-    model = GPT(config)
-    tokens = np.random.default_rng(0).integers(0, args.vocab, (args.batch, args.seq)).astype(np.int32)
-    full = jax.tree.map(np.asarray, model.init(jax.random.key(0), tokens)["params"])
+    model, batch_np = case.model, case.batch
+    full = jax.tree.map(np.asarray, model.init(jax.random.key(0), batch_np)["params"])
     optimizer = optax.adamw(1e-3)
     lowered = {}
     for grid in grids:
-        pm = axonn_jax.partition(model, grid, jax.ShapeDtypeStruct(tokens.shape, jnp.int32))
+        pm = axonn_jax.partition(model, grid, jax.ShapeDtypeStruct(batch_np.shape, batch_np.dtype))
         params = pm.shard(full)
         state = optimizer.init(params)
-        batch = jax.device_put(tokens, NamedSharding(pm.mesh, P(BATCH_AXES)))
+        batch = jax.device_put(batch_np, NamedSharding(pm.mesh, P(BATCH_AXES)))
 
-        def train_step(p, s, t, pm=pm):
-            loss, grads = jax.value_and_grad(lambda q: next_token_loss(pm.apply(q, t), t))(p)
+        def train_step(p, s, b, pm=pm):
+            loss, grads = jax.value_and_grad(lambda q: case.loss(pm.apply(q, b), b))(p)
             updates, s = optimizer.update(grads, s, p)
             return optax.apply_updates(p, updates), s, loss
 
         lowered[grid] = (jax.jit(train_step).lower(params, state, batch), params, state, batch)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         compiled = dict(zip(lowered, pool.map(lambda lo: lo[0].compile(), lowered.values())))
     steps = {}
     for grid, (_, params, state, batch) in lowered.items():
@@ -125,14 +168,22 @@ def measure(steps, rounds: int, per_round: int) -> tuple[dict, dict]:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--models", default="gpt,mlp,cnn", help="comma-separated: gpt, mlp, cnn")
+    ap.add_argument("--layers", type=int, default=1, help="GPT blocks")
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=16, help="GPT sequences per step")
     ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--mlp-width", type=int, default=1024, help="the wide MLP's hidden width")
+    ap.add_argument("--mlp-in", type=int, default=256, help="the MLP's input (and output) width")
+    ap.add_argument("--mlp-batch", type=int, default=64)
+    ap.add_argument("--cnn-batch", type=int, default=32, help="32×32×8 images per step")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--per-round", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=max(2, (os.cpu_count() or 2) // 2),
+                    help="compilations at a time (default half the cores)")  # fmt: skip
+    ap.add_argument("--grids", help="only these grids, ';'-separated (e.g. 'x=2,y=2,z=2;data=8'; a smoke run)")
     ap.add_argument("--profile", help="use this machine profile JSON instead of measuring one")
     ap.add_argument("--out", default="runs/grid_prediction.md")
     a = ap.parse_args(argv)
@@ -141,56 +192,88 @@ def main(argv=None) -> dict:
 
     from axonn_jax.perf import machines
     from axonn_jax.perf.microbench import measure_machine
-    from axonn_jax.perf.options import Options
-    from axonn_jax.perf.spec import gpt_spec
-    from axonn_jax.perf.step import predict
-    from axonn_jax.search import grids as all_grids
 
     if len(jax.devices()) != DEVICES:
         sys.exit(f"needs {DEVICES} devices, found {len(jax.devices())}")
     t_start = time.perf_counter()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     if a.profile:
         machine = machines.load(a.profile)
     else:
         print("profiling this machine ...", flush=True)
         machine = measure_machine(jax.devices())
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        machines.save(machine, str(Path(a.out).with_suffix(".machine.json")))
-    spec = gpt_spec(layers=a.layers, hidden=a.hidden, heads=a.heads, seq=a.seq,
-                    batch=a.batch, vocab=a.vocab)  # fmt: skip
+        machines.save(machine, str(out.with_suffix(".machine.json")))
+    names = [n.strip() for n in a.models.split(",") if n.strip()]
+    results = {name: run_model(make_case(name, a), machine, a) for name in names}
+    total = time.perf_counter() - t_start
+    lines = [f"# Predicted vs measured step time over the grids of {DEVICES} devices", "",
+             f"Machine: {machine.name} ({machine.source}). Measured: best of {a.rounds} rounds × "
+             f"{a.per_round} steps per grid, grids in a new random order each round (other processes "
+             "on the machine only ever add time; the median is shown too). Predicted: float32, AdamW, "
+             "no recompute, one microbatch, as measured.", "",
+             "| model | grids | Spearman ρ | ρ against medians | predicted best | its measured rank |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, r in results.items():
+        lines.append(f"| {name} | {r['grids']} | {r['spearman']:.3f} | {r['spearman_median']:.3f} | "
+                     f"{r['predicted_best']} | #{r['best_rank']} |")  # fmt: skip
+    for r in results.values():
+        lines += ["", r["markdown"]]
+    lines += ["", f"Total benchmark time {total:.0f} s."]
+    text = "\n".join(lines) + "\n"
+    out.write_text(text)
+    summary = {name: {k: v for k, v in r.items() if k != "markdown"} for name, r in results.items()}
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine.name, "seconds": total,
+                                                    "models": summary}, indent=1))  # fmt: skip
+    print(text)
+    first = next(iter(results.values()))
+    return {"spearman": first["spearman"], "spearman_median": first["spearman_median"],
+            "best_rank": first["best_rank"], "grids": first["grids"], "models": summary,
+            "markdown": text}  # fmt: skip
+
+
+def run_model(case: Case, machine, a) -> dict:
+    """Profile-based predictions and measurements of every grid that divides ``case``'s model."""
+    from axonn_jax.partitioner.grid import Grid
+    from axonn_jax.perf.options import Options
+    from axonn_jax.perf.step import predict
+    from axonn_jax.search import grids as all_grids
+
+    spec = case.spec
     candidates = list(all_grids(DEVICES, pipeline=False))
+    if a.grids:
+        wanted = {Grid.parse(g) for g in a.grids.split(";")}
+        candidates = [g for g in candidates if g in wanted]
     grids = [g for g in candidates if not spec.problems(g)]
     options = Options(precision="fp32", recompute=False)
     predicted = {g: predict(spec, g, machine, options) for g in grids}
-    print(f"compiling {len(grids)} grids ...", flush=True)
+    print(f"{case.name}: compiling {len(grids)} grids ...", flush=True)
     t_compile = time.perf_counter()
-    steps = build_steps(a, grids)
+    steps = build_steps(case, grids, a.threads)
     t_compile = time.perf_counter() - t_compile
-    print(f"measuring ({t_compile:.0f} s to compile) ...", flush=True)
+    print(f"{case.name}: measuring ({t_compile:.0f} s to compile) ...", flush=True)
+    t_measure = time.perf_counter()
     measured, medians = measure(steps, a.rounds, a.per_round)
+    t_measure = time.perf_counter() - t_measure
+    del steps
     rho_median = spearman([predicted[g].step_seconds for g in grids], [medians[g] for g in grids])
-
     order = sorted(grids, key=lambda g: measured[g])
     rho = spearman([predicted[g].step_seconds for g in grids], [measured[g] for g in grids])
-    best_predicted = min(grids, key=lambda g: predicted[g].step_seconds)
-    rank_of_best = order.index(best_predicted) + 1
+    pred_order = sorted(grids, key=lambda g: predicted[g].step_seconds)
+    rank_of_best = order.index(pred_order[0]) + 1
     lines = [
-        f"# Predicted vs measured step time, {len(grids)} grids of {DEVICES} devices",
+        f"### {case.name}: {len(grids)} grids",
         "",
-        f"Model: {spec.name}, {spec.num_params:,} parameters, float32, AdamW, no recompute. "
-        f"Machine: {machine.name} ({machine.source}). Measured: best of {a.rounds} rounds × "
-        f"{a.per_round} steps per grid, grids in a new random order each round (other processes "
-        "on the machine only ever add time; the median is shown too).",
+        f"Model: {spec.name}, {spec.num_params:,} parameters.",
         "",
         f"**Spearman rank correlation: {rho:.3f}** (against the medians: {rho_median:.3f}); "
-        f"predicted best {_g(best_predicted)} is measured #{rank_of_best} "
-        f"({'in' if rank_of_best <= 3 else 'not in'} the measured top 3).",
+        f"predicted best {_g(pred_order[0])} is measured #{rank_of_best}"
+        f"{' (the measured best)' if rank_of_best == 1 else f'; measured best {_g(order[0])}'}.",
         "",
         "| measured rank | grid (x,y,z,data) | measured ms | median ms | predicted ms "
         "| predicted rank | predicted compute ms | predicted comm ms |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    pred_order = sorted(grids, key=lambda g: predicted[g].step_seconds)
     for i, g in enumerate(order, 1):
         p = predicted[g]
         lines.append(
@@ -201,14 +284,13 @@ def main(argv=None) -> dict:
     skipped = [g for g in candidates if g not in grids]
     if skipped:
         lines += ["", f"Not run (do not divide the model): {', '.join(_g(g) for g in skipped)}."]
-    lines += ["", f"Compile {t_compile:.0f} s; total benchmark time "
-              f"{time.perf_counter() - t_start:.0f} s."]  # fmt: skip
-    text = "\n".join(lines) + "\n"
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(text)
-    print(text)
+    lines += ["", f"Compile {t_compile:.0f} s, measure {t_measure:.0f} s."]
     return {"spearman": rho, "spearman_median": rho_median, "best_rank": rank_of_best,
-            "grids": len(grids)}  # fmt: skip
+            "predicted_best": _g(pred_order[0]), "measured_best": _g(order[0]), "grids": len(grids),
+            "measured_ms": {_g(g): measured[g] * 1e3 for g in grids},
+            "predicted_ms": {_g(g): predicted[g].step_seconds * 1e3 for g in grids},
+            "compile_seconds": t_compile, "measure_seconds": t_measure,
+            "markdown": "\n".join(lines)}  # fmt: skip
 
 
 def _g(grid) -> str:

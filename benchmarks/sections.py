@@ -101,8 +101,13 @@ def gspmd_section(r: dict) -> str:
 
 
 def prediction_summary(r: dict) -> Rows:
-    return [(f"grid choice: Spearman ρ, predicted vs measured step time over {r['grids']} grids",
-             f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
+    if "models" not in r:  # results from before the MLP and CNN
+        return [(f"grid choice: Spearman ρ, predicted vs measured step time over {r['grids']} grids",
+                 f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
+    models = r["models"]
+    return [(f"grid choice, {name}: Spearman ρ, predicted vs measured step time over {m['grids']} grids",
+             f"{m['spearman']:.2f} (predicted best is measured #{m['best_rank']})")
+            for name, m in models.items()]  # fmt: skip
 
 
 def prediction_section(r: dict) -> str:

@@ -130,6 +130,10 @@ class TrainStep(abc.ABC):
     def _compile(self, optimizer: MasterOptimizer, out_shardings: tuple) -> Callable:
         """The jitted program of one stage (``out_shardings``: of its parameters and state)."""
 
+    #: the whole step is one program (:meth:`SingleMeshStep.lower`); a pipelined step runs
+    #: one per stage and task
+    one_program = False
+
     @abc.abstractmethod
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
         """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""
@@ -281,6 +285,8 @@ class SingleMeshStep(TrainStep):
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
         _check_step_inputs(params, opt_state, batch)
         return self._program(0).run(params, opt_state, batch, rngs)
+
+    one_program = True
 
     def lower(self, params, opt_state: OptState, batch, rngs=None) -> jax.stages.Lowered:
         """The step's one program lowered ahead of time for these arguments (``.compile()``,
