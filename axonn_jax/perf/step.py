@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf.comm import CollectiveCost, collectives
@@ -146,11 +147,18 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
     return total * tokens
 
 
+@functools.lru_cache(maxsize=4096)
+def _collectives(spec: ModelSpec, grid: Grid, recompute: bool, microbatches: int,
+                 scatter_batch: bool) -> tuple[CollectiveCost, ...]:
+    """:func:`collectives`, remembered: the search prices several offload and schedule
+    choices of each (grid, recompute, microbatches), which send the same."""
+    return collectives(spec, grid, recompute=recompute, microbatches=microbatches, scatter_batch=scatter_batch)
+
+
 def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Options()) -> Prediction:
     """Time and memory of one training step of ``spec`` on ``grid`` (see module docstring)."""
     mb, p, v = options.microbatches, grid.pipeline, grid.virtual
-    cs = collectives(spec, grid, recompute=options.recompute, microbatches=mb,
-                     scatter_batch=options.scatter_batch)
+    cs = _collectives(spec, grid, options.recompute, mb, options.scatter_batch)
     itemsize = options.itemsize
     seconds, once, fixed, linear = [], 0.0, 0.0, 0.0
     for c in cs:
