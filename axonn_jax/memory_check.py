@@ -89,15 +89,17 @@ def check_memory(
     ``example_args``: the model's inputs for one whole step (arrays or
     ShapeDtypeStructs; the global batch the predictions were made for).
     ``optimizer``: the step's (default AdamW, two fp32 slots, as the model
-    prices). ``devices``: those to plan on (default ``jax.devices()``).
+    prices). ``devices``: the devices at hand (default ``jax.devices()``; ``partition``
+    meshes the first ``grid.size`` of the process's); a configuration needing more is
+    reported unchecked.
     """
     devices = list(devices if devices is not None else jax.devices())
     optimizer = optimizer or optax.adamw(1e-3)
     out = []
     for pred in predictions:
-        grid, options = pred.grid, pred.options
-        if grid.size > len(devices):
-            out.append(MemoryCheck(pred, limit_bytes, note=f"needs {grid.size} devices, {len(devices)} here"))
+        size = pred.grid.size
+        if size > len(devices):
+            out.append(MemoryCheck(pred, limit_bytes, note=f"needs {size} devices, {len(devices)} here"))
         else:
             out.append(_check_one(model, example_args, pred, limit_bytes, loss_fn, optimizer))
     return out
