@@ -123,6 +123,8 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         machine = machine.with_efficiency(args.efficiency)
     if args.check_memory < 0:
         parser.error(f"--check-memory must be >= 0, got {args.check_memory}")
+    if args.no_recompute and args.recompute != "auto":
+        parser.error(f"--no-recompute is --recompute off; it cannot be combined with --recompute {args.recompute}")
     recompute = "off" if args.no_recompute else args.recompute
     schedule = "message" if args.schedule == "auto" else args.schedule
     options = Options(precision=args.precision, schedule=schedule, scatter_batch=not args.no_scatter_batch)
