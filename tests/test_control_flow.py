@@ -152,6 +152,7 @@ def test_concatenations_taken_apart_exactly():
         "cuts a piece": (lambda h, *w: _gates(h, w[:3], w[3:], sizes=[6, 10]), ["concatenate", "split"]),
         "contracting": (lambda h, *w: jnp.concatenate([h, h], axis=1) @ jnp.concatenate(w[:2], axis=0),
                         ["concatenate", "concatenate"]),
+        "rows": (lambda h, *w: sum(jnp.split(jnp.concatenate([h, 2 * h]) @ w[0], 2)), []),
         "scan body": (lambda h, *w: jax.lax.scan(lambda c, _: (sum(_gates(c, w[:3], w[3:])[:2]) @ w[0]
                                                                [:, :4].T, None), h, None, length=3)[0],
                       []),
