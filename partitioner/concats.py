@@ -13,7 +13,7 @@ reads it works piece by piece, and the pieces go on:
   one product per piece (columns of a product do not mix: exact);
 * elementwise ops whose operands are concatenations along the same dim in
   the same pieces (or broadcast along it, or scalars) → one op per piece;
-* ``broadcast_in_dim``, ``reshape`` (size-1 dims added or dropped),
+* ``broadcast_in_dim``, ``reshape`` (keeping the dim as one of its own),
   ``transpose`` and ``convert_element_type`` move the dim along;
 * ``split`` / ``slice`` whose boundaries fall on piece boundaries read the
   pieces (a split into the concatenated kernels' sizes gives each gate its
@@ -48,7 +48,7 @@ import numpy as np
 from jax import lax
 
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, is_literal, with_subjaxprs
-from axonn_jax.partitioner.rules import ELEMENTWISE, shape_of
+from axonn_jax.partitioner.rules import ELEMENTWISE, reshape_groups, shape_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,15 +180,14 @@ def _broadcast_in_dim(eqn, env: _Env) -> list | None:
 
 
 def _reshape(eqn, env: _Env) -> list | None:
-    """A reshape that only adds or drops size-1 dims keeps the concatenated dim."""
+    """A reshape that keeps the concatenated dim as one dim of its own (others may merge or split)."""
     value = env.read(eqn.invars[0])
     in_shape, out_shape = shape_of(eqn.invars[0]), tuple(eqn.params["new_sizes"])
-    ins = [d for d, s in enumerate(in_shape) if s != 1]
-    outs = [d for d, s in enumerate(out_shape) if s != 1]
-    if (eqn.params.get("dimensions") is not None or len(eqn.invars) != 1 or value.dim not in ins
-            or [in_shape[d] for d in ins] != [out_shape[d] for d in outs]):  # fmt: skip
+    groups = reshape_groups(in_shape, out_shape) or []
+    kept = [go[0] for gi, go in groups if gi == [value.dim] and len(go) == 1]
+    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1 or not kept:
         return None
-    dim = outs[ins.index(value.dim)]
+    dim = kept[0]
     return [_each(value, dim, lambda k, part: _bind(
         eqn, [part], new_sizes=out_shape[:dim] + (value.sizes[k],) + out_shape[dim + 1:])[0])]
 
