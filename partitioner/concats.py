@@ -21,7 +21,10 @@ reads it works piece by piece, and the pieces go on:
 * ``concatenate`` of concatenations along the same dim flattens.
 
 Anything else reads the concatenation whole: it is materialised there (one
-``concatenate`` of the pieces, as the model wrote it). Every piece op is the
+``concatenate`` of the pieces, as the model wrote it). A concatenation that
+is read whole somewhere and whose pieces no ``split``/``slice`` reads (a
+first walk finds those) stays as written, so a class token concatenated to a
+sequence keeps taking the sequence's split; one that nothing reads is dropped. Every piece op is the
 model's op on a block of its operands, so results are bitwise those of the
 fused form; each weight is then planned as its own 4D layer (its columns over
 the layer's output axis), in scan bodies as elsewhere (bodies are rewritten
@@ -57,6 +60,8 @@ class Pieces:
 
     dim: int
     parts: tuple
+    #: the ``concatenate`` equations (their ids) this value's pieces come from
+    origins: frozenset = frozenset()
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -68,18 +73,34 @@ class Pieces:
 
 
 def take_apart(closed) -> Any:
-    """``closed`` (a ClosedJaxpr) with concatenations taken apart (module docstring); same signature."""
-    return jax.make_jaxpr(lambda *a: _run(closed.jaxpr, closed.consts, a))(
-        *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    )
+    """``closed`` (a ClosedJaxpr) with concatenations taken apart (module docstring); same signature.
+
+    Two walks: the first takes every concatenation apart and records those read
+    whole and those whose pieces a ``split``/``slice`` reads; the second keeps
+    the ones only read whole as written.
+    """
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    trial = _Env()
+    jax.make_jaxpr(lambda *a: _run(closed.jaxpr, closed.consts, a, trial))(*avals)
+    final = _Env(as_written=frozenset(trial.read_whole - trial.read_apart), final=True)
+    return jax.make_jaxpr(lambda *a: _run(closed.jaxpr, closed.consts, a, final))(*avals)
 
 
 class _Env:
-    """Values of a jaxpr's variables: concrete (traced) values or :class:`Pieces`."""
+    """Values of a jaxpr's variables: concrete (traced) values or :class:`Pieces`.
 
-    def __init__(self):
+    ``as_written``: the concatenations (ids of their equations) not to take
+    apart; ``final``: the last walk (control-flow bodies are taken apart too).
+    A walk records in ``read_whole`` / ``read_apart`` the concatenations whose
+    pieces were concatenated / read apart by a ``split`` or ``slice``.
+    """
+
+    def __init__(self, as_written: frozenset = frozenset(), final: bool = False):
         self.values: dict = {}
         self.wholes: dict = {}  # var -> its Pieces materialised once
+        self.as_written, self.final = as_written, final
+        self.read_whole: set = set()
+        self.read_apart: set = set()
 
     def read(self, v):
         """``v``'s value, a :class:`Pieces` left as it is."""
@@ -92,27 +113,27 @@ class _Env:
             return value
         if v not in self.wholes:
             self.wholes[v] = value.whole()
+            self.read_whole |= value.origins
         return self.wholes[v]
 
 
-def _run(jaxpr, consts, args) -> list:
+def _run(jaxpr, consts, args, env: _Env) -> list:
     from axonn_jax.partitioner.trace import source_context
 
-    env = _Env()
     env.values.update(zip(jaxpr.constvars, consts))
     env.values.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
         with source_context(eqn.source_info):  # warnings keep naming the model's line
             outs = _apart(eqn, env)
             if outs is None:
-                outs = _bind(eqn, [env.whole(v) for v in eqn.invars])
+                outs = _bind(eqn, [env.whole(v) for v in eqn.invars], final=env.final)
         env.values.update(zip(eqn.outvars, outs))
     return [env.whole(v) for v in jaxpr.outvars]
 
 
-def _bind(eqn, values: list, **changed) -> list:
+def _bind(eqn, values: list, final: bool = False, **changed) -> list:
     params = dict(eqn.params, **changed)
-    if eqn.primitive.name in CONTROL_FLOW:  # bodies taken apart too; same signature
+    if final and eqn.primitive.name in CONTROL_FLOW:  # bodies taken apart too; same signature
         params = with_subjaxprs(eqn, take_apart)
     outs = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
     return list(outs) if eqn.primitive.multiple_results else [outs]
@@ -133,7 +154,7 @@ def _apart(eqn, env: _Env) -> list | None:
 
 def _each(pieces: Pieces, dim: int, make: Callable[[int, Any], Any]) -> Pieces:
     """``Pieces`` along ``dim`` of ``make(k, part)`` for each part ``k``."""
-    return Pieces(dim, tuple(make(k, part) for k, part in enumerate(pieces.parts)))
+    return Pieces(dim, tuple(make(k, part) for k, part in enumerate(pieces.parts)), pieces.origins)
 
 
 def _elementwise(eqn, env: _Env) -> list | None:
@@ -149,7 +170,7 @@ def _elementwise(eqn, env: _Env) -> list | None:
             return None
     part = lambda k, value: value.parts[k] if isinstance(value, Pieces) else value  # noqa: E731
     outs = [_bind(eqn, [part(k, v) for v in values])[0] for k in range(len(sizes))]
-    return [Pieces(dim, tuple(outs))]
+    return [Pieces(dim, tuple(outs), frozenset().union(*(p.origins for p in found)))]
 
 
 def _dot_general(eqn, env: _Env) -> list | None:
@@ -198,7 +219,7 @@ def _transpose(eqn, env: _Env) -> list | None:
     return [_each(value, dim, lambda k, part: _bind(eqn, [part])[0])]
 
 
-def _ranges(value: Pieces, bounds: list[tuple[int, int]]) -> list | None:
+def _ranges(value: Pieces, bounds: list[tuple[int, int]], env: _Env) -> list | None:
     """Each ``(start, stop)`` range along the dim as its run of pieces, or None if one cuts a piece."""
     edges = list(np.cumsum((0,) + value.sizes))
     out = []
@@ -206,7 +227,8 @@ def _ranges(value: Pieces, bounds: list[tuple[int, int]]) -> list | None:
         if start not in edges or stop not in edges:
             return None
         run = value.parts[edges.index(start):edges.index(stop)]
-        out.append(run[0] if len(run) == 1 else Pieces(value.dim, run))
+        out.append(run[0] if len(run) == 1 else Pieces(value.dim, run, value.origins))
+    env.read_apart |= value.origins
     return out
 
 
@@ -215,7 +237,7 @@ def _split(eqn, env: _Env) -> list | None:
     if eqn.params["axis"] % len(shape_of(eqn.invars[0])) != value.dim:
         return None
     edges = list(np.cumsum((0,) + tuple(eqn.params["sizes"])))
-    return _ranges(value, list(zip(edges[:-1], edges[1:])))
+    return _ranges(value, list(zip(edges[:-1], edges[1:])), env)
 
 
 def _slice(eqn, env: _Env) -> list | None:
@@ -227,20 +249,25 @@ def _slice(eqn, env: _Env) -> list | None:
     cut = [d for d in range(len(shape)) if (start[d], limit[d], strides[d]) != (0, shape[d], 1)]
     if cut != [value.dim] or strides[value.dim] != 1:
         return None
-    return _ranges(value, [(start[value.dim], limit[value.dim])])
+    return _ranges(value, [(start[value.dim], limit[value.dim])], env)
 
 
-def _concatenate(eqn, env: _Env) -> list:
-    """A concatenation is its pieces (flattening those concatenated along the same dim)."""
+def _concatenate(eqn, env: _Env) -> list | None:
+    """A concatenation is its pieces (flattening those concatenated along the same dim), when
+    it is one to take apart."""
+    if id(eqn) in env.as_written:
+        return None
     dim = eqn.params["dimension"]
     parts: list = []
+    origins = {id(eqn)}
     for v in eqn.invars:
         value = env.read(v)
         if isinstance(value, Pieces) and value.dim == dim:
             parts.extend(value.parts)
+            origins |= value.origins
         else:
             parts.append(env.whole(v))
-    return [Pieces(dim, tuple(parts))]
+    return [Pieces(dim, tuple(parts), frozenset(origins))]
 
 
 _HANDLERS: dict[str, Callable[[Any, _Env], list | None]] = {

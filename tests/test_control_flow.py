@@ -141,7 +141,7 @@ def _names(jaxpr) -> list[str]:
 def test_concatenations_taken_apart_exactly():
     """dot(h, concat(W_i)) + concat(b_i), split at the pieces: one product per kernel, nothing
     concatenated (in a scan body too); a split that cuts a piece, a concatenation along a
-    contracting dim: concatenated as written. Results those of the fused form (the same
+    contracting dim, one whose pieces nothing reads apart: concatenated as written. Results those of the fused form (the same
     products; only the matmul kernel chosen for the narrower shapes may round differently)."""
     rng = np.random.default_rng(0)
     h, rows = rng.standard_normal((4, 6), np.float32), rng.standard_normal((3, 5), np.float32)
@@ -149,7 +149,9 @@ def test_concatenations_taken_apart_exactly():
     bias = [rng.standard_normal(n, np.float32) for n in (4, 4, 8)]
     cases = {
         "aligned": (lambda h, *w: _gates(h, w[:3], w[3:]), []),
-        "cuts a piece": (lambda h, *w: _gates(h, w[:3], w[3:], sizes=[6, 10]), ["concatenate", "split"]),
+        "cuts a piece": (lambda h, *w: _gates(h, w[:3], w[3:], sizes=[6, 10]),
+                         ["concatenate", "concatenate", "split"]),
+        "read whole": (lambda h, *w: jnp.concatenate([h, 2 * h]) @ w[0], ["concatenate"]),
         "contracting": (lambda h, *w: jnp.concatenate([h, h], axis=1) @ jnp.concatenate(w[:2], axis=0),
                         ["concatenate", "concatenate"]),
         "rows": (lambda h, *w: sum(jnp.split(jnp.concatenate([h, 2 * h]) @ w[0], 2)), []),
