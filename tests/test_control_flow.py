@@ -148,23 +148,23 @@ def test_concatenations_taken_apart_exactly():
     kernels = [rng.standard_normal((6, n), np.float32) for n in (4, 4, 8)]
     bias = [rng.standard_normal(n, np.float32) for n in (4, 4, 8)]
     cases = {
-        "aligned": (lambda h, *w: _gates(h, w[:3], w[3:]), []),
+        "aligned": (lambda h, *w: _gates(h, w[:3], w[3:]), ["dot_general"] * 3),
         "cuts a piece": (lambda h, *w: _gates(h, w[:3], w[3:], sizes=[6, 10]),
-                         ["concatenate", "concatenate", "split"]),
-        "read whole": (lambda h, *w: jnp.concatenate([h, 2 * h]) @ w[0], ["concatenate"]),
+                         ["concatenate", "dot_general", "concatenate", "split"]),
+        "read whole": (lambda h, *w: jnp.concatenate([h, 2 * h]) @ w[0], ["concatenate", "dot_general"]),
         "contracting": (lambda h, *w: jnp.concatenate([h, h], axis=1) @ jnp.concatenate(w[:2], axis=0),
-                        ["concatenate", "concatenate"]),
-        "rows": (lambda h, *w: sum(jnp.split(jnp.concatenate([h, 2 * h]) @ w[0], 2)), []),
+                        ["concatenate", "concatenate", "dot_general"]),
+        "rows": (lambda h, *w: sum(jnp.split(jnp.concatenate([h, 2 * h]) @ w[0], 2)), ["dot_general"] * 2),
         "scan body": (lambda h, *w: jax.lax.scan(lambda c, _: (sum(_gates(c, w[:3], w[3:])[:2]) @ w[0]
                                                                [:, :4].T, None), h, None, length=3)[0],
-                      []),
+                      ["dot_general"] * 4),
     }  # fmt: skip
     for name, (f, kept) in cases.items():
         closed = jax.make_jaxpr(f)(h, *kernels, *bias)
         got = take_apart(closed)
         inner = [e.params["jaxpr"].jaxpr for e in got.jaxpr.eqns if e.primitive.name == "scan"]
         names = _names(got.jaxpr) + [n for j in inner for n in _names(j)]
-        assert [n for n in names if n in ("concatenate", "split")] == kept, (name, names)
+        assert [n for n in names if n in ("concatenate", "split", "dot_general")] == kept, (name, names)
         want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, h, *kernels, *bias)
         for g, w in zip(jax.core.eval_jaxpr(got.jaxpr, got.consts, h, *kernels, *bias), want):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=name)
