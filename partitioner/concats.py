@@ -24,11 +24,14 @@ Anything else reads the concatenation whole: it is materialised there (one
 ``concatenate`` of the pieces, as the model wrote it). A concatenation that
 is read whole somewhere and whose pieces no ``split``/``slice`` reads (a
 first walk finds those) stays as written, so a class token concatenated to a
-sequence keeps taking the sequence's split; one that nothing reads is dropped. Every piece op is the
-model's op on a block of its operands, so results are bitwise those of the
-fused form; each weight is then planned as its own 4D layer (its columns over
-the layer's output axis), in scan bodies as elsewhere (bodies are rewritten
-too), and autodiff of the pieces gives the backward the same structure.
+sequence keeps taking the sequence's split; one that nothing reads is dropped.
+
+Every piece op is the model's op on a block of its operands: the same sums
+and products as the fused form (only the matmul kernel XLA picks for the
+narrower shapes may round differently). Each weight is then planned as its
+own 4D layer (its columns over the layer's output axis), in scan bodies as
+elsewhere (bodies are rewritten too), and autodiff of the pieces gives the
+backward the same structure.
 
 Example:
     >>> import jax, jax.numpy as jnp
