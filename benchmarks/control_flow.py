@@ -13,6 +13,7 @@ Run (8 simulated CPU devices)::
 
     .venv/bin/python benchmarks/control_flow.py
     .venv/bin/python benchmarks/control_flow.py --models scan_gpt --grids x=4,data=2
+    .venv/bin/python benchmarks/control_flow.py --models lstm,gru --batch 64 --pipelines ""
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "y=2,z=2,data=2")
 PIPELINES = ("pipeline=2,x=2,z=2", "pipeline=4,z=2")
 
 
-def row(name: str, grid_text: str) -> dict:
+def row(name: str, grid_text: str, batch: int | None = None) -> dict:
     import axonn_jax
-    from control_flow_cases import build
+    from control_flow_cases import BATCH, build
     from partition_cases import reference_apply
 
-    case = build(name)
+    case = build(name, batch or BATCH)
     params, apply = reference_apply(case)
 
     def loss(p, fn):
@@ -101,11 +102,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--grids", default=";".join(GRIDS), help="';'-separated grids")
     parser.add_argument("--pipelines", default=";".join(PIPELINES), help="';'-separated grids")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="rows of the language models' token batch (default: the test cases' 8)")
     ns = parser.parse_args(argv)
     rows = []
     for name in ns.models.split(","):
         for grid in ns.grids.split(";"):
-            rows.append(row(name, grid))
+            rows.append(row(name, grid, ns.batch))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     stages = [stage_shares(name, grid) for name in ("scan_gpt", "scan_gpt_nnx")
               for grid in ns.pipelines.split(";") if grid]  # fmt: skip

@@ -392,13 +392,16 @@ def inline_calls(closed) -> Any:
     pointwise custom-JVP calls such as ``jax.nn.relu``, kept whole so that
     their derivative rule survives (:mod:`~axonn_jax.partitioner.pointwise`).
     Control flow (``scan``/``while``/``cond``) stays one equation whose bodies
-    are inlined the same way.
+    are inlined the same way. Concatenations are then taken apart where what
+    reads them works piece by piece (:func:`~axonn_jax.partitioner.concats.take_apart`).
     """
+    from axonn_jax.partitioner.concats import take_apart
+
     with bound_axis_names(collective_axis_names(closed.jaxpr)):
         inlined = jax.make_jaxpr(lambda *a: _eval_inlined(closed.jaxpr, closed.consts, a))(
             *[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
         )
-    return inlined
+        return take_apart(inlined)
 
 
 def collective_axis_names(jaxpr) -> tuple:

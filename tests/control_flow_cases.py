@@ -257,12 +257,13 @@ LOOPS = ["fori_refiner", "while_normalised", "cond_switch", "scan_dense"]
 MODELS = SCANNED + RECURRENT + LOOPS
 
 
-def build(name: str):
-    """The :class:`partition_cases.Case` of a control-flow model (fixed data, fixed loss)."""
+def build(name: str, batch: int = BATCH):
+    """The :class:`partition_cases.Case` of a control-flow model (fixed data, fixed loss);
+    ``batch``: rows of the token batch of the language models (scanned and recurrent)."""
     from partition_cases import Case
 
     rng = np.random.default_rng(7)
-    tokens = _tokens()
+    tokens = _tokens(shape=(batch, SEQ))
     lm = lambda out, t: next_token_loss(out, t)  # noqa: E731
     if name == "scan_gpt":
         return Case(ScanGPT(), (tokens,), lm)

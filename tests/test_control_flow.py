@@ -22,6 +22,7 @@ from partition_cases import GRIDS, adamw_trajectory, assert_matches_reference, r
 import axonn_jax
 from axonn_jax import Grid
 from axonn_jax.partitioner import control_flow as CF
+from axonn_jax.partitioner.concats import take_apart
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.flows import variable_layouts
 
@@ -100,6 +101,73 @@ def test_carry_layout_is_a_fixed_point_of_the_body(model):
     outs = CF.out_layouts(CF.bodies(eqn)[0], step.loop.bodies[0].ins, ctx)
     assert outs[:nk] == carry
     assert all(lay[0][:2] == ("data", "z") for lay in carry)  # batch split over data·z
+
+
+#: (model, grid, batch rows): the recurrent cells on the redundancy grids; the data-heavy grids
+#: at 64 rows (8 per device over data·z), as at 8 rows (one per device) each device repeats the
+#: weight-size gradient accumulation of every iteration (docs/partitioning.md: ≈ 1.11 there)
+RECURRENT_REDUNDANCY = [("lstm", "x=2,y=2,z=2", 8), ("lstm", "x=4,data=2", 8),
+                        ("lstm", "z=2,data=4", 64), ("lstm", "y=2,z=2,data=2", 64),
+                        ("gru", "z=2,data=4", 64), ("lstm_plain", "x=4,data=2", 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("model,grid,batch", RECURRENT_REDUNDANCY, ids=str)
+def test_recurrent_cells_split_4d(model, grid, batch):
+    """No warning, redundancy ≤ 1.05: OptimizedLSTMCell's concatenated gate kernels are taken
+    apart (partitioner/concats.py), each kernel held 1/(x·y·z) per device like LSTMCell's."""
+    grid = Grid.parse(grid)
+    case = build(model, batch)
+    pm = axonn_jax.partition(case.model, grid, *case.args)
+    report = pm.report().compute
+    assert pm.plan.warnings == (), pm.plan.warnings
+    assert report.redundancy <= 1.05, (report.redundancy, report.repeated(3))
+    kernels = [p for p in pm.plan.params if "Cell_0/" in p.path and p.path.endswith("kernel")]
+    assert len(kernels) >= 6
+    for p in kernels:
+        assert np.prod(p.local_shape(grid)) * grid.x * grid.y * grid.z == np.prod(p.shape), (p.path, p.storage)
+
+
+def _gates(h, kernels, bias, sizes=None):
+    """A fused cell's step: ``h @ concat(kernels) + bias``, split into the kernels' columns."""
+    fused = h @ jnp.concatenate(kernels, axis=1) + jnp.concatenate(bias).reshape(1, -1)
+    cuts = np.cumsum(sizes or [k.shape[1] for k in kernels])[:-1]
+    return [jnp.tanh(g) for g in jnp.split(fused, cuts, axis=1)]
+
+
+def _names(jaxpr) -> list[str]:
+    return [e.primitive.name for e in jaxpr.eqns]
+
+
+def test_concatenations_taken_apart_exactly():
+    """dot(h, concat(W_i)) + concat(b_i), split at the pieces: one product per kernel, nothing
+    concatenated (in a scan body too); a split that cuts a piece, a concatenation along a
+    contracting dim, one whose pieces nothing reads apart: concatenated as written. Results those of the fused form (the same
+    products; only the matmul kernel chosen for the narrower shapes may round differently)."""
+    rng = np.random.default_rng(0)
+    h, rows = rng.standard_normal((4, 6), np.float32), rng.standard_normal((3, 5), np.float32)
+    kernels = [rng.standard_normal((6, n), np.float32) for n in (4, 4, 8)]
+    bias = [rng.standard_normal(n, np.float32) for n in (4, 4, 8)]
+    cases = {
+        "aligned": (lambda h, *w: _gates(h, w[:3], w[3:]), ["dot_general"] * 3),
+        "cuts a piece": (lambda h, *w: _gates(h, w[:3], w[3:], sizes=[6, 10]),
+                         ["concatenate", "dot_general", "concatenate", "split"]),
+        "read whole": (lambda h, *w: jnp.concatenate([h, 2 * h]) @ w[0], ["concatenate", "dot_general"]),
+        "contracting": (lambda h, *w: jnp.concatenate([h, h], axis=1) @ jnp.concatenate(w[:2], axis=0),
+                        ["concatenate", "concatenate", "dot_general"]),
+        "rows": (lambda h, *w: sum(jnp.split(jnp.concatenate([h, 2 * h]) @ w[0], 2)), ["dot_general"] * 2),
+        "scan body": (lambda h, *w: jax.lax.scan(lambda c, _: (sum(_gates(c, w[:3], w[3:])[:2]) @ w[0]
+                                                               [:, :4].T, None), h, None, length=3)[0],
+                      ["dot_general"] * 4),
+    }  # fmt: skip
+    for name, (f, kept) in cases.items():
+        closed = jax.make_jaxpr(f)(h, *kernels, *bias)
+        got = take_apart(closed)
+        inner = [e.params["jaxpr"].jaxpr for e in got.jaxpr.eqns if e.primitive.name == "scan"]
+        names = _names(got.jaxpr) + [n for j in inner for n in _names(j)]
+        assert [n for n in names if n in ("concatenate", "split", "dot_general")] == kept, (name, names)
+        want = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, h, *kernels, *bias)
+        for g, w in zip(jax.core.eval_jaxpr(got.jaxpr, got.consts, h, *kernels, *bias), want):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 def test_fixed_point_search_settles_on_the_common_part_of_a_cycle():
