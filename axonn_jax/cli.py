@@ -30,6 +30,7 @@ GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from axonn_jax import __version__
     from axonn_jax.perf.options import SCHEDULES
+    from axonn_jax.partitioner.grid import PLACEMENTS
 
     ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
     ap.add_argument("--version", action="version", version=f"axonn-jax {__version__}")
@@ -60,6 +61,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
     plan.add_argument("--virtual", type=int, default=1,
                       help="pipeline stages per rank (interleaved) for grids with a pipeline (default 1)")
+    plan.add_argument("--placement", choices=PLACEMENTS, default="interleaved",
+                      help="which rank runs each virtual stage: interleaved (s mod p) or v "
+                           "(V-shaped, with --virtual 2; default interleaved)")  # fmt: skip
     plan.add_argument("--schedule", choices=SCHEDULES, default="message",
                       help="pipeline schedule priced (zb, zb-h1: zero bubble; default message)")  # fmt: skip
     plan.add_argument("--no-scatter-batch", action="store_true",
@@ -106,6 +110,9 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--microbatches must be >= 1, got {args.microbatches}")
     if args.virtual < 1:
         parser.error(f"--virtual must be >= 1 (stages per pipeline rank), got {args.virtual}")
+    if args.placement == "v" and args.virtual != 2:
+        parser.error(f"--placement v needs --virtual 2 (rank r runs stages r and 2p-1-r), got "
+                     f"--virtual {args.virtual}; remedy: --virtual 2, or --placement interleaved")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
     try:
@@ -120,7 +127,8 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     t0 = time.perf_counter()
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
-                    microbatches=args.microbatches, virtual=args.virtual)  # fmt: skip
+                    microbatches=args.microbatches, virtual=args.virtual,
+                    placement=args.placement)  # fmt: skip
     seconds = time.perf_counter() - t0
     if args.json:
         print(json.dumps([{**p.as_dict(), "grid_flag": _grid_flag(p.grid)} for p in result.ranked],
@@ -197,7 +205,8 @@ def _grid_flag(grid) -> str:
     """``z=4,data=2``: the axes larger than 1, as ``--grid`` and ``Grid.parse`` take them."""
     sizes = {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data, "pipeline": grid.pipeline,
              "virtual": grid.virtual}
-    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "x=1"
+    flag = ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "x=1"
+    return flag + (f",placement={grid.placement}" if grid.placement != "interleaved" else "")
 
 
 def _launch(best) -> str:
@@ -207,7 +216,8 @@ def _launch(best) -> str:
     schedule = best.options.schedule if best.bubble else "message"  # no pipeline: no schedule
     step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
             + [f'schedule="{schedule}"'] * (schedule != "message"))  # fmt: skip
-    python = f"axonn_jax.Grid({flag.replace(',', ', ')})"
+    args = flag.replace(",", ", ").replace("placement=v", 'placement="v"')
+    python = f"axonn_jax.Grid({args})"
     if not best.options.scatter_batch:
         python = f"partition(model, {python}, ..., scatter_batch=False)"
     if step:
@@ -236,6 +246,7 @@ def _table(spec, machine, options, gpus, result, seconds) -> str:
     for i, p in enumerate(result.ranked, 1):
         g, m = p.grid, p.memory
         pipe = f"{g.pipeline}×{g.virtual}" if g.virtual > 1 else str(g.pipeline)
+        pipe += "V" if g.placement == "v" else ""
         rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), pipe,
                      str(p.options.microbatches), "yes" if p.options.offload else "no",
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",

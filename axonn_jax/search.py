@@ -72,6 +72,7 @@ def search(
     pipeline: bool = True,
     microbatches: int | None = None,
     virtual: int = 1,
+    placement: str = "interleaved",
 ) -> SearchResult:
     """Rank the grids of ``devices`` devices for ``spec`` on ``machine`` (module docstring).
 
@@ -81,6 +82,7 @@ def search(
         pipeline: also search pipeline sizes > 1.
         microbatches: fix the number of microbatches instead of searching it.
         virtual: stages per pipeline rank (interleaved) for the grids with a pipeline.
+        placement: of those stages, ``"interleaved"`` or ``"v"`` (V-shaped, ``virtual=2``).
     """
     if offload not in OFFLOAD_CHOICES:
         raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
@@ -96,7 +98,7 @@ def search(
         raise ValueError(f"virtual must be a positive int (stages per pipeline rank), got {virtual!r}")
     for grid in grids(devices, pipeline=pipeline):
         if grid.pipeline > 1 and virtual > 1:
-            grid = dataclasses.replace(grid, virtual=virtual)
+            grid = dataclasses.replace(grid, virtual=virtual, placement=placement)
         considered += 1
         if spec.problems(grid):
             rejected["do not divide the model"] += 1
@@ -115,7 +117,8 @@ def search(
             fixed = base.device - base.activations
             fitting = [
                 mb for mb in counts
-                if fixed + base.activations * in_flight(mb, grid.pipeline, grid.virtual) / mb <= device_bytes
+                if fixed + base.activations * in_flight(mb, grid.pipeline, grid.virtual,
+                                                                 placement=grid.placement) / mb <= device_bytes
             ]  # fmt: skip
             if not fitting:
                 continue

@@ -54,6 +54,8 @@ class Simulation:
     idle: float  # mean over ranks of the idle fraction of the makespan
     peak: dict[int, int]  # stage → most microbatches holding residuals (full or W's) at once
     peak_full: dict[int, int]  # stage → most microbatches between forward and B
+    #: rank → most stage-microbatches between forward and B on all its stages at once
+    rank_peak_full: dict[int, int]
     order: dict[int, list[tuple[int, str, int, float]]]  # rank → (stage, kind, mb, start)
     #: (rank, W task, time) of each W started while a B of the same rank was ready
     w_before_b: list = dataclasses.field(default_factory=list)
@@ -62,6 +64,11 @@ class Simulation:
 def interleaved(stage: int, virtual: int, pipeline: int) -> int:
     """The runtime's placement of virtual stage ``stage`` (``stage mod pipeline``)."""
     return Grid(pipeline=pipeline, virtual=virtual).pipeline_rank(stage)
+
+
+def v_shaped(stage: int, virtual: int, pipeline: int) -> int:
+    """The runtime's V-shaped placement (``Grid(..., placement="v")``, ``virtual=2``)."""
+    return Grid(pipeline=pipeline, virtual=virtual, placement="v").pipeline_rank(stage)
 
 
 def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
@@ -76,11 +83,13 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
     last = n - 1
     unit = 1.0 / virtual
     stages = {s: _Stage() for s in range(n)}
-    owned = {r: [s for s in range(n) if placement(s, virtual, p) == r] for r in range(p)}
+    ranks = tuple(placement(s, virtual, p) for s in range(n))
+    owned = {r: [s for s in range(n) if ranks[s] == r] for r in range(p)}
+    rank_peak = {r: 0 for r in range(p)}
     plans = {}
     for r in range(p):
-        plans[r] = (make_schedule(schedule, limit=limit, stages=n, pipeline=p) if isinstance(schedule, str)
-                    else schedule(p))  # fmt: skip
+        plans[r] = (make_schedule(schedule, limit=limit, stages=n, pipeline=p, placement=ranks)
+                    if isinstance(schedule, str) else schedule(p))  # fmt: skip
         plans[r].start(owned[r], n, m)
     splits = plans[0].splits_weights
     t_f, t_b, t_w = forward * unit, split[0] * unit, split[1] * unit
@@ -158,6 +167,7 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
                 if s > 0:
                     heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
             seq += 1
+            rank_peak[r] = max(rank_peak[r], sum(len(stages[o].residuals) for o in owned[r]))
             plans[r].ran(task)
             order[r].append((s, "FB" if kind == "F" and s == last else kind, mb, now))
             free[r] = end
@@ -184,4 +194,4 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
     makespan = max(free.values())
     idle = sum(1.0 - b / makespan for b in busy.values()) / p
     return Simulation(makespan, idle, {s: st.peak for s, st in stages.items()},
-                      {s: st.peak_full for s, st in stages.items()}, order, w_before_b)  # fmt: skip
+                      {s: st.peak_full for s, st in stages.items()}, rank_peak, order, w_before_b)  # fmt: skip
