@@ -106,6 +106,12 @@ def test_plan_cuts_p_times_v_stages_balanced():
     assert "; stage s runs on pipeline rank s mod 2):" in text
     for s in range(4):
         assert f"  stage {s} (rank {s % 2}): " in text
+    vee = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2, placement="v"), *example)
+    text = str(vee.plan)
+    assert [(s.start, s.stop) for s in vee.plan.stages] == [(s.start, s.stop) for s in plain.stages]
+    assert "; V-shaped: stage s runs on rank s, or 2·2 − 1 − s from stage 2):" in text and " mod 2" not in text
+    for s, r in enumerate((0, 1, 1, 0)):
+        assert f"  stage {s} (rank {r}): " in text
 
 
 # --- placement and numerics (8 simulated devices) ----------------------------------------
