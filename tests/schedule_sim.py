@@ -7,7 +7,8 @@ a backward of one stage take ``1/v`` of a time unit (the last stage's fused
 forward+loss+backward ``2/v``), a message arrives ``latency`` after its task
 ends. Schedules that split the backward (zero bubble) run its B and W parts
 in ``split`` shares of the backward's time (default 1:1, a matmul layer's
-FLOPs); ``forward`` scales the forward's time (``split=(1, 1)``:
+FLOPs; or ``split(stage)`` per stage, e.g. the shares of the B and W programs'
+FLOPs, where stage 0 has no B); ``forward`` scales the forward's time (``split=(1, 1)``:
 F = B = W, the zero-bubble paper's setting).
 
 ``placement(stage, virtual, pipeline)`` gives the rank a stage runs on
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.runtime.pipeline.schedules import make_schedule
@@ -73,7 +75,8 @@ def v_shaped(stage: int, virtual: int, pipeline: int) -> int:
 
 def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
              latency: float = 0.0, limit: int | None = None, forward: float = 1.0,
-             split: tuple[float, float] = (0.5, 0.5), placement=interleaved) -> Simulation:  # fmt: skip
+             split: tuple[float, float] | Callable[[int], tuple[float, float]] = (0.5, 0.5),
+             placement=interleaved) -> Simulation:  # fmt: skip
     """Simulate one step; raises ``RuntimeError`` on a deadlock.
 
     ``schedule``: a name, or ``make(pipeline) → Schedule`` for one built here.
@@ -92,9 +95,13 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
                     if isinstance(schedule, str) else schedule(p))  # fmt: skip
         plans[r].start(owned[r], n, m)
     splits = plans[0].splits_weights
-    t_f, t_b, t_w = forward * unit, split[0] * unit, split[1] * unit
-    if not splits:
-        t_b, t_w = t_b + t_w, 0.0
+    shares = split if callable(split) else (lambda s: split)
+
+    def lengths(s: int) -> tuple[float, float]:  # (B, W) of stage s; the fused backward: (B + W, 0)
+        b, w = shares(s)
+        return (b * unit, w * unit) if splits else ((b + w) * unit, 0.0)
+
+    t_f = forward * unit
     free = {r: 0.0 for r in range(p)}  # when each rank's device is next free
     busy = {r: 0.0 for r in range(p)}
     order: dict[int, list] = {r: [] for r in range(p)}
@@ -138,6 +145,7 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
                 w_before_b.append((r, task, now))
             s, kind, mb = task.stage, task.kind.value, task.microbatch
             st = stages[s]
+            t_b, t_w = lengths(s)
             length = {"F": t_f + (t_b if s == last else 0.0), "B": t_b, "W": t_w}[kind]  # last: F+B
             end = now + length
             if kind == "W":
