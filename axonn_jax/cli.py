@@ -31,6 +31,7 @@ GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from axonn_jax import __version__
     from axonn_jax.perf.options import SCHEDULES
+    from axonn_jax.partitioner.grid import PLACEMENTS
 
     ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
     ap.add_argument("--version", action="version", version=f"axonn-jax {__version__}")
@@ -61,7 +62,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--no-pipeline", action="store_true", help="only grids with pipeline = 1")
     plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
     plan.add_argument("--virtual", type=int,
-                      help="fix the pipeline stages per rank (interleaved; default: searched)")
+                      help="fix the pipeline stages per rank (default: searched)")
+    plan.add_argument("--placement", choices=PLACEMENTS, default="interleaved",
+                      help="which rank runs each virtual stage: interleaved (s mod p) or v "
+                           "(V-shaped, virtual 2; default interleaved)")  # fmt: skip
     plan.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="message",
                       help="pipeline schedule priced (zb, zb-h1: zero bubble; auto: search those "
                            "priced differently; default message)")  # fmt: skip
@@ -113,6 +117,9 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--microbatches must be >= 1, got {args.microbatches}")
     if args.virtual is not None and args.virtual < 1:
         parser.error(f"--virtual must be >= 1 (stages per pipeline rank), got {args.virtual}")
+    if args.placement == "v" and args.virtual != 2:
+        parser.error(f"--placement v needs --virtual 2 (rank r runs stages r and 2p-1-r), got "
+                     f"--virtual {args.virtual}; remedy: --virtual 2, or --placement interleaved")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
     try:
@@ -136,7 +143,8 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
                     microbatches=args.microbatches, virtual=args.virtual, recompute=recompute,
-                    schedules=PRICED_SCHEDULES if args.schedule == "auto" else None)  # fmt: skip
+                    schedules=PRICED_SCHEDULES if args.schedule == "auto" else None,
+                    placement=args.placement)  # fmt: skip
     seconds = time.perf_counter() - t0
     checks = None
     if model is not None and result.ranked:
@@ -257,7 +265,8 @@ def _grid_flag(grid) -> str:
     """``z=4,data=2``: the axes larger than 1, as ``--grid`` and ``Grid.parse`` take them."""
     sizes = {"x": grid.x, "y": grid.y, "z": grid.z, "data": grid.data, "pipeline": grid.pipeline,
              "virtual": grid.virtual}
-    return ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "x=1"
+    flag = ",".join(f"{k}={v}" for k, v in sizes.items() if v > 1) or "x=1"
+    return flag + (f",placement={grid.placement}" if grid.placement != "interleaved" else "")
 
 
 def _launch(best) -> str:
@@ -268,7 +277,8 @@ def _launch(best) -> str:
     remat = best.options.recompute
     step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
             + [f'schedule="{schedule}"'] * (schedule != "message") + ['remat="full"'] * remat)  # fmt: skip
-    python = f"axonn_jax.Grid({flag.replace(',', ', ')})"
+    args = flag.replace(",", ", ").replace("placement=v", 'placement="v"')
+    python = f"axonn_jax.Grid({args})"
     if not best.options.scatter_batch:
         python = f"partition(model, {python}, ..., scatter_batch=False)"
     if step:
@@ -298,8 +308,9 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
     for i, p in enumerate(result.ranked, 1):
         g, m = p.grid, p.memory
         o = p.options
+        virt = f"{g.virtual}V" if g.placement == "v" else str(g.virtual)
         rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
-                     str(o.microbatches), str(g.virtual), "yes" if o.recompute else "no",
+                     str(o.microbatches), virt, "yes" if o.recompute else "no",
                      o.schedule if p.bubble else "-", "yes" if o.offload else "no",  # no pipeline: no bubble
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
                      f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),

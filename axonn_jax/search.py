@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 
-from axonn_jax.partitioner.grid import Grid
+from axonn_jax.partitioner.grid import PLACEMENTS, Grid
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.memory import in_flight, memory
 from axonn_jax.perf.options import SCHEDULES, Options
@@ -95,6 +95,7 @@ def search(
     virtual: int | None = None,
     recompute: str = "auto",
     schedules: Sequence[str] | None = None,
+    placement: str = "interleaved",
 ) -> SearchResult:
     """Rank the grids of ``devices`` devices for ``spec`` on ``machine`` (module docstring).
 
@@ -108,6 +109,8 @@ def search(
         virtual: fix the stages per pipeline rank (grids with a pipeline) instead
             of searching them.
         schedules: the pipeline schedules to try (e.g. :data:`PRICED_SCHEDULES`).
+        placement: of the virtual stages, ``"interleaved"`` or ``"v"`` (V-shaped:
+            only ``virtual=2`` is tried on grids with a pipeline).
     """
     if offload not in OFFLOAD_CHOICES:
         raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
@@ -117,6 +120,10 @@ def search(
         raise ValueError(f"top must be >= 1, got {top}")
     if virtual is not None and (isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1):
         raise ValueError(f"virtual must be a positive int (stages per pipeline rank), got {virtual!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "v" and virtual not in (None, 2):
+        raise ValueError(f"placement='v' needs virtual=2 (two stages per rank), got virtual={virtual}")
     schedules = tuple(schedules) if schedules else (options.schedule,)
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
@@ -135,7 +142,7 @@ def search(
             rejected["do not divide the batch into microbatches"] += 1
             continue
         counts = [microbatches] if microbatches else _divisors(per_replica)
-        virtuals = _virtuals(spec, grid, virtual)
+        virtuals = _virtuals(spec, grid, 2 if placement == "v" else virtual)
         if not virtuals:
             rejected["do not divide the model"] += 1
             continue
@@ -143,7 +150,7 @@ def search(
         for v, rec, schedule, off in itertools.product(
                 virtuals, _ON_OFF[recompute],
                 schedules if grid.pipeline > 1 else schedules[:1], _ON_OFF[offload]):  # fmt: skip
-            g = dataclasses.replace(grid, virtual=v)
+            g = dataclasses.replace(grid, virtual=v, placement=placement if v == 2 else "interleaved")
             base = dataclasses.replace(options, recompute=rec, schedule=schedule, offload=off)
             pred = _best_microbatches(spec, g, machine, base, counts, limits)
             priced += len(counts)
@@ -178,10 +185,11 @@ def _best_microbatches(spec: ModelSpec, grid: Grid, machine: Machine, options: O
     base = memory(spec, grid, dataclasses.replace(options, microbatches=1))
     if base.host > limits.host:
         return None
-    p, v, schedule = grid.pipeline, grid.virtual, options.schedule
-    per_microbatch = base.activations / in_flight(1, p, v, schedule)
+    p, v, schedule, placement = grid.pipeline, grid.virtual, options.schedule, grid.placement
+    per_microbatch = base.activations / in_flight(1, p, v, schedule, placement)
     fixed = base.device - base.activations
-    fitting = [mb for mb in counts if fixed + per_microbatch * in_flight(mb, p, v, schedule) / mb <= limits.device]
+    fitting = [mb for mb in counts
+               if fixed + per_microbatch * in_flight(mb, p, v, schedule, placement) / mb <= limits.device]
     if not fitting:
         return None
     rows = spec.batch // grid.batch_shards

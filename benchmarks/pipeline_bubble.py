@@ -1,7 +1,9 @@
 """Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven / ZB-H1 / zero-bubble message-driven vs theory.
 
 Launches itself under ``mpiexec -n P`` (pipeline=P; for each ``--virtual``
-value V each process runs V interleaved stages, P·V in all, V=1: one stage)
+value V each process runs V interleaved stages, P·V in all, V=1: one stage;
+``2v``: two stages per rank in the V-shaped placement, rank r holding stages r
+and 2P − 1 − r)
 and, for each microbatch count, runs one step per schedule after a compile
 step; the idle fraction of each pipeline rank comes from the dispatch queue's
 trace (first task start → last task end). Theory: (p − 1)/(v·m + p − 1).
@@ -21,7 +23,7 @@ Two modes, both reported:
   several processes this is dominated by noise; reported as measured).
 
     .venv/bin/python benchmarks/pipeline_bubble.py [--stages 4] [--microbatches 4,8,16]
-    .venv/bin/python benchmarks/pipeline_bubble.py --stages 4 --virtual 1,2 --microbatches 16 --modes uniform
+    .venv/bin/python benchmarks/pipeline_bubble.py --stages 4 --virtual 1,2,2v --microbatches 16 --modes uniform
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "message": "message-driven", "zb-h1"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=4, help="pipeline ranks (processes)")
-    p.add_argument("--virtual", default="1,2", help="stages per rank (interleaved), a list")
+    p.add_argument("--virtual", default="1,2,2v",
+                   help="stages per rank, a list: V (interleaved) or 2v (V-shaped placement)")
     p.add_argument("--microbatches", default="4,8,16")
     p.add_argument("--task-ms", type=float, default=40.0)
     p.add_argument("--modes", default="uniform,compute")
@@ -70,8 +73,9 @@ def worker(args) -> None:
 
     case = build("gpt")
     results = []
-    for virtual in map(int, args.virtual.split(",")):
-        grid = axonn_jax.Grid(pipeline=args.stages, virtual=virtual)
+    for item in args.virtual.split(","):
+        virtual, placement = int(item.rstrip("v")), "v" if item.endswith("v") else "interleaved"
+        grid = axonn_jax.Grid(pipeline=args.stages, virtual=virtual, placement=placement)
         pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
         params = pm.init(jax.random.key(0))
         task = args.task_ms / 1e3 / virtual  # one stage's share of its rank's work
@@ -104,8 +108,9 @@ def worker(args) -> None:
                     step(params, case.batch(m))
                     rows = step.trace()
                     if info.is_main:
-                        idle = trace.idle_fractions(rows, pipeline=args.stages)  # per rank
-                        results.append({"mode": mode, "m": m, "v": virtual, "schedule": schedule,
+                        idle = trace.idle_fractions(rows, pipeline=grid.placements)  # per rank
+                        results.append({"mode": mode, "m": m, "v": virtual, "placement": placement,
+                                        "schedule": schedule,
                                         "idle_mean": sum(idle.values()) / len(idle), "idle": idle,
                                         "theory": trace.bubble_theory(args.stages, m, virtual),
                                         "floor": trace.zero_bubble_floor(args.stages, m, virtual),
@@ -133,17 +138,20 @@ def table(results, stages: int) -> str:
              "| mode | virtual | microbatches | " + " | ".join(LABELS[s] for s in names)
              + " | theory (p−1)/(v·m+p−1) | zero-bubble floor |",
              "| --- | --- | --- | " + "--- | " * len(names) + "--- | --- |"]  # fmt: skip
-    keyed = {(r["mode"], r.get("v", 1), r["m"], r["schedule"]): r for r in results}
-    for mode, v, m in sorted({(r["mode"], r.get("v", 1), r["m"]) for r in results},
+    def virtual(r) -> str:  # "2", or "2 V" for the V-shaped placement
+        return f"{r.get('v', 1)}" + (" V" if r.get("placement") == "v" else "")
+
+    keyed = {(r["mode"], virtual(r), r["m"], r["schedule"]): r for r in results}
+    for mode, v, m in sorted({(r["mode"], virtual(r), r["m"]) for r in results},
                              key=lambda t: (t[0] != "uniform", t[1], t[2])):  # fmt: skip
         cells = [f"{keyed[(mode, v, m, s)]['idle_mean']:.3f}" for s in names]
         first = keyed[(mode, v, m, names[0])]
         floor = f"{first['floor']:.3f}" if "floor" in first else "—"
         lines.append(f"| {mode} | {v} | {m} | " + " | ".join(cells) + f" | {first['theory']:.3f} | {floor} |")
-    shares = {(r.get("v", 1), int(s)): w for r in results for s, w in r.get("w_share", {}).items()}
+    shares = {(virtual(r), int(s)): w for r in results for s, w in r.get("w_share", {}).items()}
     if shares:
         lines += ["", "Zero bubble, uniform mode: W's share of each backward (rank 0's stages, from the B "
-                  "and W programs' FLOPs): "
+                  "and W programs' FLOPs; virtual 2 V: rank 0 holds the first and the last stage): "
                   + ", ".join(f"virtual={v} stage {s}: {w:.2f}" for (v, s), w in sorted(shares.items()))]  # fmt: skip
     return "\n".join(lines)
 

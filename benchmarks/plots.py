@@ -97,9 +97,11 @@ def pipeline_bubble(result: dict, out: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ms = sorted({r["m"] for r in runs})
-    for v, style in zip(sorted({r.get("v", 1) for r in runs}), ("-", ":", "-.")):
-        mine = [r for r in runs if r.get("v", 1) == v]
-        tag = "" if v == 1 else f", virtual={v}"
+    from sections import bubble_layout
+
+    for v, style in zip(sorted({bubble_layout(r) for r in runs}), ("-", ":", "-.")):
+        mine = [r for r in runs if bubble_layout(r) == v]
+        tag = "" if v == "1" else f", virtual={v}"
         for schedule, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("message", "message-driven"),
                                 ("zb-h1", "ZB-H1"), ("zb", "zero-bubble message-driven")):  # fmt: skip
             by_m = {r["m"]: r["idle_mean"] for r in mine if r["schedule"] == schedule}
@@ -107,7 +109,7 @@ def pipeline_bubble(result: dict, out: Path) -> Path | None:
                 continue
             ax.plot(ms, [by_m.get(m) for m in ms], marker="o", linestyle=style, label=label + tag)
         theory = {r["m"]: r["theory"] for r in mine}
-        ax.plot(ms, [theory.get(m) for m in ms], "k", linestyle="--" if v == 1 else style,
+        ax.plot(ms, [theory.get(m) for m in ms], "k", linestyle="--" if v == "1" else style,
                 label="theory (p−1)/(v·m+p−1)" + tag)  # fmt: skip
     ax.set_xlabel("microbatches m")
     ax.set_ylabel("idle fraction (mean over ranks)")

@@ -116,12 +116,17 @@ def prediction_section(r: dict) -> str:
     return "\n".join(lines).strip() or f"Spearman ρ {r['spearman']:.3f}."
 
 
-def _bubble_rows(r: dict, mode: str = "uniform") -> dict[int, dict[str, dict]]:
-    """virtual → schedule → the run with the most microbatches (uniform tasks)."""
+def bubble_layout(x: dict) -> str:
+    """A pipeline_bubble run's stages per rank: ``"2"``, or ``"2, V-shaped"`` for the V placement."""
+    return f"{x.get('v', 1)}" + (", V-shaped" if x.get("placement") == "v" else "")
+
+
+def _bubble_rows(r: dict, mode: str = "uniform") -> dict[str, dict[str, dict]]:
+    """virtual (and placement) → schedule → the run with the most microbatches (uniform tasks)."""
     runs = [x for x in r["results"] if x["mode"] == mode]
-    rows: dict[int, dict[str, dict]] = {}
-    for v in sorted({x.get("v", 1) for x in runs}):
-        mine = [x for x in runs if x.get("v", 1) == v]
+    rows: dict[str, dict[str, dict]] = {}
+    for v in sorted({bubble_layout(x) for x in runs}):
+        mine = [x for x in runs if bubble_layout(x) == v]
         m = max(x["m"] for x in mine)
         rows[v] = {x["schedule"]: x for x in mine if x["m"] == m}
     return rows
@@ -131,7 +136,7 @@ def bubble_summary(r: dict) -> Rows:
     out = []
     for v, row in _bubble_rows(r).items():
         m, msg = row["message"]["m"], row["message"]
-        if v == 1:
+        if v == "1":
             out.append((f"pipeline bubble, {m} microbatches, uniform tasks: idle fraction "
                         "message-driven (GPipe, 1F1B; theory)",
                         f"{msg['idle_mean']:.2f} ({row['gpipe']['idle_mean']:.2f}, "

@@ -27,6 +27,16 @@ devices:
     >>> grid = Grid.parse("pipeline=2,virtual=2")
     >>> grid.size, grid.stages, [grid.pipeline_rank(s) for s in range(grid.stages)]
     (2, 4, [0, 1, 0, 1])
+
+V-shaped placement (``placement="v"``, ``virtual=2`` only, as ZB-V /
+DualPipeV): stage ``s`` on rank ``s`` for ``s < p`` and on rank ``2p − 1 − s``
+for ``s ≥ p``, so rank ``r`` holds stages ``r`` and ``2p − 1 − r`` and rank 0
+holds the first and the last stage (the loss's backward starts on the rank
+where the forward began):
+
+    >>> grid = Grid.parse("pipeline=4,virtual=2,placement=v")
+    >>> [grid.pipeline_rank(s) for s in range(grid.stages)]
+    [0, 1, 2, 3, 3, 2, 1, 0]
 """
 
 from __future__ import annotations
@@ -37,6 +47,9 @@ from collections.abc import Mapping
 
 PIPELINE = "pipeline"
 VIRTUAL = "virtual"
+PLACEMENT = "placement"
+#: how virtual stages are spread over pipeline ranks (:meth:`Grid.pipeline_rank`)
+PLACEMENTS: tuple[str, ...] = ("interleaved", "v")
 DATA = "data"
 Z = "z"
 Y = "y"
@@ -59,6 +72,8 @@ class Grid:
     All sizes are positive integers; ``Grid()`` is a single device. ``virtual``
     is the number of pipeline stages each pipeline rank runs (interleaved
     stages; 1 = one stage per rank); it needs ``pipeline > 1`` and no devices.
+    ``placement`` says which rank runs each stage: ``"interleaved"`` (stage
+    ``s`` on rank ``s mod p``) or ``"v"`` (V-shaped, ``virtual=2`` only).
     """
 
     x: int = 1
@@ -67,6 +82,7 @@ class Grid:
     data: int = 1
     pipeline: int = 1
     virtual: int = 1
+    placement: str = "interleaved"
 
     def __post_init__(self) -> None:
         for name in (X, Y, Z, DATA, PIPELINE, VIRTUAL):
@@ -94,10 +110,26 @@ class Grid:
                 f"stages per pipeline rank, and pipeline=1 runs the model as one program. "
                 f"Remedy: Grid(pipeline=2, virtual={self.virtual}) (or more ranks), or virtual=1."
             )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"Grid.placement must be one of {PLACEMENTS}, got {self.placement!r}. "
+                f"Remedy: placement='interleaved' (stage s on rank s mod pipeline) or "
+                f"placement='v' with virtual=2 (V-shaped)."
+            )
+        if self.placement == "v" and self.virtual != 2:
+            raise ValueError(
+                f"{self} cannot take placement='v': the V-shaped placement puts stage s on rank s "
+                f"and stage 2·pipeline−1−s on the same rank, so it needs exactly virtual=2 stages "
+                f"per rank, got virtual={self.virtual}. Remedy: "
+                f"Grid(pipeline={self.pipeline}, virtual=2, placement='v'), or "
+                f"placement='interleaved' for virtual={self.virtual}."
+            )
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{n}={getattr(self, n)}" for n in (X, Y, Z, DATA, PIPELINE))
-        return f"Grid({sizes}{f', virtual={self.virtual}' if self.virtual > 1 else ''})"
+        virtual = f", virtual={self.virtual}" if self.virtual > 1 else ""
+        placement = f", placement={self.placement!r}" if self.placement != "interleaved" else ""
+        return f"Grid({sizes}{virtual}{placement})"
 
     # --- sizes -------------------------------------------------------------
     @property
@@ -111,10 +143,19 @@ class Grid:
         return self.pipeline * self.virtual
 
     def pipeline_rank(self, stage: int) -> int:
-        """The pipeline rank (stage mesh) that runs ``stage``: ``stage mod pipeline``."""
+        """The pipeline rank (stage mesh) that runs ``stage``: ``stage mod pipeline``
+        (interleaved), or with ``placement="v"`` ``stage`` for the first ``pipeline``
+        stages and ``2·pipeline − 1 − stage`` for the others."""
         if not 0 <= stage < self.stages:
             raise ValueError(f"stage {stage} is not one of the {self.stages} stages of {self}")
+        if self.placement == "v" and stage >= self.pipeline:
+            return 2 * self.pipeline - 1 - stage
         return stage % self.pipeline
+
+    @property
+    def placements(self) -> tuple[int, ...]:
+        """The pipeline rank of every stage, stage 0 first (:meth:`pipeline_rank`)."""
+        return tuple(self.pipeline_rank(s) for s in range(self.stages))
 
     @property
     def stage_size(self) -> int:
@@ -152,18 +193,25 @@ class Grid:
     def parse(cls, text: str | Mapping[str, int]) -> Grid:
         """Build a grid from ``"pipeline=2,x=2,z=2"`` (the CLI form) or a mapping.
 
-        ``virtual=V`` (stages per pipeline rank) is accepted like an axis.
+        ``virtual=V`` (stages per pipeline rank) is accepted like an axis, and
+        ``placement=v`` (or ``interleaved``) names the placement of the stages.
         """
         if isinstance(text, Mapping):
             return cls(**dict(text))
-        sizes: dict[str, int] = {}
+        sizes: dict[str, int | str] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             key = key.strip()
+            if sep and key == PLACEMENT:
+                if key in sizes:
+                    raise ValueError(f"grid item {key!r} given twice in {text!r}")
+                sizes[key] = value.strip()
+                continue
             if not sep or key not in (*MESH_AXES, VIRTUAL):
                 raise ValueError(
                     f"bad grid item {part!r} in {text!r}: expected AXIS=SIZE with AXIS "
-                    f"one of {', '.join(MESH_AXES)} (or virtual=V, stages per pipeline rank), "
+                    f"one of {', '.join(MESH_AXES)} (or virtual=V, stages per pipeline rank; "
+                    f"placement=v, the V-shaped placement), "
                     f"e.g. 'pipeline=2,x=2,z=2'."
                 )
             if key in sizes:

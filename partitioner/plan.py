@@ -165,7 +165,10 @@ class Plan:
         rates = f" at {self.stage_costs.describe()}" if self.stage_costs else ""
         lines = [f"pipeline stages ({count}, {how}; slowest: stage {slowest.index}, "
                  f"{format_seconds(slowest.seconds)} per microbatch{rates}"
-                 + (f"; stage s runs on pipeline rank s mod {g.pipeline}" if g.virtual > 1 else "")
+                 + (f"; stage s runs on pipeline rank s mod {g.pipeline}"
+                    if g.virtual > 1 and g.placement == "interleaved" else "")
+                 + (f"; V-shaped: stage s runs on rank s, or 2·{g.pipeline} − 1 − s from stage {g.pipeline}"
+                    if g.placement == "v" else "")
                  + "):"]  # fmt: skip
         for st in self.stages:
             rank = f" (rank {g.pipeline_rank(st.index)})" if g.virtual > 1 else ""

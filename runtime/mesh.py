@@ -55,11 +55,15 @@ def stage_meshes(grid: Grid, devices: Sequence[jax.Device] | None = None) -> lis
     """One 4D mesh ``(data, z, y, x)`` per pipeline stage, stage 0 first.
 
     With virtual stages (``grid.virtual = v``) there are ``pipeline·v`` stages
-    and stage ``s`` runs on the mesh of pipeline rank ``s mod pipeline``: the
+    and stage ``s`` runs on the mesh of pipeline rank ``grid.pipeline_rank(s)``
+    (``s mod pipeline`` interleaved): the
     same :class:`Mesh` object for stages ``s, s+p, s+2p, …``, so their
     parameters, messages and tasks share its devices (and its dispatch lane).
 
-    Example: ``stage_meshes(Grid(pipeline=2, virtual=2))`` is ``[m0, m1, m0, m1]``.
+    Example: ``stage_meshes(Grid(pipeline=2, virtual=2))`` is ``[m0, m1, m0, m1]``;
+    with the V-shaped placement (``placement="v"``) stage ``s`` follows
+    :meth:`Grid.pipeline_rank <axonn_jax.partitioner.grid.Grid.pipeline_rank>`:
+    ``[m0, m1, m1, m0]``.
     """
     array = device_array(grid, devices)
     ranks = [Mesh(array[r], STAGE_AXES) for r in range(grid.pipeline)]

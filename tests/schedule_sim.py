@@ -7,7 +7,8 @@ a backward of one stage take ``1/v`` of a time unit (the last stage's fused
 forward+loss+backward ``2/v``), a message arrives ``latency`` after its task
 ends. Schedules that split the backward (zero bubble) run its B and W parts
 in ``split`` shares of the backward's time (default 1:1, a matmul layer's
-FLOPs); ``forward`` scales the forward's time (``split=(1, 1)``:
+FLOPs; or ``split(stage)`` per stage, e.g. the shares of the B and W programs'
+FLOPs, where stage 0 has no B); ``forward`` scales the forward's time (``split=(1, 1)``:
 F = B = W, the zero-bubble paper's setting).
 
 ``placement(stage, virtual, pipeline)`` gives the rank a stage runs on
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.runtime.pipeline.schedules import make_schedule
@@ -54,6 +56,8 @@ class Simulation:
     idle: float  # mean over ranks of the idle fraction of the makespan
     peak: dict[int, int]  # stage → most microbatches holding residuals (full or W's) at once
     peak_full: dict[int, int]  # stage → most microbatches between forward and B
+    #: rank → most stage-microbatches between forward and B on all its stages at once
+    rank_peak_full: dict[int, int]
     order: dict[int, list[tuple[int, str, int, float]]]  # rank → (stage, kind, mb, start)
     #: (rank, W task, time) of each W started while a B of the same rank was ready
     w_before_b: list = dataclasses.field(default_factory=list)
@@ -64,9 +68,15 @@ def interleaved(stage: int, virtual: int, pipeline: int) -> int:
     return Grid(pipeline=pipeline, virtual=virtual).pipeline_rank(stage)
 
 
+def v_shaped(stage: int, virtual: int, pipeline: int) -> int:
+    """The runtime's V-shaped placement (``Grid(..., placement="v")``, ``virtual=2``)."""
+    return Grid(pipeline=pipeline, virtual=virtual, placement="v").pipeline_rank(stage)
+
+
 def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
              latency: float = 0.0, limit: int | None = None, forward: float = 1.0,
-             split: tuple[float, float] = (0.5, 0.5), placement=interleaved) -> Simulation:  # fmt: skip
+             split: tuple[float, float] | Callable[[int], tuple[float, float]] = (0.5, 0.5),
+             placement=interleaved) -> Simulation:  # fmt: skip
     """Simulate one step; raises ``RuntimeError`` on a deadlock.
 
     ``schedule``: a name, or ``make(pipeline) → Schedule`` for one built here.
@@ -76,16 +86,22 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
     last = n - 1
     unit = 1.0 / virtual
     stages = {s: _Stage() for s in range(n)}
-    owned = {r: [s for s in range(n) if placement(s, virtual, p) == r] for r in range(p)}
+    ranks = tuple(placement(s, virtual, p) for s in range(n))
+    owned = {r: [s for s in range(n) if ranks[s] == r] for r in range(p)}
+    rank_peak = {r: 0 for r in range(p)}
     plans = {}
     for r in range(p):
-        plans[r] = (make_schedule(schedule, limit=limit, stages=n, pipeline=p) if isinstance(schedule, str)
-                    else schedule(p))  # fmt: skip
+        plans[r] = (make_schedule(schedule, limit=limit, stages=n, pipeline=p, placement=ranks)
+                    if isinstance(schedule, str) else schedule(p))  # fmt: skip
         plans[r].start(owned[r], n, m)
     splits = plans[0].splits_weights
-    t_f, t_b, t_w = forward * unit, split[0] * unit, split[1] * unit
-    if not splits:
-        t_b, t_w = t_b + t_w, 0.0
+    shares = split if callable(split) else (lambda s: split)
+
+    def lengths(s: int) -> tuple[float, float]:  # (B, W) of stage s; the fused backward: (B + W, 0)
+        b, w = shares(s)
+        return (b * unit, w * unit) if splits else ((b + w) * unit, 0.0)
+
+    t_f = forward * unit
     free = {r: 0.0 for r in range(p)}  # when each rank's device is next free
     busy = {r: 0.0 for r in range(p)}
     order: dict[int, list] = {r: [] for r in range(p)}
@@ -129,6 +145,7 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
                 w_before_b.append((r, task, now))
             s, kind, mb = task.stage, task.kind.value, task.microbatch
             st = stages[s]
+            t_b, t_w = lengths(s)
             length = {"F": t_f + (t_b if s == last else 0.0), "B": t_b, "W": t_w}[kind]  # last: F+B
             end = now + length
             if kind == "W":
@@ -158,6 +175,7 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
                 if s > 0:
                     heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
             seq += 1
+            rank_peak[r] = max(rank_peak[r], sum(len(stages[o].residuals) for o in owned[r]))
             plans[r].ran(task)
             order[r].append((s, "FB" if kind == "F" and s == last else kind, mb, now))
             free[r] = end
@@ -184,4 +202,4 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
     makespan = max(free.values())
     idle = sum(1.0 - b / makespan for b in busy.values()) / p
     return Simulation(makespan, idle, {s: st.peak for s, st in stages.items()},
-                      {s: st.peak_full for s, st in stages.items()}, order, w_before_b)  # fmt: skip
+                      {s: st.peak_full for s, st in stages.items()}, rank_peak, order, w_before_b)  # fmt: skip

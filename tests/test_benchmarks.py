@@ -264,3 +264,20 @@ def test_pipeline_zero_bubble_benchmark_runs_and_reports(tmp_path):
     measure, value = FORMATTERS["pipeline_zero_bubble"][0](r)[0]
     assert "zero-bubble" in measure and value.startswith(f"{r['speedup']['zb']:.2f}×")
     assert "| zb-h1 |" in FORMATTERS["pipeline_zero_bubble"][1](r)
+
+
+def test_pipeline_bubble_reports_the_v_placement_apart():
+    """pipeline_bubble's summary rows and table key runs by virtual and placement: the V-shaped
+    runs get rows of their own, not mixed with the interleaved ones (synthetic results)."""
+    import pipeline_bubble
+
+    results = [{"mode": "uniform", "m": 16, "v": v, "placement": placement, "schedule": s,
+                "idle_mean": idle + (0.01 if s == "zb" else 0.0), "theory": 0.086, "theory_v1": 0.158,
+                "floor": 0.045, "w_share": {}}
+               for v, placement, idle in ((2, "interleaved", 0.1), (2, "v", 0.2))
+               for s in ("message", "zb")]  # fmt: skip
+    rows = dict(FORMATTERS["pipeline_bubble"][0]({"results": results}))
+    assert [v for k, v in rows.items() if "V-shaped" in k] == ["0.20 (0.09; 0.16)", "0.21 (0.04)"]
+    assert [v for k, v in rows.items() if "V-shaped" not in k] == ["0.10 (0.09; 0.16)", "0.11 (0.04)"]
+    text = pipeline_bubble.table(results, 4)
+    assert "| uniform | 2 | 16 | 0.100 | 0.110 |" in text and "| uniform | 2 V | 16 | 0.200 | 0.210 |" in text

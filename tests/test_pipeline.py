@@ -262,9 +262,9 @@ def saved_references(tmp_path_factory):
 @pytest.mark.timeout(960)  # the job's own 900 s timeout fires first, with its output
 @pytest.mark.parametrize("n,model,grid,options,collectives", [
     (2, "gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"], "local"),
-    # interleaved (stages 0,2 | 1,3), zero bubble (B and W split) included
-    (2, "gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b,zb,zb-h1", "--trajectory-schedule=zb"],
-     "local"),
+    # interleaved (stages 0,2 | 1,3), then V-shaped (0,3 | 1,2), zero bubble (B and W split) included
+    (2, "gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b,zb,zb-h1", "--trajectory-schedule=zb",
+                                        "--also=pipeline=2,virtual=2,placement=v"], "local"),
     (2, "gpt", "pipeline=2,x=2,z=2", [], "local"),  # tensor-parallel collectives inside each process
     (4, "gpt", "pipeline=2,data=2", [], "gloo"),  # data parallel across processes in a stage
     (4, "hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"], "local"),  # a published model
@@ -282,6 +282,8 @@ def test_pipelined_equals_unpartitioned_under_mpiexec(n, model, grid, options, c
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     assert result.stdout.count("OK rank") == n, result.stdout
     assert result.stdout.count(f"collectives={collectives}") == n, result.stdout
+    for also in [o.removeprefix("--also=") for o in options if o.startswith("--also=")]:
+        assert result.stdout.count(f" and {axonn_jax.Grid.parse(also)} ") == n, result.stdout
 
 
 @pytest.mark.slow

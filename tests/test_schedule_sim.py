@@ -130,3 +130,47 @@ def test_virtual_stages_sit_on_rank_s_mod_p():
     assert sim.idle == pytest.approx(bubble_theory(2, 8, virtual=2), abs=1e-9)
     blocked = simulate("message", 2, 2, 8, placement=lambda s, v, p: s // v)
     assert blocked.idle > sim.idle + 0.02
+
+
+# V-shaped placement (Grid(..., virtual=2, placement="v")): idle and peak stage-microbatches held
+# between forward and B on the busiest rank, per (p, m), against the interleaved placement
+V_SHAPE = {  # (p, m): message idle, zb idle, busiest rank's peak (message; zb), interleaved's (message; zb)
+    (2, 4): (0.111, 0.086, (4, 4), (5, 5)),
+    (2, 8): (0.059, 0.045, (5, 4), (5, 5)),
+    (4, 4): (0.273, 0.158, (8, 8), (8, 8)),
+    (4, 8): (0.158, 0.099, (9, 10), (11, 11)),
+    (4, 16): (0.086, 0.045, (9, 10), (11, 13)),
+}
+
+
+@pytest.mark.parametrize("p,m", list(V_SHAPE))
+def test_v_placement_idle_and_memory_against_theory(p, m):
+    """Rank r runs stages r and 2p − 1 − r (the real schedule classes, told the placement).
+    Message-driven idles (p − 1)/(v·m + p − 1), as interleaved stages in theory; zb reaches the
+    zero-bubble floor at p = 4, m = 4 and 16 (within 0.03 elsewhere). No rank holds more than
+    min(2m, 2p + 1) stage-microbatches between forward and B with the message-driven queue or
+    1F1B (perf.memory.in_flight's V term: the same bound on every rank; reached at p = 4, one
+    below at p = 2, m = 4 with message), where interleaved
+    rank 0 holds up to 13 (zb, p = 4, m = 16)."""
+    from axonn_jax.perf.memory import in_flight
+    from schedule_sim import v_shaped
+
+    message_idle, zb_idle, v_peaks, interleaved_peaks = V_SHAPE[(p, m)]
+    sims = {s: simulate(s, p, 2, m, placement=v_shaped) for s in schedules.SCHEDULES}
+    assert sims["message"].idle == pytest.approx(bubble_theory(p, m, virtual=2), abs=1e-9)
+    assert (round(sims["message"].idle, 3), round(sims["zb"].idle, 3)) == (message_idle, zb_idle)
+    floor = zero_bubble_floor(p, m, 2)
+    assert floor - 1e-9 <= sims["zb"].idle <= floor + 0.03
+    if (p, m) in ((4, 4), (4, 16)):
+        assert sims["zb"].idle == pytest.approx(floor, abs=1e-9)
+    busiest = {s: max(sim.rank_peak_full.values()) for s, sim in sims.items()}
+    assert (busiest["message"], busiest["zb"]) == v_peaks
+    bound = min(2 * m, 2 * p + 1)
+    assert bound == 2 * in_flight(m, p, 2, placement="v")
+    for s in ("message", "1f1b"):
+        assert busiest[s] <= bound and (p == 2 or busiest[s] == bound), (s, busiest[s], bound)
+    interleaved = {s: max(simulate(s, p, 2, m).rank_peak_full.values()) for s in ("message", "zb")}
+    assert (interleaved["message"], interleaved["zb"]) == interleaved_peaks
+    # rank 0 holds the first and the last stage: the loss's B starts where the forward began
+    assert [s for s, *_ in sims["zb"].order[0]][-1] in (0, 2 * p - 1)
+    assert {s for s, *_ in sims["zb"].order[0]} == {0, 2 * p - 1}

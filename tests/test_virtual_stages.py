@@ -1,7 +1,8 @@
 """Virtual (interleaved) pipeline stages: ``Grid(pipeline=p, virtual=v)``.
 
 The model is cut into p·v stages (the same DP), stage s runs on the mesh of
-pipeline rank s mod p. Numerics follow tests/pipeline_cases.py (pipelined ==
+pipeline rank s mod p, or with ``placement="v"`` (virtual=2) on rank s for
+s < p and 2p − 1 − s for the others. Numerics follow tests/pipeline_cases.py (pipelined ==
 plain Flax/optax, fp32, the same bounds); the schedules' logic is checked on
 idealised devices by tests/schedule_sim.py. The MPI case (two processes,
 pipeline=2, virtual=2) is in test_pipeline.py's mpiexec table.
@@ -29,12 +30,43 @@ def test_grid_parses_and_places_virtual_stages():
     assert repr(axonn_jax.Grid(pipeline=2)) == "Grid(x=1, y=1, z=1, data=1, pipeline=2)"
     with pytest.raises(ValueError, match="stage 4 is not one of the 4 stages"):
         grid.pipeline_rank(4)
+    # V-shaped: rank r holds stages r and 2p − 1 − r; rank 0 the first and the last
+    v = axonn_jax.Grid.parse("pipeline=4,virtual=2,placement=v,z=2")
+    assert v == axonn_jax.Grid(z=2, pipeline=4, virtual=2, placement="v")
+    assert v.placements == (0, 1, 2, 3, 3, 2, 1, 0) and grid.placements == (0, 1, 0, 1)
+    assert repr(v) == "Grid(x=1, y=1, z=2, data=1, pipeline=4, virtual=2, placement='v')"
+    assert axonn_jax.Grid.parse("pipeline=2,virtual=2,placement=interleaved") == axonn_jax.Grid(pipeline=2, virtual=2)
+
+
+def test_v_placement_places_meshes_and_the_queue_reads_it(devices):
+    """stage_meshes follow Grid.pipeline_rank; the dispatch queue numbers ranks by the order their
+    meshes first appear, so its schedules get the grid's placement back."""
+    from types import SimpleNamespace
+
+    from axonn_jax.runtime.mesh import stage_meshes
+    from axonn_jax.runtime.pipeline.dispatch import DispatchQueue, stage_ranks
+
+    for text in ("pipeline=2,virtual=2,placement=v,x=2,z=2", "pipeline=4,virtual=2,placement=v,z=2",
+                 "pipeline=4,virtual=2,z=2"):  # fmt: skip
+        grid = axonn_jax.Grid.parse(text)
+        meshes, ranks = stage_meshes(grid), device_array(grid)
+        for s, mesh in enumerate(meshes):
+            assert list(mesh.devices.flat) == list(ranks[grid.pipeline_rank(s)].flat), (text, s)
+        programs = [SimpleNamespace(mesh=m) for m in meshes]
+        assert stage_ranks(programs) == grid.placements
+        for name in ("message", "zb"):  # the queue hands the placement to its schedule
+            schedule = DispatchQueue(programs, [], None, schedule=name).schedule
+            assert [schedule.rank(s) for s in range(grid.stages)] == list(grid.placements), (text, name)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(pipeline=2, virtual=0), r"Grid.virtual must be >= 1, got 0.*Remedy: virtual=1"),
     (dict(pipeline=2, virtual=-1), r"Grid.virtual must be >= 1"),
     (dict(virtual=2), r"Grid\(virtual=2\) needs a pipeline.*Remedy: Grid\(pipeline=2, virtual=2\)"),
+    (dict(pipeline=4, virtual=3, placement="v"), r"Grid\(.*pipeline=4, virtual=3, placement='v'\) cannot take "
+     r"placement='v'.*needs exactly virtual=2.*Remedy: Grid\(pipeline=4, virtual=2, placement='v'\)"),
+    (dict(pipeline=2, placement="v"), r"needs exactly virtual=2 stages per rank, got virtual=1"),
+    (dict(pipeline=2, virtual=2, placement="zigzag"), r"Grid.placement must be one of \('interleaved', 'v'\)"),
 ])  # fmt: skip
 def test_bad_virtual_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -74,6 +106,12 @@ def test_plan_cuts_p_times_v_stages_balanced():
     assert "; stage s runs on pipeline rank s mod 2):" in text
     for s in range(4):
         assert f"  stage {s} (rank {s % 2}): " in text
+    vee = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2, placement="v"), *example)
+    text = str(vee.plan)
+    assert [(s.start, s.stop) for s in vee.plan.stages] == [(s.start, s.stop) for s in plain.stages]
+    assert "; V-shaped: stage s runs on rank s, or 2·2 − 1 − s from stage 2):" in text and " mod 2" not in text
+    for s, r in enumerate((0, 1, 1, 0)):
+        assert f"  stage {s} (rank {r}): " in text
 
 
 # --- placement and numerics (8 simulated devices) ----------------------------------------
@@ -132,6 +170,9 @@ EQUIVALENCE = [
     ("pipeline=4,virtual=2,z=2", (4, 8), ("message", "1f1b")),
     ("pipeline=2,virtual=4,z=2,data=2", (4,), ("message",)),
     ("pipeline=4,z=2", (1, 8), ("message",)),  # virtual=1: the baseline on the same model
+    # V-shaped placement: every schedule at p=2, the message-driven ones at p=4 (5 steps with zb)
+    ("pipeline=2,virtual=2,placement=v,x=2,z=2", (1, 4, 8), schedules.SCHEDULES),
+    ("pipeline=4,virtual=2,placement=v,z=2", (4, 8), ("message", "zb")),
 ]
 
 
@@ -140,8 +181,9 @@ EQUIVALENCE = [
 def test_virtual_stages_equal_unpartitioned(grid, microbatches, schedules_, devices):
     """Loss and gradients per microbatch count and schedule, then 5 AdamW steps through
     pm.train_step: all equal the plain single-device run (pipeline_cases' bounds)."""
-    failures = run_case("gpt", axonn_jax.Grid.parse(grid), microbatches=microbatches,
-                        schedules=schedules_)  # fmt: skip
+    grid = axonn_jax.Grid.parse(grid)
+    failures = run_case("gpt", grid, microbatches=microbatches, schedules=schedules_,
+                        trajectory_schedule="zb" if grid.placement == "v" else "message")  # fmt: skip
     assert not failures, "\n".join(failures)
 
 
@@ -153,21 +195,27 @@ def test_compiles_once_across_steps_with_virtual_stages(virtual_gpt, caplog):
 
 # --- the schedules on virtual stages (simulated devices, no JAX) -------------------------
 @pytest.mark.parametrize("schedule", schedules.SCHEDULES)
-@pytest.mark.parametrize("pipeline,virtual", [(2, 1), (2, 2), (2, 4), (4, 2), (4, 4)])
-def test_schedules_finish_on_virtual_stages(schedule, pipeline, virtual):
-    """No deadlock, each rank busy exactly its work, message-driven keeps its bounds."""
+@pytest.mark.parametrize("pipeline,virtual,placement", [
+    (2, 1, "interleaved"), (2, 2, "interleaved"), (2, 4, "interleaved"), (4, 2, "interleaved"),
+    (4, 4, "interleaved"), (2, 2, "v"), (4, 2, "v"),
+])  # fmt: skip
+def test_schedules_finish_on_virtual_stages(schedule, pipeline, virtual, placement):
+    """No deadlock, each rank busy exactly its work (the stages its placement gives it),
+    message-driven keeps its bounds."""
     n = pipeline * virtual
+    rank = axonn_jax.Grid(pipeline=pipeline, virtual=virtual, placement=placement).pipeline_rank
     for m in (1, 3, 8):
         for latency in (0.0, 0.3):
-            sim = simulate(schedule, pipeline, virtual, m, latency=latency)
+            sim = simulate(schedule, pipeline, virtual, m, latency=latency,
+                           placement=lambda s, v, p: rank(s))  # fmt: skip
             weights = [(s, "W", mb) for s in range(n) for mb in range(m)] if schedules.splits_weights(schedule) else []
-            for rank, order in sim.order.items():
+            for r, order in sim.order.items():
                 assert sorted((s, k, mb) for s, k, mb, _ in order) == sorted(
-                    [(s, "FB", mb) for s in range(n) if s == n - 1 and s % pipeline == rank
+                    [(s, "FB", mb) for s in range(n) if s == n - 1 and rank(s) == r
                      for mb in range(m)]
-                    + [(s, k, mb) for s in range(n - 1) if s % pipeline == rank
+                    + [(s, k, mb) for s in range(n - 1) if rank(s) == r
                        for k in ("F", "B") for mb in range(m)]
-                    + [t for t in weights if t[0] % pipeline == rank])  # fmt: skip
+                    + [t for t in weights if rank(t[0]) == r])  # fmt: skip
             if schedule in ("message", "zb"):
                 assert all(sim.peak_full[s] <= max(schedules.default_limit(n) - s, 1) for s in range(n - 1)), sim.peak
 
@@ -217,6 +265,13 @@ def test_perf_model_prices_virtual_stages():
     ma, mb_ = memory(spec, plain, opts), memory(spec, virtual, opts)
     assert mb_.activations == pytest.approx(ma.activations * in_flight(16, 4, 2) / in_flight(16, 4))
     assert (mb_.params, mb_.grads, mb_.optimizer) == (ma.params, ma.grads, ma.optimizer)
+    # V-shaped: the same bubble and messages; activations of the busiest rank min(2m, 2p + 1)/2
+    # microbatches (tests/test_schedule_sim.py), below interleaved rank 0's 7 at m=16
+    vee = dataclasses.replace(virtual, placement="v")
+    c = predict(spec, vee, machine, opts)
+    assert (c.bubble, c.step_seconds) == (b.bubble, b.step_seconds)
+    assert (in_flight(16, 4, 2, placement="v"), in_flight(3, 4, 2, placement="v")) == (4.5, 3.0)
+    assert memory(spec, vee, opts).activations == pytest.approx(ma.activations * 4.5 / 5)
     assert spec.problems(axonn_jax.Grid(pipeline=4, virtual=4, z=2)) == [
         "pipeline=4 × virtual=4 stages exceed the 8 blocks"]
 
@@ -235,9 +290,18 @@ def test_cli_plan_with_virtual_stages(capsys):
         grid = axonn_jax.Grid.parse(c["grid_flag"])
         assert (grid.pipeline, grid.virtual) == (c["pipeline"], 2)
         assert c["bubble"] == pytest.approx(bubble_theory(grid.pipeline, c["microbatches"], 2))
-    assert main([*argv, "--virtual", "2"]) == 0  # the table: pipe column "p×v"
-    pipes = [line.split()[5] for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
-    assert {f"{c['pipeline']}×2" for c in piped} <= set(pipes)
+    assert main([*argv, "--virtual", "2"]) == 0  # the table: pipe and virt columns
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert {(str(c["pipeline"]), "2") for c in piped} <= {(r[5], r[7]) for r in rows}
     with pytest.raises(SystemExit):
         main([*argv, "--virtual", "0"])
     assert "--virtual must be >= 1" in capsys.readouterr().err
+    assert main([*argv, "--virtual", "2", "--placement", "v", "--json"]) == 0
+    piped = [c for c in __import__("json").loads(capsys.readouterr().out) if c["pipeline"] > 1]
+    assert piped and all(axonn_jax.Grid.parse(c["grid_flag"]).placement == "v" for c in piped)
+    assert main([*argv, "--virtual", "2", "--placement", "v"]) == 0  # the virt column: "2V"
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert {r[7] for r in rows if r[5] != "1"} == {"2V"}
+    with pytest.raises(SystemExit):
+        main([*argv, "--placement", "v"])
+    assert "--placement v needs --virtual 2" in capsys.readouterr().err

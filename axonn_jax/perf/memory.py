@@ -92,15 +92,22 @@ def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:
     return options.bytes.param * (outside + per_block * (kept_blocks + 1))
 
 
-def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str = "message") -> float:
-    """Microbatches whose activations the first pipeline rank holds at once, in units of
+def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str = "message",
+              placement: str = "interleaved") -> float:  # fmt: skip
+    """Microbatches whose activations the busiest pipeline rank holds at once, in units of
     one microbatch through all of that rank's layers.
 
     The message-driven queue keeps at most ``limit − s`` microbatches between
     stage ``s``'s forward and backward, ``limit`` = :func:`default_limit` of
     the ``p·v`` stages; rank 0 holds stages ``0, p, 2p, …``, each ``1/v`` of
     its layers, so it holds ``Σ_c min(m, limit − c·p) / v`` — ``min(m, p + 1)``
-    without virtual stages (interleaving costs memory).
+    without virtual stages (interleaving costs memory). The V-shaped placement
+    (``placement="v"``, ``virtual=2``: rank ``r`` holds stages ``r`` and
+    ``2p − 1 − r``) spreads it evenly: every rank holds at most
+    ``min(2m, 2p + 1)`` stage-microbatches at once (the message-driven queue
+    and 1F1B in ``tests/schedule_sim.py``, p = 2, 4, 8), ``min(m, p + 1/2)``
+    microbatches of a rank's layers against the interleaved rank 0's
+    ``(min(m, 2p + 1) + min(m, p + 1))/2``.
 
     Zero bubble: ``"zb"`` also keeps up to ``p`` deferred W's per stage (its W
     budget), each charged as a whole microbatch of the stage's activations (an
@@ -113,20 +120,26 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
         (5.0, 7.0, 2.0)
         >>> in_flight(16, 4, schedule="zb"), in_flight(16, 4, schedule="zb-h1")
         (9.0, 4.0)
+        >>> in_flight(16, 4, virtual=2, placement="v"), in_flight(3, 4, virtual=2, placement="v")
+        (4.5, 3.0)
     """
     if pipeline == 1:
         return 1.0
     if schedule == "zb-h1":
         return float(min(microbatches, pipeline))
     limit = default_limit(pipeline * virtual)
-    full = sum(min(microbatches, limit - c * pipeline) for c in range(virtual)) / virtual
+    if placement == "v":
+        full = min(virtual * microbatches, limit) / virtual
+    else:
+        full = sum(min(microbatches, limit - c * pipeline) for c in range(virtual)) / virtual
     return full + (min(microbatches, pipeline) if schedule == "zb" else 0)
 
 
 def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
     microbatches = options.microbatches
     tokens = spec.tokens / (grid.batch_shards * microbatches)
-    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual, options.schedule)  # first rank
+    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual, options.schedule,
+                           grid.placement)  # the busiest rank  # fmt: skip
     total = 0.0
     for a in spec.activations:
         elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)

@@ -98,7 +98,7 @@ class Prediction:
         g = self.grid
         return {
             "x": g.x, "y": g.y, "z": g.z, "data": g.data, "pipeline": g.pipeline,
-            "virtual": g.virtual,
+            "virtual": g.virtual, "placement": g.placement,
             "microbatches": self.options.microbatches,
             "offload": self.options.offload,
             "recompute": self.options.recompute,

@@ -179,8 +179,9 @@ class DispatchQueue:
         self.transport = transport
         self.num_stages = len(self.programs)
         if isinstance(schedule, str):
-            ranks = len({_devices(p) for p in self.programs})
-            schedule = make_schedule(schedule, limit=limit, stages=self.num_stages, pipeline=ranks)
+            placement = stage_ranks(self.programs)
+            schedule = make_schedule(schedule, limit=limit, stages=self.num_stages,
+                                     pipeline=len(set(placement)), placement=placement)  # fmt: skip
         self.schedule = schedule
         self.timeout, self.delay = timeout, delay
         if depth < 1:
@@ -473,6 +474,14 @@ class DispatchQueue:
             + ". A peer process has probably failed (see its error above). Raise the "
             "limit with timeout=... if a single task legitimately takes longer."
         )
+
+
+def stage_ranks(programs: Sequence[StageProgram]) -> tuple[int, ...]:
+    """The pipeline rank of each stage, read from the meshes: ranks are numbered in the order
+    their meshes first appear, so stage ``s < p`` is on rank ``s`` and the later stages follow
+    the grid's placement (interleaved: ``s mod p``; V-shaped: ``2p − 1 − s``)."""
+    ranks: dict[tuple, int] = {}
+    return tuple(ranks.setdefault(_devices(p), len(ranks)) for p in programs)
 
 
 def _devices(program: StageProgram) -> tuple[int, ...]:

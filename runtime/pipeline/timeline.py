@@ -16,7 +16,7 @@ Example:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 #: one executed task: (rank, stage, kind, microbatch, start s, end s, wait s)
@@ -81,21 +81,38 @@ def write_chrome_trace(path: str | Path, rows: Sequence[Row]) -> Path:
     return path
 
 
-def idle_fractions(rows: Sequence[Row], pipeline: int | None = None) -> dict[int, float]:
+#: how rows are grouped: ``None`` per stage; an int ``p``: per pipeline rank ``s mod p``;
+#: a sequence: per pipeline rank, the rank of each stage (``Grid.placements``, e.g. V-shaped)
+Ranks = int | Sequence[int] | None
+
+
+def _rank_of(pipeline: Ranks) -> Callable[[int], int]:
+    """Stage → the row it counts for (see :data:`Ranks`)."""
+    if pipeline is None:
+        return lambda s: s
+    if isinstance(pipeline, int):
+        return lambda s: s % pipeline
+    placement = tuple(pipeline)
+    return lambda s: placement[s]
+
+
+def idle_fractions(rows: Sequence[Row], pipeline: Ranks = None) -> dict[int, float]:
     """Per stage: the fraction of the step's span (first start → last end) it was idle.
 
     With ``pipeline`` (the grid's pipeline size): per pipeline rank instead,
     stage ``s`` counting for rank ``s mod pipeline`` — with virtual stages
     several stages share one rank's devices, and it is the devices that idle.
-    Without virtual stages both are the same.
+    Without virtual stages both are the same. Another placement (V-shaped):
+    pass each stage's rank (``grid.placements``).
     """
     if not rows:
         return {}
     begin, finish = _zero(rows), max(r[5] for r in rows)
     span = max(finish - begin, 1e-12)
     busy: dict[int, float] = {}
+    row_of = _rank_of(pipeline)
     for _, stage, _, _, start, end, _ in rows:
-        key = stage if pipeline is None else stage % pipeline
+        key = row_of(stage)
         busy[key] = busy.get(key, 0.0) + (end - start)
     return {key: 1.0 - b / span for key, b in sorted(busy.items())}
 
@@ -161,7 +178,7 @@ def zb_h1_theory(pipeline: int, microbatches: int, *, forward: float = 1.0, b: f
 
 
 def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline",
-                  pipeline: int | None = None) -> Path:  # fmt: skip
+                  pipeline: Ranks = None) -> Path:  # fmt: skip
     """A PNG with one row per stage: forward, backward and (last stage) forward+loss+backward
     tasks in three colours, labelled by microbatch; the legend sits below the axes.
 
@@ -179,7 +196,7 @@ def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline 
 
 
 def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline",
-                    pipeline: int | None = None):  # fmt: skip
+                    pipeline: Ranks = None):  # fmt: skip
     """The matplotlib figure of :func:`plot_timeline` (the caller closes it)."""
     import matplotlib
 
@@ -188,7 +205,7 @@ def timeline_figure(rows: Sequence[Row], title: str = "pipeline timeline",
     from matplotlib.patches import Patch
 
     zero = _zero(rows)
-    row_of = (lambda s: s) if pipeline is None else (lambda s: s % pipeline)  # noqa: E731
+    row_of = _rank_of(pipeline)
     lanes = sorted({row_of(r[1]) for r in rows})
     fig, ax = plt.subplots(figsize=(10, 0.6 * len(lanes) + 1.8), layout="constrained")
     colours = {"F": "#4c78a8", "B": "#f58518", "FB": "#54a24b", "W": "#b279a2"}

@@ -140,7 +140,7 @@ class PipelinedValueAndGrad:
             if png_path is not None:  # virtual stages: one row per pipeline rank (its devices)
                 grid = self.placed.grid
                 timeline.plot_timeline(png_path, rows, title,
-                                       grid.pipeline if grid.virtual > 1 else None)  # fmt: skip
+                                       grid.placements if grid.virtual > 1 else None)  # fmt: skip
         return rows
 
     def _combine(self, result: TrainingRun, programs, leaves, m: int) -> tuple[list, list]:

@@ -1,7 +1,7 @@
 """Under mpiexec: pipelined training equals the plain single-device computation.
 
 Usage: mpiexec -n P python pipeline_equivalence.py MODEL GRID [--schedules message,1f1b] [--trajectory-schedule zb]
-[--offload] [--references FILE]
+[--offload] [--references FILE] [--also GRID2]
 
 The grid is announced to ``axonn_jax.init`` first, so a grid whose stages each fit in
 one process runs with in-process CPU collectives ("local") and any other with gloo;
@@ -10,7 +10,8 @@ the OK line names the choice.
 GRID is like pipeline=2,data=2; ``--offload`` keeps the AdamW state and master
 weights in host memory; ``--references`` reads the plain Flax/optax results
 written by ``pipeline_cases.save_references`` instead of computing them on every
-rank. Every rank checks the gradients and parameters it holds; each rank prints
+rank; ``--also`` runs the same checks on a second grid of the same size in the
+same launch (e.g. the V-shaped placement beside the interleaved one). Every rank checks the gradients and parameters it holds; each rank prints
 "OK rank R ..." or the failures, and exits non-zero on failure.
 """
 
@@ -27,14 +28,18 @@ parser.add_argument("--schedules", default="message", type=lambda s: tuple(s.spl
 parser.add_argument("--offload", action="store_true")
 parser.add_argument("--trajectory-schedule", default="message", help="the schedule of the 5 AdamW steps")
 parser.add_argument("--references")
+parser.add_argument("--also", type=axonn_jax.Grid.parse, help="a second grid of the same size, same checks")
 args = parser.parse_args()
 info = axonn_jax.init(grid=args.grid)  # the grid chooses the CPU collectives
 assert info.distributed and info.process_count > 1, "expected a multi-process launch"
 refs = load_references(args.references) if args.references else None
-failures = run_case(args.model, args.grid, schedules=args.schedules, offload=args.offload,
-                    refs=refs, trajectory_schedule=args.trajectory_schedule)  # fmt: skip
+failures = []
+for grid in (args.grid, *([args.also] if args.also else [])):
+    failures += run_case(args.model, grid, schedules=args.schedules, offload=args.offload,
+                         refs=refs, trajectory_schedule=args.trajectory_schedule)  # fmt: skip
 if failures:
     print(f"FAIL rank {info.process_index}:\n  " + "\n  ".join(failures), flush=True)
     raise SystemExit(1)
-print(f"OK rank {info.process_index} {args.model} {args.grid} {','.join(args.schedules)} "
+also = f" and {args.also}" if args.also else ""
+print(f"OK rank {info.process_index} {args.model} {args.grid}{also} {','.join(args.schedules)} "
       f"collectives={launch.cpu_collectives()}", flush=True)  # fmt: skip
