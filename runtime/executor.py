@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
+from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner import control_flow as CF
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, dependents
@@ -39,6 +39,7 @@ from axonn_jax.partitioner.stages import is_layer_range, param_like_producers, p
 from axonn_jax.partitioner.trace import source_context
 from axonn_jax.runtime import loops
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
+from axonn_jax.runtime.param_reads import needs_gather, read_param, read_params
 from axonn_jax.runtime.pointwise import bind_custom_jvp
 from axonn_jax.runtime.shard_index import shard_index
 from axonn_jax.runtime.local_ops import KERNELS
@@ -108,37 +109,27 @@ def _gather(x: jax.Array, axis: str, dim: int, partial: bool = False) -> jax.Arr
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
 
 
-def read_param(x: jax.Array, storage: Layout, grid: Grid) -> jax.Array:
-    """Local parameter shard → its use layout (depth gathered, batch axes varying)."""
-    depth_dims = [d for d, axes in enumerate(storage) if axes and axes[-1] == Z]
-    if depth_dims and grid.z > 1:
-        if grid.data > 1 and DATA not in vma(x):
-            x = lax.pcast(x, DATA, to="varying")
-        return lax.all_gather(x, Z, axis=depth_dims[0], tiled=True)
-    missing = tuple(a for a in BATCH_AXES if grid.axis_size(a) > 1 and a not in vma(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def needs_gather(storage: Layout, grid: Grid) -> bool:
-    """True if reading a parameter stored in ``storage`` all-gathers its depth (z) split."""
-    return grid.z > 1 and any(axes and axes[-1] == Z for axes in storage)
-
-
-def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
-    """Where each parameter is needed, and where OAG prefetches it (pure, per jaxpr).
+def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, dict]:
+    """Where each parameter is needed, and where it is gathered (pure, per jaxpr).
 
     ``made_by`` is :func:`~axonn_jax.partitioner.stages.param_like_producers`
-    of ``jaxpr``. Returns ``(needs, prefetch)``: ``needs[id(eqn)]`` lists the
-    parameters an equation reads (through their cast chains);
+    of ``jaxpr``. Returns ``(needs, prefetch, starts)``: ``needs[id(eqn)]``
+    lists the parameters an equation reads (through their cast chains);
     ``prefetch[id(eqn)]`` lists the parameters of the *next* layer, to gather
-    when this layer starts. A layer starts at each matmul/convolution that reads
-    parameters; a parameter first read elsewhere (a bias, a norm scale) belongs
-    to the layer of the last matmul before that read.
+    when this layer starts (OAG); ``starts[id(eqn)]`` those of the layer this
+    equation starts, gathered together when it is reached. A layer starts at
+    each matmul/convolution that reads parameters, unless it reads the same
+    input as the matmul that started the current layer (q, k and v; gate and
+    up): those are one layer, whose weights are gathered in one all-gather
+    (:func:`~axonn_jax.runtime.param_reads.read_params`). A parameter first
+    read elsewhere (a bias, a norm scale) belongs to the layer of the last
+    matmul before that read.
     """
     origin = param_origins(jaxpr, num_params)
     needs: dict = {}
     layer_of: dict = {}
     layers: list = []
+    layer_input: set = set()  # the activation inputs of the matmul that started the current layer
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in made_by or eqn.primitive.name in CONTROL_FLOW:
             continue  # a cast chain runs when needed; a loop reads its parameters inside
@@ -147,14 +138,20 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
             continue
         needs[id(eqn)] = read
         if eqn.primitive.name in LAYER_PRIMITIVES:
-            layers.append(eqn)
+            inputs = {v for v in eqn.invars if not R.is_literal(v) and v not in origin}
+            if not (inputs and inputs <= layer_input):
+                layers.append(eqn)
+                layer_input = inputs
         for i in read:
             layer_of.setdefault(i, max(len(layers) - 1, 0))
     prefetch: dict = {}
+    starts: dict = {}
     for i, layer in layer_of.items():
         if layer >= 1:
             prefetch.setdefault(id(layers[layer - 1]), []).append(i)
-    return needs, prefetch
+        if layers:
+            starts.setdefault(id(layers[layer]), []).append(i)
+    return needs, prefetch, starts
 
 
 class Executor:
@@ -170,7 +167,7 @@ class Executor:
         n = len(self.param_storage)
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
-        self._needs, self._prefetch = gather_points(jaxpr, n, self._made_by)
+        self._needs, self._prefetch, self._starts = gather_points(jaxpr, n, self._made_by)
         self._param_dependent = dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
@@ -218,12 +215,20 @@ class Executor:
             self._run(eqn, env, lay)
 
     def _gather_for(self, eqn, env: dict) -> None:
-        """Read the parameters due at ``eqn``, tied to its activation inputs."""
+        """Read the parameters due at ``eqn``, tied to its activation inputs.
+
+        A layer's weights are read together when it starts (one all-gather
+        per dtype), or one layer ahead with OAG.
+        """
         params = self.jaxpr.invars
-        due = [i for i in self._needs.get(id(eqn), []) if isinstance(env.get(params[i]), _Stored)]
-        ahead = [i for i in self._prefetch.get(id(eqn), [])
-                 if isinstance(env.get(params[i]), _Stored)] if self.overlap.gather else []  # fmt: skip
-        tied = ahead if self.overlap.gather else due
+
+        def stored(ids):
+            return [i for i in ids if isinstance(env.get(params[i]), _Stored)]
+
+        due = stored(self._needs.get(id(eqn), []))
+        layer = stored(self._starts.get(id(eqn), []))
+        ahead = stored(self._prefetch.get(id(eqn), [])) if self.overlap.gather else []
+        tied = ahead if self.overlap.gather else list(dict.fromkeys(layer + due))
         tied = [i for i in tied if needs_gather(env[params[i]].storage, self.grid)]
         if tied:
             anchors = [v for v in eqn.invars if not R.is_literal(v) and v in env
@@ -239,10 +244,13 @@ class Executor:
                 env[v] = value
             for i, shard in zip(tied, shards):
                 env[params[i]].shard = shard
-        for i in dict.fromkeys(tied + due):
-            stored = env[params[i]]
-            if isinstance(stored, _Stored):
-                env[params[i]] = read_param(stored.shard, stored.storage, self.grid)
+        # the layer ahead (tied) in one read, then this layer's and this equation's own
+        for ids in (tied, layer + due):
+            ids = stored(dict.fromkeys(ids))
+            reads = read_params([env[params[i]].shard for i in ids],
+                                [env[params[i]].storage for i in ids], self.grid)  # fmt: skip
+            for i, value in zip(ids, reads):
+                env[params[i]] = value
 
     def value(self, var, env: dict, lay: dict):
         """``env[var]``, running a deferred parameter chain (or read) first."""
