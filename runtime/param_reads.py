@@ -76,9 +76,10 @@ def all_gather_together(xs: Sequence[jax.Array], dims: Sequence[int], axis: str,
     ``xs`` share a dtype and their varying axes. ``vary``: axes the concatenation is
     first marked varying over (its gradient is then all-reduced over them in one piece).
     """
-    flat = jnp.concatenate([x.reshape(-1) for x in xs])
+    flat = jnp.concatenate([x.reshape(1, -1) for x in xs], axis=1)
     flat = lax.pcast(flat, vary, to="varying") if vary else flat
-    rows = lax.all_gather(flat, axis, axis=0, tiled=False)  # (axis size, total): one row per device
+    # (axis size, total): one row per device; tiled, so its transpose keeps the (1, total) shape
+    rows = lax.all_gather(flat, axis, axis=0, tiled=True)
     out = []
     for x, d, piece in zip(xs, dims, lax.split(rows, [x.size for x in xs], axis=1)):
         piece = jnp.moveaxis(piece.reshape(rows.shape[0], *x.shape), 0, d)
