@@ -39,7 +39,7 @@ from axonn_jax.partitioner.stages import is_layer_range, param_like_producers, p
 from axonn_jax.partitioner.trace import source_context
 from axonn_jax.runtime import loops
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
-from axonn_jax.runtime.param_reads import needs_gather, read_param, read_params
+from axonn_jax.runtime.param_reads import needs_gather, read_param, read_params, reduce_scatter_together
 from axonn_jax.runtime.pointwise import bind_custom_jvp
 from axonn_jax.runtime.shard_index import shard_index
 from axonn_jax.runtime.local_ops import KERNELS
@@ -109,11 +109,11 @@ def _gather(x: jax.Array, axis: str, dim: int, partial: bool = False) -> jax.Arr
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
 
 
-def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, dict]:
+def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, dict, dict]:
     """Where each parameter is needed, and where it is gathered (pure, per jaxpr).
 
     ``made_by`` is :func:`~axonn_jax.partitioner.stages.param_like_producers`
-    of ``jaxpr``. Returns ``(needs, prefetch, starts)``: ``needs[id(eqn)]``
+    of ``jaxpr``. Returns ``(needs, prefetch, starts, siblings)``: ``needs[id(eqn)]``
     lists the parameters an equation reads (through their cast chains);
     ``prefetch[id(eqn)]`` lists the parameters of the *next* layer, to gather
     when this layer starts (OAG); ``starts[id(eqn)]`` those of the layer this
@@ -123,12 +123,14 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
     up): those are one layer, whose weights are gathered in one all-gather
     (:func:`~axonn_jax.runtime.param_reads.read_params`). A parameter first
     read elsewhere (a bias, a norm scale) belongs to the layer of the last
-    matmul before that read.
+    matmul before that read. ``siblings[id(eqn)]``: the matmuls of a layer of
+    several (q, k, v), keyed by the first; their outputs are reduced together.
     """
     origin = param_origins(jaxpr, num_params)
     needs: dict = {}
     layer_of: dict = {}
     layers: list = []
+    siblings: dict = {}
     layer_input: set = set()  # the activation inputs of the matmul that started the current layer
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in made_by or eqn.primitive.name in CONTROL_FLOW:
@@ -142,6 +144,9 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
             if not (inputs and inputs <= layer_input):
                 layers.append(eqn)
                 layer_input = inputs
+                siblings[id(eqn)] = [eqn]
+            else:
+                siblings[id(layers[-1])].append(eqn)
         for i in read:
             layer_of.setdefault(i, max(len(layers) - 1, 0))
     prefetch: dict = {}
@@ -151,7 +156,7 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
             prefetch.setdefault(id(layers[layer - 1]), []).append(i)
         if layers:
             starts.setdefault(id(layers[layer]), []).append(i)
-    return needs, prefetch, starts
+    return needs, prefetch, starts, {k: eqns for k, eqns in siblings.items() if len(eqns) > 1}
 
 
 class Executor:
@@ -167,7 +172,7 @@ class Executor:
         n = len(self.param_storage)
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
-        self._needs, self._prefetch, self._starts = gather_points(jaxpr, n, self._made_by)
+        self._needs, self._prefetch, self._starts, self._siblings = gather_points(jaxpr, n, self._made_by)
         self._param_dependent = dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
@@ -206,13 +211,35 @@ class Executor:
         Parameter cast chains are deferred until first needed, and parameters
         are gathered at the points :class:`Overlap` chooses.
         """
+        done: set = set()
         for eqn in eqns:
             if eqn.outvars and eqn.outvars[0] in self._made_by:
                 for var in eqn.outvars:
                     env[var] = _Deferred(eqn)
                 continue
+            if id(eqn) in done:
+                continue
+            siblings = self._siblings.get(id(eqn), [])
+            if siblings and all(R.is_literal(v) or v in env for e in siblings for v in e.invars):
+                self._run_siblings(siblings, env, lay)
+                done.update(id(e) for e in siblings)
+                continue
             self._gather_for(eqn, env)
             self._run(eqn, env, lay)
+
+    def _run_siblings(self, eqns, env: dict, lay: dict) -> None:
+        """The matmuls of one layer that read the same input (q, k, v), run at the first:
+        outputs reduce-scattered onto the batch over the same axes take one reduce-scatter
+        (:func:`~axonn_jax.runtime.param_reads.reduce_scatter_together`)."""
+        held: dict = {}
+        for eqn in eqns:
+            self._gather_for(eqn, env)
+            with source_context(eqn.source_info):
+                self._run_here(eqn, env, lay, held=held)
+        for (axes, onto), items in held.items():
+            outs = reduce_scatter_together([out for _, out in items], axes, onto)
+            for (var, _), out in zip(items, outs):
+                env[var] = out
 
     def _gather_for(self, eqn, env: dict) -> None:
         """Read the parameters due at ``eqn``, tied to its activation inputs.
@@ -280,7 +307,8 @@ class Executor:
         with source_context(eqn.source_info):
             self._run_here(eqn, env, lay)
 
-    def _run_here(self, eqn, env, lay) -> None:
+    def _run_here(self, eqn, env, lay, held: dict | None = None) -> None:
+        """Run one equation; ``held``: collects reduce-scatters by (axes, dim) instead of issuing them."""
         if eqn.primitive.name in CONTROL_FLOW:
             self._run_control_flow(eqn, env, lay)
             return
@@ -332,6 +360,10 @@ class Executor:
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
             axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
             onto = step.scatter[k] if step.scatter else None
+            if axes and onto is not None and held is not None:
+                held.setdefault((axes, onto), []).append((var, out))
+                lay[var] = step.outs[k]
+                continue
             if axes and onto is not None:
                 out = lax.psum_scatter(out, axes, scatter_dimension=onto, tiled=True)
             elif axes:

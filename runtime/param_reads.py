@@ -90,3 +90,23 @@ def all_gather_together(xs: Sequence[jax.Array], dims: Sequence[int], axis: str,
 def _vary_data(x: jax.Array, grid: Grid) -> jax.Array:
     """``x`` typed varying over ``data`` (its gradient all-reduced over data at shard size)."""
     return lax.pcast(x, DATA, to="varying") if grid.data > 1 and DATA not in vma(x) else x
+
+
+def reduce_scatter_together(xs: Sequence[jax.Array], axes: tuple[str, ...], dim: int) -> list:
+    """``[lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True) for x in xs]``, the
+    arrays of one shape, dtype and varying axes stacked into one reduce-scatter (whose
+    transpose is one all-gather); each element is the same sum, so the values are unchanged.
+    """
+    out: list = [None] * len(xs)
+    alike: dict = {}
+    for k, x in enumerate(xs):
+        alike.setdefault((x.shape, jnp.result_type(x), vma(x)), []).append(k)
+    for ks in alike.values():
+        if len(ks) == 1:
+            out[ks[0]] = lax.psum_scatter(xs[ks[0]], axes, scatter_dimension=dim, tiled=True)
+            continue
+        stacked = lax.psum_scatter(jnp.stack([xs[k] for k in ks]), axes, scatter_dimension=dim + 1,
+                                   tiled=True)  # fmt: skip
+        for j, k in enumerate(ks):
+            out[k] = stacked[j]
+    return out

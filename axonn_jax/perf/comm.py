@@ -17,7 +17,8 @@ weight gather                       all-gather   z            forward, per micro
 weight re-gather                    all-gather   z            backward, under recompute
 weight-gradient scatter             reduce-scat  z            backward, per microbatch
 layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
-layer output (default)              reduce-scat  in axis      forward (×2 recompute)
+layer output (default)              reduce-scat  in axis      forward (×2 recompute;
+                                                              q/k/v stacked in one)
 layer output gradient (default)     all-gather   in axis      backward (its transpose)
 layer input (default)               all-gather   out axis     forward (×2 recompute),
                                                               unless the input is whole
@@ -202,11 +203,13 @@ class _Step:
             calls = copies * self.mb
             output = rows * m.n / g_out  # the layer's partial sums on one device, whole batch
             if m.in_axis in self.scattered:
-                # onto the batch; the backward all-gathers the output gradient (the transpose)
+                # onto the batch, q/k/v stacked in one; the backward all-gathers the output
+                # gradients (the transpose; runtime.param_reads.reduce_scatter_together)
                 self.add("layer output", "reduce-scatter", (m.in_axis,), "forward",
-                         _ring("reduce-scatter", g_in) * output * copies * again, calls * again)  # fmt: skip
+                         _ring("reduce-scatter", g_in) * output * copies * again,
+                         calls / m.fused * again)  # fmt: skip
                 self.add("layer output gradient", "all-gather", (m.in_axis,), "backward",
-                         _ring("all-gather", g_in) * output * copies, calls)  # fmt: skip
+                         _ring("all-gather", g_in) * output * copies, calls / m.fused)  # fmt: skip
             elif m.in_axis:
                 self.add("layer output", "all-reduce", (m.in_axis,), "forward",
                          _ring("all-reduce", g_in) * output * copies * again,
