@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
+from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner import control_flow as CF
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, dependents
@@ -39,6 +39,7 @@ from axonn_jax.partitioner.stages import is_layer_range, param_like_producers, p
 from axonn_jax.partitioner.trace import source_context
 from axonn_jax.runtime import loops
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
+from axonn_jax.runtime.param_reads import needs_gather, read_param, read_params, reduce_scatter_together
 from axonn_jax.runtime.pointwise import bind_custom_jvp
 from axonn_jax.runtime.shard_index import shard_index
 from axonn_jax.runtime.local_ops import KERNELS
@@ -108,37 +109,29 @@ def _gather(x: jax.Array, axis: str, dim: int, partial: bool = False) -> jax.Arr
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
 
 
-def read_param(x: jax.Array, storage: Layout, grid: Grid) -> jax.Array:
-    """Local parameter shard → its use layout (depth gathered, batch axes varying)."""
-    depth_dims = [d for d, axes in enumerate(storage) if axes and axes[-1] == Z]
-    if depth_dims and grid.z > 1:
-        if grid.data > 1 and DATA not in vma(x):
-            x = lax.pcast(x, DATA, to="varying")
-        return lax.all_gather(x, Z, axis=depth_dims[0], tiled=True)
-    missing = tuple(a for a in BATCH_AXES if grid.axis_size(a) > 1 and a not in vma(x))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def needs_gather(storage: Layout, grid: Grid) -> bool:
-    """True if reading a parameter stored in ``storage`` all-gathers its depth (z) split."""
-    return grid.z > 1 and any(axes and axes[-1] == Z for axes in storage)
-
-
-def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
-    """Where each parameter is needed, and where OAG prefetches it (pure, per jaxpr).
+def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, dict, dict]:
+    """Where each parameter is needed, and where it is gathered (pure, per jaxpr).
 
     ``made_by`` is :func:`~axonn_jax.partitioner.stages.param_like_producers`
-    of ``jaxpr``. Returns ``(needs, prefetch)``: ``needs[id(eqn)]`` lists the
-    parameters an equation reads (through their cast chains);
+    of ``jaxpr``. Returns ``(needs, prefetch, starts, siblings)``: ``needs[id(eqn)]``
+    lists the parameters an equation reads (through their cast chains);
     ``prefetch[id(eqn)]`` lists the parameters of the *next* layer, to gather
-    when this layer starts. A layer starts at each matmul/convolution that reads
-    parameters; a parameter first read elsewhere (a bias, a norm scale) belongs
-    to the layer of the last matmul before that read.
+    when this layer starts (OAG); ``starts[id(eqn)]`` those of the layer this
+    equation starts, gathered together when it is reached. A layer starts at
+    each matmul/convolution that reads parameters, unless it reads the same
+    input as the matmul that started the current layer (q, k and v; gate and
+    up): those are one layer, whose weights are gathered in one all-gather
+    (:func:`~axonn_jax.runtime.param_reads.read_params`). A parameter first
+    read elsewhere (a bias, a norm scale) belongs to the layer of the last
+    matmul before that read. ``siblings[id(eqn)]``: the matmuls of a layer of
+    several (q, k, v), keyed by the first; their outputs are reduced together.
     """
     origin = param_origins(jaxpr, num_params)
     needs: dict = {}
     layer_of: dict = {}
     layers: list = []
+    siblings: dict = {}
+    layer_input: set = set()  # the activation inputs of the matmul that started the current layer
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in made_by or eqn.primitive.name in CONTROL_FLOW:
             continue  # a cast chain runs when needed; a loop reads its parameters inside
@@ -147,14 +140,23 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict]:
             continue
         needs[id(eqn)] = read
         if eqn.primitive.name in LAYER_PRIMITIVES:
-            layers.append(eqn)
+            inputs = {v for v in eqn.invars if not R.is_literal(v) and v not in origin}
+            if not (inputs and inputs <= layer_input):
+                layers.append(eqn)
+                layer_input = inputs
+                siblings[id(eqn)] = [eqn]
+            else:
+                siblings[id(layers[-1])].append(eqn)
         for i in read:
             layer_of.setdefault(i, max(len(layers) - 1, 0))
     prefetch: dict = {}
+    starts: dict = {}
     for i, layer in layer_of.items():
         if layer >= 1:
             prefetch.setdefault(id(layers[layer - 1]), []).append(i)
-    return needs, prefetch
+        if layers:
+            starts.setdefault(id(layers[layer]), []).append(i)
+    return needs, prefetch, starts, {k: eqns for k, eqns in siblings.items() if len(eqns) > 1}
 
 
 class Executor:
@@ -170,7 +172,7 @@ class Executor:
         n = len(self.param_storage)
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
-        self._needs, self._prefetch = gather_points(jaxpr, n, self._made_by)
+        self._needs, self._prefetch, self._starts, self._siblings = gather_points(jaxpr, n, self._made_by)
         self._param_dependent = dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
@@ -209,21 +211,51 @@ class Executor:
         Parameter cast chains are deferred until first needed, and parameters
         are gathered at the points :class:`Overlap` chooses.
         """
+        done: set = set()
         for eqn in eqns:
             if eqn.outvars and eqn.outvars[0] in self._made_by:
                 for var in eqn.outvars:
                     env[var] = _Deferred(eqn)
                 continue
+            if id(eqn) in done:
+                continue
+            siblings = self._siblings.get(id(eqn), [])
+            if siblings and all(R.is_literal(v) or v in env for e in siblings for v in e.invars):
+                self._run_siblings(siblings, env, lay)
+                done.update(id(e) for e in siblings)
+                continue
             self._gather_for(eqn, env)
             self._run(eqn, env, lay)
 
+    def _run_siblings(self, eqns, env: dict, lay: dict) -> None:
+        """The matmuls of one layer that read the same input (q, k, v), run at the first:
+        outputs reduce-scattered onto the batch over the same axes take one reduce-scatter
+        (:func:`~axonn_jax.runtime.param_reads.reduce_scatter_together`)."""
+        held: dict = {}
+        for eqn in eqns:
+            self._gather_for(eqn, env)
+            with source_context(eqn.source_info):
+                self._run_here(eqn, env, lay, held=held)
+        for (axes, onto), items in held.items():
+            outs = reduce_scatter_together([out for _, out in items], axes, onto)
+            for (var, _), out in zip(items, outs):
+                env[var] = out
+
     def _gather_for(self, eqn, env: dict) -> None:
-        """Read the parameters due at ``eqn``, tied to its activation inputs."""
+        """Read the parameters due at ``eqn``, tied to its activation inputs.
+
+        A layer's weights are read together when it starts (one all-gather
+        per dtype), or one layer ahead with OAG.
+        """
         params = self.jaxpr.invars
-        due = [i for i in self._needs.get(id(eqn), []) if isinstance(env.get(params[i]), _Stored)]
-        ahead = [i for i in self._prefetch.get(id(eqn), [])
-                 if isinstance(env.get(params[i]), _Stored)] if self.overlap.gather else []  # fmt: skip
-        tied = ahead if self.overlap.gather else due
+
+        def stored(ids):
+            return [i for i in ids if isinstance(env.get(params[i]), _Stored)]
+
+        due = stored(self._needs.get(id(eqn), []))
+        layer = stored(self._starts.get(id(eqn), []))
+        ahead = stored(self._prefetch.get(id(eqn), [])) if self.overlap.gather else []
+        tied = ahead if self.overlap.gather else list(dict.fromkeys(layer + due))
         tied = [i for i in tied if needs_gather(env[params[i]].storage, self.grid)]
         if tied:
             anchors = [v for v in eqn.invars if not R.is_literal(v) and v in env
@@ -239,10 +271,13 @@ class Executor:
                 env[v] = value
             for i, shard in zip(tied, shards):
                 env[params[i]].shard = shard
-        for i in dict.fromkeys(tied + due):
-            stored = env[params[i]]
-            if isinstance(stored, _Stored):
-                env[params[i]] = read_param(stored.shard, stored.storage, self.grid)
+        # the layer ahead (tied) in one read, then this layer's and this equation's own
+        for ids in (tied, layer + due):
+            ids = stored(dict.fromkeys(ids))
+            reads = read_params([env[params[i]].shard for i in ids],
+                                [env[params[i]].storage for i in ids], self.grid)  # fmt: skip
+            for i, value in zip(ids, reads):
+                env[params[i]] = value
 
     def value(self, var, env: dict, lay: dict):
         """``env[var]``, running a deferred parameter chain (or read) first."""
@@ -272,7 +307,8 @@ class Executor:
         with source_context(eqn.source_info):
             self._run_here(eqn, env, lay)
 
-    def _run_here(self, eqn, env, lay) -> None:
+    def _run_here(self, eqn, env, lay, held: dict | None = None) -> None:
+        """Run one equation; ``held``: collects reduce-scatters by (axes, dim) instead of issuing them."""
         if eqn.primitive.name in CONTROL_FLOW:
             self._run_control_flow(eqn, env, lay)
             return
@@ -324,6 +360,10 @@ class Executor:
         for k, (var, out) in enumerate(zip(eqn.outvars, outs)):
             axes = tuple(a for a in step.reduce[k] if self.grid.axis_size(a) > 1)
             onto = step.scatter[k] if step.scatter else None
+            if axes and onto is not None and held is not None:
+                held.setdefault((axes, onto), []).append((var, out))
+                lay[var] = step.outs[k]
+                continue
             if axes and onto is not None:
                 out = lax.psum_scatter(out, axes, scatter_dimension=onto, tiled=True)
             elif axes:

@@ -242,14 +242,16 @@ def test_report_without_devices_for_1024_devices():
     groups = pm.report().communication.groups()
     depth = [p for p in pm.plan.params if p.storage and any(a and a[-1] == "z" for a in p.storage)]
     shard_bytes = sum(p.bytes_per_device(grid) for p in depth)
+    # one gather per layer: each block's q, k and v kernels are gathered together
+    layers = len(depth) - 2 * config.num_layers
     gather = groups[("all-gather", ("z",))]
-    assert (gather.count, gather.forward_bytes) == (len(depth), 4 * shard_bytes)
+    assert (gather.count, gather.forward_bytes) == (layers, 4 * shard_bytes)
     assert gather.backward_bytes == 0  # the gathered blocks are kept, not re-gathered
     scatter = groups[("reduce-scatter", ("z",))]
-    assert (scatter.count, scatter.backward_bytes) == (len(depth), shard_bytes)
+    assert (scatter.count, scatter.backward_bytes) == (layers, shard_bytes)
     assert scatter.wire_bytes == gather.wire_bytes == 3 * shard_bytes
     data = groups[("all-reduce", ("data",))]
-    assert (data.count, data.backward_bytes) == (len(depth), shard_bytes)
+    assert (data.count, data.backward_bytes) == (layers, shard_bytes)
 
 
 def test_report_is_cached_and_printable(devices):

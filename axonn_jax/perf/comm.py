@@ -13,10 +13,12 @@ all-reduced (the paper's form, eqs. 1–5). Counted:
 what                                collective   axes         when
 ==================================  ===========  ===========  =======================
 weight gather                       all-gather   z            forward, per microbatch
+                                                              (one per layer: q/k/v together)
 weight re-gather                    all-gather   z            backward, under recompute
 weight-gradient scatter             reduce-scat  z            backward, per microbatch
 layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
-layer output (default)              reduce-scat  in axis      forward (×2 recompute)
+layer output (default)              reduce-scat  in axis      forward (×2 recompute;
+                                                              q/k/v stacked in one)
 layer output gradient (default)     all-gather   in axis      backward (its transpose)
 layer input (default)               all-gather   out axis     forward (×2 recompute),
                                                               unless the input is whole
@@ -39,8 +41,8 @@ stage activations                   send         pipeline     fwd + bwd, per mic
 
 A layer scatters over its input axis only when that axis divides the samples
 of one device's microbatch (else the program all-reduces, as the model does).
-``calls`` is what is issued (one per fused q/k/v input gradient, per norm,
-per gradient bucket); ``transfers`` counts the collectives as ``pm.report()``
+``calls`` is what is issued (one per fused q/k/v input gradient and q/k/v
+weight gather / gradient reduce-scatter, per norm, per gradient bucket); ``transfers`` counts the collectives as ``pm.report()``
 lists them, one per value.
 
 Without recompute the compiled program keeps the gathered weights for the
@@ -170,7 +172,7 @@ class _Step:
             if p.depth and grid.z > 1:
                 full = p.use_elements(grid)
                 wire = _ring("all-gather", grid.z) * full * copies * mb
-                calls = copies * mb
+                calls = copies * mb / p.fused  # siblings' weights share one gather
                 self.add("weight gather", "all-gather", (Z,), "forward", wire, calls, repeats=True)
                 if self.recompute and p.per_block:
                     self.add("weight re-gather", "all-gather", (Z,), "backward", wire, calls,
@@ -178,7 +180,8 @@ class _Step:
                 self.add("weight-gradient scatter", "reduce-scatter", (Z,), "backward", wire, calls,
                          repeats=True)  # fmt: skip
                 self.add("weight-gradient shard", "all-reduce", (DATA,), "step",
-                         _ring("all-reduce", grid.data) * full / grid.z * copies, copies, False)  # fmt: skip
+                         _ring("all-reduce", grid.data) * full / grid.z * copies, copies / p.fused,
+                         False)  # fmt: skip
                 continue
             local = p.local_elements(grid) * copies
             self.add("other parameter gradients", "all-reduce", (DATA, Z), "step",
@@ -200,11 +203,13 @@ class _Step:
             calls = copies * self.mb
             output = rows * m.n / g_out  # the layer's partial sums on one device, whole batch
             if m.in_axis in self.scattered:
-                # onto the batch; the backward all-gathers the output gradient (the transpose)
+                # onto the batch, q/k/v stacked in one; the backward all-gathers the output
+                # gradients (the transpose; runtime.param_reads.reduce_scatter_together)
                 self.add("layer output", "reduce-scatter", (m.in_axis,), "forward",
-                         _ring("reduce-scatter", g_in) * output * copies * again, calls * again)  # fmt: skip
+                         _ring("reduce-scatter", g_in) * output * copies * again,
+                         calls / m.fused * again)  # fmt: skip
                 self.add("layer output gradient", "all-gather", (m.in_axis,), "backward",
-                         _ring("all-gather", g_in) * output * copies, calls)  # fmt: skip
+                         _ring("all-gather", g_in) * output * copies, calls / m.fused)  # fmt: skip
             elif m.in_axis:
                 self.add("layer output", "all-reduce", (m.in_axis,), "forward",
                          _ring("all-reduce", g_in) * output * copies * again,

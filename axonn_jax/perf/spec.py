@@ -51,6 +51,10 @@ class Param:
     #: default program (``scatter_batch``): a bias after a layer, a norm on the residual
     #: stream; its gradient is then also all-reduced over that axis (None: whole rows)
     scatter_axis: str | None = None
+    #: depth-split weights gathered in one all-gather with this one (the weights of the
+    #: matmuls reading the same input: q/k/v, gate/up; ``runtime/param_reads.py``): one
+    #: all-gather, one reduce-scatter and one data all-reduce per ``fused`` copies
+    fused: int = 1
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -253,7 +257,7 @@ def gpt_spec(
         P("pos_embed", (seq, h), (None, Y), per_block=False),
         P("norm_final/scale", (h,), (Y,), per_block=False, scatter_axis=X),
         P("norm_final/bias", (h,), (Y,), per_block=False, scatter_axis=X),
-        P("block/attn/qkv/kernel", (h, heads, hd), (Y, X, None), depth=True, count=3 * L),
+        P("block/attn/qkv/kernel", (h, heads, hd), (Y, X, None), depth=True, count=3 * L, fused=3),
         P("block/attn/out/kernel", (heads, hd, h), (X, None, Y), depth=True, count=L),
         P("block/mlp/fc_in/kernel", (h, f), (Y, X), depth=True, count=L),
         P("block/mlp/fc_out/kernel", (f, h), (X, Y), depth=True, count=L),

@@ -10,6 +10,8 @@ transposed layers are known without devices). From the plan and the jaxpr:
   (exact) and its axes (from the layer role; a parameter that is not a layer
   weight but meets an activation, e.g. a tied embedding used as the output
   head, contracts over the axis its layout carries);
+* gather groups: the depth-split weights of the matmuls that read one input
+  (q/k/v, gate/up) are gathered in one all-gather (``Param.fused``);
 * matmuls between two activations (attention) count as FLOPs split over
   data·z·x;
 * activations kept for backward: the activation operands of those matmuls
@@ -59,7 +61,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
                                scatter_batch=program.scatter_batch)  # fmt: skip
     lookups = 0
 
-    matmuls, saved, looked_up = [], {}, set()
+    matmuls, saved, looked_up, weight_of = [], {}, set(), []
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
     for eqn in jaxpr.eqns:
@@ -93,6 +95,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         in_axis = _tensor_axis(tuple(a for d in w_c for a in w_lay[d]))
         out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]))
         path = plan.params[p].path
+        weight_of.append((act_var, p))
         matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
                                         whole_inputs=int(act_var not in flow.axis))))  # fmt: skip
         flow.layer(eqn, in_axis)
@@ -112,6 +115,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
               per_block=_in_block(p.path), scatter_axis=flow.params.get(i))  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
+    params = _gathered_together(params, weight_of)
     activations = [Activation("matmul input", size / tokens, axis) for size, axis in saved.values()]
     activations += [Activation("attention operand", size / tokens, X)
                     for size in attention_saved.values()]  # fmt: skip
@@ -202,13 +206,26 @@ def _blocks(paths) -> int:
 def _merge_params(params) -> tuple[Param, ...]:
     groups: dict[tuple, list[Param]] = collections.defaultdict(list)
     for p in params:
-        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis)].append(p)
+        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused)].append(p)
     return tuple(
         Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
               ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
-              scatter_axis=ps[0].scatter_axis)  # fmt: skip
+              scatter_axis=ps[0].scatter_axis, fused=ps[0].fused)  # fmt: skip
         for ps in groups.values()
     )
+
+
+def _gathered_together(params: list[Param], weight_of: list[tuple]) -> list[Param]:
+    """``params`` with ``fused``: the depth-split weights of the matmuls reading one input
+    (``weight_of``: (input variable, parameter index) per matmul) share one gather."""
+    siblings: dict = collections.defaultdict(set)
+    for var, p in weight_of:
+        if params[p].depth:
+            siblings[var].add(p)
+    fused = {}
+    for var, p in weight_of:
+        fused.setdefault(p, max(len(siblings[var]), 1))
+    return [dataclasses.replace(q, fused=fused.get(i, 1)) for i, q in enumerate(params)]
 
 
 def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
