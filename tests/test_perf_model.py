@@ -548,3 +548,26 @@ def test_cli_prices_the_all_reduce_form(capsys):
         assert differs == (c["x"] * c["y"] > 1), (g, c["comm_bytes_per_gpu"], reduce[g]["comm_bytes_per_gpu"])
     assert main(["plan", "--gpus", "8", "--machine", "frontier", "--no-pipeline", "--no-scatter-batch", *GPT_ARGS]) == 0
     assert "scatter_batch=False" in capsys.readouterr().out
+
+
+def test_convolutions_are_priced_as_their_implicit_gemm():
+    """A CNN's convolutions are matmuls of the model: m output positions, k = input
+    channels × window, n output channels, FLOPs those the partitioner counts."""
+    from axonn_jax.models import CNN
+    from axonn_jax.partitioner.flops import equation_flops
+    from axonn_jax.partitioner.trace import inline_calls, trace_model
+    from axonn_jax.perf.step import flops_per_device
+    from axonn_jax.perf.traced import spec_from_model
+
+    model, images = CNN(channels=(16, 32)), jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32)
+    spec = spec_from_model(model, images)
+    convs = [m for m in spec.matmuls if not m.scatters]
+    assert [(m.m, m.k, m.n, m.input_per_row) for m in convs] == [
+        (16 * 16 * 16, 3 * 9, 16, 3), (16 * 8 * 8, 16 * 9, 32, 16)]  # 2×2 pooling between
+    jaxpr = inline_calls(trace_model(model, images).jaxpr).jaxpr
+    counted = sum(equation_flops(e) for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated")
+    assert sum(m.flops * m.count for m in convs) == counted
+    # the compute is split like the layers': x·y and the batch shards
+    grid = Grid(x=2, y=2, data=2)
+    assert flops_per_device(spec, grid, recompute=False) == pytest.approx(
+        3 * sum(m.flops * m.count for m in spec.matmuls) / 8)

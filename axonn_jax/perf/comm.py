@@ -194,15 +194,16 @@ class _Step:
     def matmuls(self) -> None:
         """Each layer's forward reduction and backward input-gradient all-reduce (§1), in the
         all-reduce form or the default reduce-scatter-onto-the-batch + all-gather form."""
-        grid, rows = self.grid, self.rows
+        grid = self.grid
         for m in self.spec.matmuls:
+            rows = self.rows * m.m / self.spec.tokens  # a convolution's positions, a pooler's rows
             copies = m.count * (self.share if m.recomputed else 1.0)  # recomputed: inside a block
             g_in = grid.axis_size(m.in_axis) if m.in_axis else 1
             g_out = grid.axis_size(m.out_axis) if m.out_axis else 1
             again = 2 if self.recompute and m.recomputed else 1
             calls = copies * self.mb
             output = rows * m.n / g_out  # the layer's partial sums on one device, whole batch
-            if m.in_axis in self.scattered:
+            if m.in_axis in self.scattered and m.scatters:
                 # onto the batch, q/k/v stacked in one; the backward all-gathers the output
                 # gradients (the transpose; runtime.param_reads.reduce_scatter_together)
                 self.add("layer output", "reduce-scatter", (m.in_axis,), "forward",
@@ -214,9 +215,9 @@ class _Step:
                 self.add("layer output", "all-reduce", (m.in_axis,), "forward",
                          _ring("all-reduce", g_in) * output * copies * again,
                          calls / m.fused * again, transfers=calls * again)  # fmt: skip
-            layer_input = rows * m.k / g_in
+            layer_input = rows * m.input_per_row / g_in
             whole = copies
-            if m.out_axis in self.scattered:  # the input, scattered by an earlier layer, gathered
+            if m.out_axis in self.scattered and m.scatters:  # the input, scattered by an earlier layer, gathered
                 gathered = (m.count - m.whole_inputs) * (self.share if m.recomputed else 1.0) / m.fused
                 whole = m.whole_inputs * (self.share if m.recomputed else 1.0)
                 self.add("layer input", "all-gather", (m.out_axis,), "forward",

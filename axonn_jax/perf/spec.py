@@ -111,6 +111,11 @@ class MatMul:
     ``whole_inputs``: copies whose input is not reduce-scattered onto the
     batch by an earlier layer (it comes from the model's inputs or a lookup),
     so the default program has no batch all-gather to run before them.
+    ``scatters``: the default program reduce-scatters its output onto the batch
+    (a convolution's output is all-reduced). ``input_width``: input elements
+    per output row when they are not ``k`` (a convolution, priced as the
+    implicit GEMM of its ``m`` output positions: its input is read once, not
+    once per kernel tap); 0 means ``k``.
     """
 
     name: str
@@ -123,6 +128,13 @@ class MatMul:
     recomputed: bool = True
     fused: int = 1
     whole_inputs: int = 0
+    scatters: bool = True
+    input_width: float = 0.0
+
+    @property
+    def input_per_row(self) -> float:
+        """Input elements per output row (``k`` for a dense layer)."""
+        return self.input_width or self.k
 
     @property
     def flops(self) -> float:

@@ -72,6 +72,11 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             dn = eqn.params["dimension_numbers"]
             table = layouts[eqn.invars[0]]
             lookups += any(X in table[d] for d in dn.start_index_map)  # vocabulary-parallel
+        if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
+            conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path)
+            matmuls.append((None, conv))
+            saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
+            continue
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -100,8 +105,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
                                         whole_inputs=int(act_var not in flow.axis))))  # fmt: skip
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
-    readers = collections.Counter(var for var, _ in matmuls)
-    matmuls = [dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
+    readers = collections.Counter(var for var, _ in matmuls if var is not None)
+    matmuls = [mm if var is None else dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
 
     if not matmuls:
         raise ValueError(
@@ -182,6 +187,28 @@ class _ScatterFlow:
             self.axis[eqn.outvars[0]] = in_axis
 
 
+def _conv_matmul(eqn, layouts, path: str) -> MatMul:
+    """A convolution with a parameter kernel as the matmul it computes (implicit GEMM).
+
+    m output positions (batch × spatial), k = input channels per group × kernel
+    window, n output channels: ``2·m·k·n`` are its FLOPs. Its input is read
+    whole (``input_width``: input elements per output position) and its partial
+    sums are all-reduced over the input-channel axis (``rules.conv``: a
+    convolution's output is not reduce-scattered onto the batch).
+    """
+    lhs, rhs = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    out_ch_dim, in_ch_dim = dn.rhs_spec[:2]
+    kernel, out = R.shape_of(rhs), R.shape_of(eqn.outvars[0])
+    n = kernel[out_ch_dim]
+    k = math.prod(kernel) // n
+    m = math.prod(out) // n
+    w_lay = layouts[rhs]
+    return MatMul(path, m, k, n, _tensor_axis(w_lay[in_ch_dim]), _tensor_axis(w_lay[out_ch_dim]),
+                  recomputed=_in_block(path), whole_inputs=1, scatters=False,
+                  input_width=math.prod(R.shape_of(lhs)) / m)  # fmt: skip
+
+
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
     return next((a for a in axes if a in (X, Y)), None)
 
@@ -231,11 +258,13 @@ def _gathered_together(params: list[Param], weight_of: list[tuple]) -> list[Para
 def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
     groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
     for m in matmuls:
-        groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused)].append(m)
+        groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused, m.scatters,
+                m.input_width)].append(m)
     return tuple(
         MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
                ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
-               recomputed=ms[0].recomputed, fused=ms[0].fused,
+               recomputed=ms[0].recomputed, fused=ms[0].fused, scatters=ms[0].scatters,
+               input_width=ms[0].input_width,
                whole_inputs=sum(m.whole_inputs for m in ms))  # fmt: skip
         for ms in groups.values()
     )
