@@ -6,7 +6,8 @@ logits reduces over the split instead of gathering the logits:
 
 * losses users write (optax's integer-label cross-entropy with a ``where``
   mask, a hand-written ``log_softmax`` + ``take_along_axis`` weighted by a mask
-  in the batch, a dict batch) are planned (no note) and give the plain model's
+  in the batch, a max-margin loss that differentiates the max over the split
+  vocabulary; dict batches) are planned (no note) and give the plain model's
   loss and every gradient (the bounds of ``test_partition.py``) on two grids
   of the table (``conftest.spread``);
 * the traced step of the repo GPT gathers no vocabulary-sized tensor, and its
@@ -64,7 +65,13 @@ def log_softmax_take(logits, batch):
     return -jnp.sum(picked * batch["mask"]) / jnp.sum(batch["mask"])
 
 
-LOSSES = {f.__name__: f for f in (optax_masked, optax_where, log_softmax_take)}
+def max_margin(logits, batch):
+    """The max over the vocabulary differentiated (not under stop_gradient, as in a softmax)."""
+    label = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    return jnp.mean(jnp.max(logits, axis=-1) - label)
+
+
+LOSSES = {f.__name__: f for f in (optax_masked, optax_where, log_softmax_take, max_margin)}
 
 
 def _plain(loss_fn, params, batch):
