@@ -49,7 +49,7 @@ class PlannedLoss:
 
     def __init__(self, engine: SingleMesh, loss_fn: Callable):
         self.engine, self.loss_fn = engine, loss_fn
-        self._programs: dict = {}  # signature -> (Program, jitted function) or None (not planned)
+        self._programs: dict = {}  # signature → (Program, its function), or None: not planned
         #: input signature → why the loss of that call runs outside the planned program
         self.notes: dict = {}
 
@@ -69,16 +69,15 @@ class PlannedLoss:
 
     def _planned(self, args: tuple, kwargs: dict) -> tuple[Program, Callable] | None:
         key = call_signature(args, kwargs)
-        if key not in self._programs:
+        if key not in self._programs:  # planned once per signature, a failure too
             try:
                 program = self._plan(args, kwargs)
             except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
                 self.notes[key] = f"loss not planned with the model ({type(err).__name__}: {err})"
-                return None
-            if program is None:
-                return None  # closes over an enclosing trace's values: not cached
+                program = None
             engine = self.engine
-            self._programs[key] = (program, program_function(program, engine.mesh, overlap=engine.overlap))
+            self._programs[key] = None if program is None else (
+                program, program_function(program, engine.mesh, overlap=engine.overlap))
         return self._programs[key]
 
     def _plan(self, args: tuple, kwargs: dict) -> Program | None:
