@@ -145,6 +145,23 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
     return _program(traced, with_cuts(closed, plan.scan_cuts), grid, plan, layouts)
 
 
+def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions = PlanOptions()) -> Program:
+    """The :class:`Program` of a function of the model's variables (``traced`` by
+    :func:`~axonn_jax.partitioner.trace.trace_composite`: a loss of the model's outputs),
+    planned with the same rules and laid out as ``plan``.
+
+    Raises ``ValueError`` when the function would give the parameters another
+    layout than the plan's (the caller then runs the model's own Program).
+    """
+    grid = plan.grid
+    closed = inline_calls(traced.jaxpr)
+    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
+    changed = [p.path for p in plan.params if layouts.storage.get(p.path) != p.storage]
+    if changed:
+        raise ValueError(f"planned together, the parameters {changed[:3]} would take another layout")
+    return _program(traced, with_cuts(closed, plan.scan_cuts), grid, plan, layouts)
+
+
 def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: PlannedLayouts) -> Program:
     storage = tuple(p.storage for p in plan.params)
     targets = [output_layout(lay) for lay in layouts.outs]

@@ -265,11 +265,15 @@ def reduction(eqn, layouts, ctx) -> Step:
     lay = layouts[0] if layouts[0] is not None else replicated(len(shape_of(eqn.invars[0])))
     axes = set(eqn.params["axes"])
     kind = REDUCTIONS[eqn.primitive.name]
-    if kind != "sum":  # max/min: no derivative for pmax; gather the reduced dims
-        return whole_axis(eqn, layouts, ctx, "axes")
     reduced = tuple(a for d in sorted(axes) for a in lay[d])
     out = tuple(a for d, a in enumerate(lay) if d not in axes)
-    return Step([lay], [out], [reduced], dict(eqn.params))
+    if kind == "sum":
+        return Step([lay], [out], [reduced], dict(eqn.params))
+    if not any(ctx.grid.axis_size(a) > 1 for a in reduced):
+        return whole_axis(eqn, layouts, ctx, "axes")
+    # max/min over split dims (a softmax's max over vocabulary-split logits): the local
+    # extremum combined over the dims' axes, with JAX's derivative (local kernel)
+    return Step([lay], [out], [()], dict(eqn.params), local="split_extremum")
 
 
 def whole_axis(eqn, layouts, ctx, key) -> Step:

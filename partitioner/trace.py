@@ -373,6 +373,23 @@ def _finish(kind, params, abstract_args, apply, init, *, returns_updates: bool) 
     )
 
 
+def trace_composite(traced: TracedModel, fn: Callable, args: tuple, kwargs: dict, *,
+                    returns_updates: bool) -> TracedModel:
+    """Trace ``fn(variables, *args, **kwargs)``, a function of ``traced``'s variables (the model
+    inside it, e.g. a loss of its outputs), as a model of the same parameters.
+
+    ``args``/``kwargs`` are arrays or ShapeDtypeStructs (Python scalars baked in);
+    the model's own collective axis names stay bound while tracing and calling.
+    """
+    params = jax.tree.unflatten(traced.param_tree, list(traced.param_avals))
+    abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+    with bound_axis_names(traced.axis_names):
+        composite = _finish(traced.kind, params, abstract_args, fn, traced.init,
+                            returns_updates=returns_updates)  # fmt: skip
+    return dataclasses.replace(composite, rng_state=traced.rng_state, axis_names=traced.axis_names,
+                               apply=_binding(fn, traced.axis_names))  # fmt: skip
+
+
 def _rng_leaf_flags(abstract_args) -> list[bool]:
     """Per array leaf of the call: is it an RNG key (typed, or under ``rngs=``)?"""
     flags = []

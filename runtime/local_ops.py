@@ -98,10 +98,39 @@ def random_bits(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
                        step.outs[0], grid)]  # fmt: skip
 
 
+def split_extremum(eqn, values: list, step: Step, grid: Grid, bind: Bind) -> list:
+    """``reduce_max`` / ``reduce_min`` over dims split across devices (a softmax's max over
+    vocabulary-split logits): each device's extremum, then ``pmax`` / ``pmin`` over the dims' axes.
+
+    Differentiable as the plain primitive is: the tangent averaged over every
+    position, on any device, that attains the extremum (JAX's rule for
+    ``reduce_max``), with the counts and sums ``psum``-ed over the same axes.
+    """
+    dims = tuple(sorted(eqn.params["axes"]))
+    axes = tuple(a for d in dims for a in step.targets[0][d] if grid.axis_size(a) > 1)
+    combine = lax.pmax if eqn.primitive.name == "reduce_max" else lax.pmin
+
+    @jax.custom_jvp
+    def extremum(x):
+        (local,) = bind([x], step.params)
+        return combine(local, axes)
+
+    @extremum.defjvp
+    def _jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        ans = extremum(x)
+        hits = (x == lax.expand_dims(ans, dims)).astype(t.dtype)
+        counts = lax.psum(jnp.sum(hits, axis=dims), axes)
+        return ans, lax.psum(jnp.sum(t * hits, axis=dims), axes) / counts
+
+    return [extremum(values[0])]
+
+
 KERNELS: dict[str, Callable[..., list[jax.Array]]] = {
     "sharded_lookup": sharded_lookup,
     "split_pieces": split_pieces,
     "random_bits": random_bits,
     "scatter_add_once": scatter_add_once,
     "model_collective": model_collective,
+    "split_extremum": split_extremum,
 }

@@ -242,14 +242,31 @@ def reference_trajectory(name: str):
     return params, (losses, jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, final))
 
 
-def trajectories(name: str, grid: dict, **partition_options):
-    """Run both ways; returns dict(ref=..., part=...) with losses, grads, final params."""
+def trajectories(name: str, grid: dict, *, train_step: bool = False, **partition_options):
+    """Run both ways; returns dict(ref=..., part=...) with losses, grads, final params.
+
+    The partitioned run is a user-style jitted step around ``pm.apply``, or with
+    ``train_step`` ``pm.value_and_grad`` (step-1 gradients) and ``pm.train_step``
+    (AdamW), which plan the loss with the model (``"notes"``: why not, if not).
+    """
     case = build(name)
     params, ref = reference_trajectory(name)
     pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args, **partition_options)
-    losses, grads, final = _train(case, pm.apply, pm.shard(params))
-    return {"pm": pm, "init": params, "ref": ref,
-            "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
+    if not train_step:
+        losses, grads, final = _train(case, pm.apply, pm.shard(params))
+        return {"pm": pm, "init": params, "ref": ref,
+                "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
+    loss_fn, batch = (lambda out, b: case.loss(out, *b)), tuple(case.args)
+    value_and_grad = pm.value_and_grad(loss_fn)
+    _, grads = jax.jit(value_and_grad)(pm.shard(params), batch)
+    step = pm.train_step(loss_fn, optax.adamw(LR))
+    p, state = step.init(pm.shard(params))
+    losses = []
+    for _ in range(STEPS):
+        p, state, loss = step(p, state, batch)
+        losses.append(float(loss))
+    return {"pm": pm, "init": params, "ref": ref, "notes": value_and_grad.loss_notes,
+            "part": (losses, pm.gather(grads), pm.gather(p, state))}  # fmt: skip
 
 
 def _leaves(tree):

@@ -26,11 +26,18 @@ from partition_cases import BATCH_MIXING, DATA_Z_GRIDS, GRIDS, MODELS, assert_ma
 
 #: every model on two of the 5 grids the README quotes, each grid under four models
 CASES = spread(MODELS, GRIDS)
+#: the second grid of each model trains with pm.value_and_grad / pm.train_step (the loss
+#: planned with the model), the first with pm.apply in a user's jitted step
+THROUGH_TRAIN_STEP = CASES[1::2]
 
 
 @pytest.mark.parametrize("model,grid", CASES, ids=lambda v: grid_id(v) if isinstance(v, dict) else v)
 def test_train_steps_match_unpartitioned(model, grid, devices):
-    assert_matches_reference(trajectories(model, grid), f"{model} {grid}")
+    planned = (model, grid) in THROUGH_TRAIN_STEP
+    result = trajectories(model, grid, train_step=planned)
+    assert_matches_reference(result, f"{model} {grid}" + (" (pm.train_step)" if planned else ""))
+    if planned:  # the loss ran inside the planned program, not after gathered outputs
+        assert result["notes"] == {}, result["notes"]
 
 
 @pytest.mark.parametrize("model,grid", spread(BATCH_MIXING, DATA_Z_GRIDS),

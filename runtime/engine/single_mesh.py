@@ -55,7 +55,13 @@ class SingleMesh(Engine):
 
     def _value_and_grad(self, loss_fn, inputs, microbatches, remat, pipeline):
         del pipeline  # no dispatch queue
-        return microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs, microbatches, remat, self.call)
+        from axonn_jax.runtime.planned_loss import PlannedLoss
+
+        planned = PlannedLoss(self, loss_fn)  # the loss planned with the model (or, failing that, after it)
+        step = microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs, microbatches, remat,
+                                           self.call, model_loss=planned)  # fmt: skip
+        step.loss_notes = planned.notes
+        return step
 
     def _build_report(self, program, args, kwargs, *, optimizer_slots) -> StepReport:
         return step_report(self.plan, program, args, kwargs, overlap=self.overlap, optimizer_slots=optimizer_slots)
@@ -80,22 +86,27 @@ class SingleMesh(Engine):
 
 def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs: Callable,
                                 microbatches: int, remat: Callable | None = None,
-                                call: ModelCall | None = None) -> Callable:  # fmt: skip
+                                call: ModelCall | None = None,
+                                model_loss: Callable | None = None) -> Callable:  # fmt: skip
     """A jittable ``(variables, batch, rngs=None) → (loss, grads)`` on one mesh.
 
     ``apply(variables, args, kwargs)`` runs the model. Microbatches run one
     after another in the same program and their gradients are averaged (the
     loss is the mean of the microbatch losses). A model with state returns
     ``((loss, updates), grads)``, ``grads`` for ``variables['params']`` only
-    (see :mod:`axonn_jax.runtime.model_call`).
+    (see :mod:`axonn_jax.runtime.model_call`). ``model_loss(variables, args,
+    kwargs, batch) → (loss, updates)``, when given, computes the loss of one
+    model call itself (:class:`~axonn_jax.runtime.planned_loss.PlannedLoss`).
     """
     call = call or ModelCall({}, stateful=False, mutable=())
     microbatches = check_microbatches(microbatches)
     call.check_microbatches(microbatches)
 
     def loss_of(params, state, batch, rngs, mb):
-        result = apply(call.merge(params, state), *call.of_inputs(inputs(batch), rngs, mb, microbatches))
-        outputs, updates = call.outputs(result)
+        args, kwargs = call.of_inputs(inputs(batch), rngs, mb, microbatches)
+        if model_loss is not None:
+            return model_loss(call.merge(params, state), args, kwargs, batch)
+        outputs, updates = call.outputs(apply(call.merge(params, state), args, kwargs))
         return loss_fn(outputs, batch), updates
 
     grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of, has_aux=True)

@@ -1,0 +1,100 @@
+"""The loss planned with the model: ``loss_fn(model(...), batch)`` as one partitioned program.
+
+``pm.value_and_grad(loss_fn)`` / ``pm.train_step`` on one mesh trace the
+user's loss of the model's outputs together with the model
+(:func:`~axonn_jax.partitioner.trace.trace_composite`) and plan the whole
+function with the model's rules and parameter layout
+(:func:`~axonn_jax.partitioner.program.composite_program`). A softmax
+cross-entropy over vocabulary-split logits then reduces its max and sums
+over the split (``pmax`` / ``psum``) and looks up the label's logit where it
+lives, instead of gathering the logits and repeating the loss on every
+device of the tensor-parallel group. ``pm.apply`` still returns whole outputs.
+
+A loss that cannot be planned so (its tracing fails, it closes over values
+of an enclosing trace, or planning it would move a parameter) runs as
+before, outside the planned program on the model's gathered outputs;
+:attr:`PlannedLoss.notes` says why, per input signature.
+
+Example:
+    >>> loss = PlannedLoss(engine, loss_fn)                          # doctest: +SKIP
+    >>> value, updates = loss(variables, args, kwargs, batch)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import jax
+
+from axonn_jax.partitioner.program import Program, call_signature, composite_program
+from axonn_jax.partitioner.trace import call_leaves, trace_composite
+from axonn_jax.runtime.precision import as_planned
+from axonn_jax.runtime.sharded import program_function
+
+if TYPE_CHECKING:
+    from axonn_jax.runtime.engine.single_mesh import SingleMesh
+
+#: the keyword the batch takes in the traced composite call (beside the model's inputs)
+BATCH_KEYWORD = "_loss_batch"
+
+
+class PlannedLoss:
+    """``(variables, args, kwargs, batch) → (loss, state updates or None)`` on one mesh.
+
+    ``args``/``kwargs`` are one model call's inputs (flags, ``rngs``,
+    ``mutable`` included, as ``ModelCall.of_inputs`` makes them). The composite
+    Program is traced and planned once per input signature.
+    """
+
+    def __init__(self, engine: SingleMesh, loss_fn: Callable):
+        self.engine, self.loss_fn = engine, loss_fn
+        self._programs: dict = {}  # signature → (Program, its function), or None: not planned
+        #: input signature → why the loss of that call runs outside the planned program
+        self.notes: dict = {}
+
+    def __call__(self, variables, args: tuple, kwargs: dict, batch):
+        call_kwargs = {**kwargs, BATCH_KEYWORD: batch}
+        planned = self._planned(args, call_kwargs)
+        if planned is None:  # the loss outside, on the model's gathered outputs
+            outputs, updates = self.engine.call.outputs(self.engine.apply(variables, args, kwargs))
+            return self.loss_fn(outputs, batch), updates
+        program, function = planned
+        params, _ = self.engine.plan_tree(variables)
+        self.engine.placed.check_params(params, dtypes=False)  # a wrong tree never runs
+        params = as_planned(params, self.engine.plan)
+        arrays, _ = call_leaves(args, call_kwargs)
+        result = jax.tree.unflatten(program.out_tree, function(list(jax.tree.leaves(params)), list(arrays)))
+        return result if self.engine.call.stateful else (result, None)
+
+    def _planned(self, args: tuple, kwargs: dict) -> tuple[Program, Callable] | None:
+        key = call_signature(args, kwargs)
+        if key not in self._programs:  # planned once per signature, a failure too
+            try:
+                program = self._plan(args, kwargs)
+            except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
+                self.notes[key] = f"loss not planned with the model ({type(err).__name__}: {err})"
+                program = None
+            engine = self.engine
+            self._programs[key] = None if program is None else (
+                program, program_function(program, engine.mesh, overlap=engine.overlap))
+        return self._programs[key]
+
+    def _plan(self, args: tuple, kwargs: dict) -> Program | None:
+        engine, loss_fn = self.engine, self.loss_fn
+
+        def composite(variables, *a, **k):
+            batch = k.pop(BATCH_KEYWORD)
+            outputs, updates = engine.call.outputs(engine.program.traced.apply(variables, *a, **k))
+            loss = loss_fn(outputs, batch)
+            return loss if updates is None else (loss, updates)
+
+        traced = trace_composite(engine.program.traced, composite, args, kwargs,
+                                 returns_updates=engine.call.stateful)  # fmt: skip
+        if any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts):
+            self.notes[call_signature(args, kwargs)] = (
+                "loss not planned with the model: it closes over values of the enclosing trace "
+                "(pass them in the batch instead)"
+            )
+            return None
+        return composite_program(traced, engine.plan, options=engine.options)
