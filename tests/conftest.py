@@ -91,16 +91,18 @@ def spread(names, grids, per_name: int = 2) -> list[tuple]:
 # The suite is compile-bound, and compile counts, unlike seconds, do not depend on the
 # machine's load: the summary lists, per file, the tests' seconds and XLA compilations
 # (backend compiles, persistent-cache hits included) and writes the per-test numbers to
-# .pytest_cache/compiles.json. Works under pytest-xdist (the counts ride on the reports).
+# .pytest_cache/compiles.json (with the compiled functions' names, to find repeats). Works
+# under pytest-xdist (the counts ride on the reports).
 _COUNT_COMPILES = os.environ.get("AXONN_TEST_COUNT_COMPILES", "0") == "1"
-_compiles = {"count": 0, "seconds": 0.0}
+_compiles = {"count": 0, "seconds": 0.0, "names": {}}
 _per_test: dict = {}
 
 
-def _on_event_duration(event: str, duration: float, **_) -> None:
+def _on_event_duration(event: str, duration: float, fun_name: str = "?", **_) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _compiles["count"] += 1
         _compiles["seconds"] += duration
+        _compiles["names"][fun_name] = _compiles["names"].get(fun_name, 0) + 1
 
 
 def pytest_configure(config):
@@ -116,16 +118,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     if _COUNT_COMPILES:
         report = outcome.get_result()
-        report.user_properties.append(("xla_compiles", (_compiles["count"], _compiles["seconds"])))
-        _compiles.update(count=0, seconds=0.0)
+        report.user_properties.append(("xla_compiles", (_compiles["count"], _compiles["seconds"], _compiles["names"])))
+        _compiles.update(count=0, seconds=0.0, names={})
 
 
 def pytest_runtest_logreport(report):
-    for name, (count, seconds) in (p for p in report.user_properties if p[0] == "xla_compiles"):
-        row = _per_test.setdefault(report.nodeid, {"seconds": 0.0, "compiles": 0, "compile_seconds": 0.0})
+    for _, (count, seconds, names) in (p for p in report.user_properties if p[0] == "xla_compiles"):
+        row = _per_test.setdefault(report.nodeid, {"seconds": 0.0, "compiles": 0, "compile_seconds": 0.0, "names": {}})
         row["seconds"] += report.duration
         row["compiles"] += count
         row["compile_seconds"] += seconds
+        for name, n in names.items():
+            row["names"][name] = row["names"].get(name, 0) + n
 
 
 def pytest_terminal_summary(terminalreporter, config):
