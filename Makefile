@@ -6,10 +6,14 @@ PYTHON_VENV := .venv/bin/python
 WITH_VENV := PATH="$(CURDIR)/.venv/bin:$$PATH"
 PYTEST_ARGS ?=
 # Tests that launch mpiexec jobs run alone, after the others ran on TEST_WORKERS
-# processes (pytest-xdist). Pytest's exit code 5 (no test collected) fails the
-# whole suite (`make test`, which .ci/run calls); it is accepted only when
-# PYTEST_ARGS narrows the run and one of the two halves selects nothing.
+# processes (pytest-xdist), each given whole files, the heaviest first (the order of
+# tests/conftest.py's HEAVIEST_FILES; --no-loadscope-reorder keeps it): a file's
+# module fixtures and plain references are then computed once, not once per worker.
+# Pytest's exit code 5 (no test collected) fails the whole suite (`make test`, which
+# .ci/run calls); it is accepted only when PYTEST_ARGS narrows the run and one of the
+# two halves selects nothing.
 TEST_WORKERS ?= 2
+TEST_DIST ?= --dist loadfile --no-loadscope-reorder
 # --fresh: a second `make demo` starts over (DEMO_ARGS=--resume continues instead)
 DEMO_ARGS ?=
 NONE_SELECTED_OK := $(if $(strip $(PYTEST_ARGS)),|| [ $$? -eq 5 ],)
@@ -23,7 +27,7 @@ setup:
 	bash scripts/setup.sh
 
 test: setup
-	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q -n $(TEST_WORKERS) -m "not mpi" $(PYTEST_ARGS) $(NONE_SELECTED_OK)
+	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) -m "not mpi" $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 	$(WITH_VENV) $(PYTHON_VENV) -m pytest -q -m mpi $(PYTEST_ARGS) $(NONE_SELECTED_OK)
 
 demo: setup

@@ -34,10 +34,22 @@ DATA_GRIDS = ["z=2,data=4", "y=2,z=2,data=2"]
 TENSOR_GRIDS = ["x=2,y=2,z=2", "x=4,data=2"]
 
 
-def _plain_and_partitioned(case: Case, grid: str):
-    """(pm, result) of AdamW on the plain model and on ``pm.apply`` (``assert_matches_reference``)."""
-    params, apply = reference_apply(case)
-    ref = adamw_trajectory(lambda p: case.loss(apply(p, *case.args), *case.args), params)
+#: plain trajectories by case name, computed once per process (they do not depend on the grid)
+_PLAIN: dict = {}
+
+
+def _plain_trajectory(name: str, case: Case):
+    """(initial params, AdamW trajectory) of the plain model of ``case``, cached under ``name``."""
+    if name not in _PLAIN:
+        params, apply = reference_apply(case)
+        _PLAIN[name] = params, adamw_trajectory(lambda p: case.loss(apply(p, *case.args), *case.args), params)
+    return _PLAIN[name]
+
+
+def _plain_and_partitioned(name: str, case: Case, grid: str):
+    """(pm, result) of AdamW on the plain model and on ``pm.apply`` (``assert_matches_reference``);
+    ``name`` identifies the case (model, inputs and loss) for the cache of its plain trajectory."""
+    params, ref = _plain_trajectory(name, case)
     pm = axonn_jax.partition(case.model, Grid.parse(grid), *case.args)
     part = adamw_trajectory(lambda p: case.loss(pm.apply(p, *case.args), *case.args), pm.shard(params))
     result = {"init": params, "ref": (ref[0], jax.tree.map(np.asarray, ref[1]), jax.tree.map(np.asarray, ref[2])),
@@ -63,7 +75,7 @@ def _gemma(fused: bool) -> Case:
 @pytest.mark.parametrize("fused,grid", spread([False, True], GRIDS, per_name=3),
                          ids=lambda v: {False: "kv_einsum", True: "qkv_einsum"}.get(v, v))
 def test_gemma_attention_splits_heads_not_the_stack(grid, fused, devices):
-    pm, result = _plain_and_partitioned(_gemma(fused), grid)
+    pm, result = _plain_and_partitioned(f"gemma fused={fused}", _gemma(fused), grid)
     params = {p.path: p for p in pm.plan.params}
     stacked = params["attn/qkv_einsum/w" if fused else "attn/kv_einsum/w"]  # (stack, heads, D, H)
     assert stacked.storage[0] == (), stacked.storage  # k|v (q|k|v) stay together on each device
@@ -86,7 +98,7 @@ def test_graph_net_splits_nodes_edges_and_graphs(grid, devices):
     batch = graph_batch()
     target = np.random.default_rng(1).standard_normal((8, 4)).astype(np.float32)
     case = Case(GraphNet(), batch, lambda out, *_: jnp.mean((out - target) ** 2))
-    pm, result = _plain_and_partitioned(case, grid)
+    pm, result = _plain_and_partitioned("graph net", case, grid)
     _assert_split_without_repeats(pm, f"graph net {grid}")
     assert_matches_reference(result, f"graph net {grid}")
 

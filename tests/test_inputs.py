@@ -13,6 +13,8 @@
   several it is refused naming every leaf and its leading dim.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,6 +58,14 @@ def _keyword_reference(model, batch):
     return params, (losses, jax.tree.map(np.asarray, grads), jax.tree.map(np.asarray, final))
 
 
+@functools.cache
+def _keyword_plain(kind: str):
+    """``_keyword_reference`` of the ``kind`` ("linen" or "nnx") model, once per process: every
+    grid starts from the same initial params and compares with the same plain run."""
+    model = KeywordOnly() if kind == "linen" else KeywordOnlyNNX(rngs=nnx.Rngs(0))
+    return _keyword_reference(model, keyword_batch())
+
+
 #: linen on the grids that split the batch twice or not at all, and on both pipelines; nnx on one of each
 CASES = [("linen", g) for g in ["z=2,data=4", "x=2,z=2,data=2", *PIPELINES]] + [("nnx", GRIDS[0]), ("nnx", PIPELINES[0])]
 
@@ -79,7 +89,7 @@ def test_keyword_only_input_trains_like_the_plain_model(kind, grid, devices):
     2 microbatches each: loss, every gradient, 5 AdamW steps against the plain model."""
     batch = keyword_batch()
     model = KeywordOnly() if kind == "linen" else KeywordOnlyNNX(rngs=nnx.Rngs(0))
-    init, (losses, grads, final) = _keyword_reference(model, batch)
+    init, (losses, grads, final) = _keyword_plain(kind)
     grid = Grid.parse(grid)
     pm = axonn_jax.partition(model, grid, inputs=batch["inputs"][:8])
     assert pm.plan.warnings == ()
@@ -113,14 +123,22 @@ def _graph_loss(out, batch):
     return jnp.mean((out - GRAPH_TARGET) ** 2)
 
 
+@functools.cache
+def _graph_plain():
+    """(initial params, plain apply, (losses, step-1 grads, final params)) of the graph net,
+    once per process (both pipeline grids compare with it)."""
+    batch = graph_batch()
+    init, apply = reference_apply(type("Case", (), {"model": GraphNet(), "args": batch})())
+    return init, apply, adamw_trajectory(lambda p: _graph_loss(apply(p, *batch), batch), init, STEPS, LR)
+
+
 @pytest.mark.parametrize("grid", ["pipeline=2,x=2,z=2", "pipeline=2,y=2,z=2"])
 def test_graph_batch_runs_whole_on_a_pipeline(grid, devices):
     """nodes [64, F], edges [128, F], graphs [8, F]: one microbatch, the plain model's loss,
     gradients, outputs and 5 AdamW steps; two microbatches refused naming the leaves."""
     batch = graph_batch()
     model = GraphNet()
-    init, apply = reference_apply(type("Case", (), {"model": model, "args": batch})())
-    losses, grads, final = adamw_trajectory(lambda p: _graph_loss(apply(p, *batch), batch), init, STEPS, LR)
+    init, apply, (losses, grads, final) = _graph_plain()
     pm = axonn_jax.partition(model, Grid.parse(grid), *batch)
     assert len(pm.plan.stages) == 2 and pm.plan.warnings == ()
     what = f"graph net {grid}"

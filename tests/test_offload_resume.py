@@ -5,6 +5,8 @@
 offload, holds the saved values and trains on to the same losses.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,11 +24,20 @@ BATCHES = [np.random.default_rng(s).integers(0, 64, (8, 16)).astype(np.int32) fo
 OPTIMIZER = optax.adamw(optax.cosine_decay_schedule(1e-2, 6))
 
 
-def _step(grid: dict, precision: str, offload: bool = True, seed: int = 0):
+@functools.cache
+def _partitioned_step(grid: tuple, precision: str, offload: bool):
+    """(pm, train step) on ``dict(grid)``, built once per process: the tests that train on the
+    same grid and mode share its compiled programs (each test starts from its own state)."""
+    grid = dict(grid)
     pm = axonn_jax.partition(MODEL, axonn_jax.Grid(**grid), BATCHES[0])
     microbatches = 2 if grid.get("pipeline", 1) > 1 else 1
     step = pm.train_step(next_token_loss, OPTIMIZER, offload=offload, precision=precision,
                          microbatches=microbatches)  # fmt: skip
+    return pm, step
+
+
+def _step(grid: dict, precision: str, offload: bool = True, seed: int = 0):
+    pm, step = _partitioned_step(tuple(sorted(grid.items())), precision, offload)
     params, opt_state = step.init(pm.init(jax.random.key(seed)))
     return pm, step, params, opt_state
 

@@ -17,7 +17,7 @@ from flax import linen as nn
 from flax import nnx
 from partition_cases import (BATCH, GRIDS, LR, STEPS, _leaves, adamw_param_failures,
                              assert_matches_reference)  # fmt: skip
-from rng_cases import (KEY, NNXNet, accumulated_reference, clipped_adamw,
+from rng_cases import (KEY, NNXNet, _bn_loss, accumulated_reference, clipped_adamw,
                        batchnorm_pipeline_failures, batchnorm_reference,
                        dropout_loss, dropout_trajectory, plain_dropout_run)  # fmt: skip
 
@@ -129,17 +129,15 @@ class BNNet(nn.Module):
         return nn.Dense(16)(x)
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
-def test_batchnorm_train_steps_match_plain(grid, devices):
-    """Variables dict in, (params, batch_stats) out of train_step: the plain trajectory."""
+@pytest.fixture(scope="module")
+def bn_plain():
+    """BNNet's plain AdamW trajectory (per-step dropout keys), computed once for every grid."""
     rng = np.random.default_rng(0)
     x = rng.standard_normal((BATCH * 2, 16)).astype(np.float32)
     y = rng.standard_normal((BATCH * 2, 16)).astype(np.float32)
     model, optimizer = BNNet(), optax.adamw(LR)
     variables = model.init(jax.random.key(0), x, train=False)
-
-    def loss_fn(out, batch):
-        return jnp.mean((out - batch[1]) ** 2)
+    loss_fn = _bn_loss
 
     @jax.jit
     def plain_step(v, s, key):
@@ -157,7 +155,14 @@ def test_batchnorm_train_steps_match_plain(grid, devices):
     for key in keys:
         v, s, loss = plain_step(v, s, key)
         ref_losses.append(float(loss))
+    return x, y, variables, keys, ref_losses, v
 
+
+@pytest.mark.parametrize("grid", GRIDS, ids=grid_id)
+def test_batchnorm_train_steps_match_plain(grid, bn_plain, devices):
+    """Variables dict in, (params, batch_stats) out of train_step: the plain trajectory."""
+    x, y, variables, keys, ref_losses, v = bn_plain
+    model, optimizer, loss_fn = BNNet(), optax.adamw(LR), _bn_loss
     pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), x, rngs={"dropout": KEY},
                              mutable=["batch_stats"])  # fmt: skip
     assert [p.path for p in pm.plan.params if not p.trainable] == [
@@ -354,7 +359,7 @@ def test_optimizer_helpers_see_the_params_of_a_model_with_state(devices, tmp_pat
     params or the whole variables, gather of the params alone, ckpt.restore(optimizer=) and the
     report all see params only, as plain Flax/optax does (optimizer.init(variables['params']))."""
     from axonn_jax.checkpoint import Checkpointer
-    from rng_cases import DeepBN, _bn_loss
+    from rng_cases import DeepBN
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((16, 16)).astype(np.float32)

@@ -1,7 +1,7 @@
 """Under mpiexec: pipelined training equals the plain single-device computation.
 
 Usage: mpiexec -n P python pipeline_equivalence.py MODEL GRID [--schedules message,1f1b] [--trajectory-schedule zb]
-[--offload] [--references FILE] [--also GRID2]
+[--offload] [--references FILE] [--and MODEL GRID [options] ...]
 
 The grid is announced to ``axonn_jax.init`` first, so a grid whose stages each fit in
 one process runs with in-process CPU collectives ("local") and any other with gloo;
@@ -10,12 +10,15 @@ the OK line names the choice.
 GRID is like pipeline=2,data=2; ``--offload`` keeps the AdamW state and master
 weights in host memory; ``--references`` reads the plain Flax/optax results
 written by ``pipeline_cases.save_references`` instead of computing them on every
-rank; ``--also`` runs the same checks on a second grid of the same size in the
-same launch (e.g. the V-shaped placement beside the interleaved one). Every rank checks the gradients and parameters it holds; each rank prints
-"OK rank R ..." or the failures, and exits non-zero on failure.
+rank. ``--and`` starts another case, run after the previous one in the same job
+(one launch and one ``jax.distributed`` start for several cases; every grid of a
+job has the same size, and the first one chooses the collectives). Every rank
+checks the gradients and parameters it holds; each rank prints "OK rank R ..."
+per case or the failures, and exits non-zero on failure.
 """
 
 import argparse
+import sys
 
 import axonn_jax
 from axonn_jax.runtime import launch
@@ -28,18 +31,28 @@ parser.add_argument("--schedules", default="message", type=lambda s: tuple(s.spl
 parser.add_argument("--offload", action="store_true")
 parser.add_argument("--trajectory-schedule", default="message", help="the schedule of the 5 AdamW steps")
 parser.add_argument("--references")
-parser.add_argument("--also", type=axonn_jax.Grid.parse, help="a second grid of the same size, same checks")
-args = parser.parse_args()
-info = axonn_jax.init(grid=args.grid)  # the grid chooses the CPU collectives
+
+
+def split_cases(argv: list[str]) -> list[list[str]]:
+    """The command line's cases: the arguments between ``--and`` separators."""
+    cases = [[]]
+    for arg in argv:
+        if arg == "--and":
+            cases.append([])
+        else:
+            cases[-1].append(arg)
+    return cases
+
+
+cases = [parser.parse_args(argv) for argv in split_cases(sys.argv[1:])]
+info = axonn_jax.init(grid=cases[0].grid)  # the (first) grid chooses the CPU collectives
 assert info.distributed and info.process_count > 1, "expected a multi-process launch"
-refs = load_references(args.references) if args.references else None
-failures = []
-for grid in (args.grid, *([args.also] if args.also else [])):
-    failures += run_case(args.model, grid, schedules=args.schedules, offload=args.offload,
-                         refs=refs, trajectory_schedule=args.trajectory_schedule)  # fmt: skip
-if failures:
-    print(f"FAIL rank {info.process_index}:\n  " + "\n  ".join(failures), flush=True)
-    raise SystemExit(1)
-also = f" and {args.also}" if args.also else ""
-print(f"OK rank {info.process_index} {args.model} {args.grid}{also} {','.join(args.schedules)} "
-      f"collectives={launch.cpu_collectives()}", flush=True)  # fmt: skip
+for args in cases:
+    refs = load_references(args.references) if args.references else None
+    failures = run_case(args.model, args.grid, schedules=args.schedules, offload=args.offload,
+                        refs=refs, trajectory_schedule=args.trajectory_schedule)  # fmt: skip
+    if failures:
+        print(f"FAIL rank {info.process_index} {args.model} {args.grid}:\n  " + "\n  ".join(failures), flush=True)
+        raise SystemExit(1)
+    print(f"OK rank {info.process_index} {args.model} {args.grid} {','.join(args.schedules)} "
+          f"collectives={launch.cpu_collectives()}", flush=True)  # fmt: skip
