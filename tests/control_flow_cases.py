@@ -10,8 +10,6 @@ input-normalising ``lax.while_loop``, and branch choices (``nn.cond``,
 
 from __future__ import annotations
 
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

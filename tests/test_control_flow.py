@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import grid_id, spread
-from control_flow_cases import MODELS, ScanGPT, _tokens, build
+from control_flow_cases import MODELS, ScanGPT, build
 from partition_cases import GRIDS, adamw_trajectory, assert_matches_reference, reference_apply, trajectories
 
 import axonn_jax
