@@ -60,7 +60,7 @@ def read_params(shards: Sequence[jax.Array], storages: Sequence[Layout], grid: G
         if len(ks) == 1:
             out[ks[0]] = read_param(shards[ks[0]], storages[ks[0]], grid)
             continue
-        vary = (DATA,) if grid.data > 1 and DATA not in vma(shards[ks[0]]) else ()
+        vary = _data_to_vary(shards[ks[0]], grid)
         gathered = all_gather_together([shards[k] for k in ks], [depth_dims(storages[k])[0] for k in ks],
                                        Z, vary=vary)  # fmt: skip
         for k, value in zip(ks, gathered):
@@ -87,9 +87,15 @@ def all_gather_together(xs: Sequence[jax.Array], dims: Sequence[int], axis: str,
     return out
 
 
+def _data_to_vary(x: jax.Array, grid: Grid) -> tuple[str, ...]:
+    """``(data,)`` if ``x`` is not yet varying over a ``data`` axis of the grid, else ``()``."""
+    return (DATA,) if grid.data > 1 and DATA not in vma(x) else ()
+
+
 def _vary_data(x: jax.Array, grid: Grid) -> jax.Array:
     """``x`` typed varying over ``data`` (its gradient all-reduced over data at shard size)."""
-    return lax.pcast(x, DATA, to="varying") if grid.data > 1 and DATA not in vma(x) else x
+    vary = _data_to_vary(x, grid)
+    return lax.pcast(x, vary, to="varying") if vary else x
 
 
 def reduce_scatter_together(xs: Sequence[jax.Array], axes: tuple[str, ...], dim: int) -> list:
