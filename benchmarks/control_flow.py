@@ -86,6 +86,7 @@ def stage_shares(name: str, grid_text: str) -> dict:
 
 
 def _shares(stages) -> list[float]:
+    stages = getattr(stages, "stages", stages)  # plan_stages gives a StagePlan
     total = sum(s.flops for s in stages)
     return [round(s.flops / total, 3) for s in stages]
 

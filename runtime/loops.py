@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax import lax
 
+from axonn_jax.runtime import loop_weight_grads
 from axonn_jax.runtime.varying import vary, vma
 
 #: ``run_body(b, inputs) -> outputs``: body ``b`` of the equation on local values
@@ -60,18 +61,18 @@ def scan(eqn, values: list, run_body: RunBody) -> list:
     nc, nk = p["num_consts"], p["num_carry"]
     consts, init, xs = values[:nc], values[nc : nc + nk], values[nc + nk :]
 
-    def body(carry, x):
-        outs = run_body(0, consts + list(carry) + list(x))
+    def body(consts, carry, x):
+        outs = run_body(0, list(consts) + list(carry) + list(x))
         return outs[:nk], outs[nk:]
 
-    init = settle(lambda c, xs=xs: body(c, [a[0] for a in xs])[0], init) if nk else init
+    init = settle(lambda c, xs=xs: body(consts, c, [a[0] for a in xs])[0], init) if nk else init
 
-    def typed(carry, x):
-        out, ys = body(carry, x)
+    def typed(consts, carry, x):
+        out, ys = body(consts, carry, x)
         return _typed_like(out, init), ys
 
-    carry, ys = lax.scan(typed, init, xs, length=p["length"], reverse=p["reverse"],
-                         unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False))  # fmt: skip
+    carry, ys = loop_weight_grads.scan(typed, consts, init, xs, length=p["length"], reverse=p["reverse"],
+                                       unroll=p["unroll"], _split_transpose=p.get("_split_transpose", False))  # fmt: skip
     return list(carry) + list(ys)
 
 

@@ -1,0 +1,221 @@
+"""A loop's weight gradients in one matmul after it, instead of a sum inside it.
+
+Reverse-mode autodiff of ``lax.scan`` adds the gradient of every loop
+constant into a carry, once per iteration. For a weight ``W`` that a body
+reads in a matmul ``a_t @ W`` (an RNN's kernels), that is a ``W``-sized add
+per iteration on every device: with the batch split over ``D`` devices, each
+holding ``B/D`` rows, one iteration's weight gradient costs ``2B + D`` flops
+per weight entry across the devices against the plain model's ``2B + 1``.
+
+Here the loop is differentiated as cuDNN differentiates an LSTM: the body
+reads ``W`` as a constant, each such matmul's output gets a zero "tap" added
+(an ``xs`` of the loop, so its gradient — the matmul's output gradient
+``g_t`` — comes out stacked), the matmul's other operand ``a_t`` is kept
+(also stacked), and after the loop ``dW = Σ_t a_tᵀ g_t`` is one matmul over
+time × batch. The same flops as the per-iteration matmuls, none of the adds;
+the memory of the stacked ``a_t`` (an RNN's hidden states), which the plain
+backward does not keep. Only weights whose every use in the body is such a
+matmul are handled this way; the others keep JAX's own rule.
+
+Example (inside ``shard_map``; ``body(consts, carry, x) -> (carry, y)``)::
+
+    carry, ys = scan(body, [kernel], [h0], [xs], length=16, reverse=False, unroll=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.extend import core
+
+from axonn_jax.partitioner.trace import source_context
+from axonn_jax.runtime.varying import vary
+
+#: ``body(consts, carry, x) -> (carry, ys)``, lists of local arrays
+Body = Callable[[list, list, list], tuple]
+
+
+@dataclass(frozen=True)
+class Tap:
+    """A matmul of the body reading loop constant ``const`` as operand ``side`` (0 or 1)."""
+
+    eqn: int
+    const: int
+    side: int
+
+
+def scan(body: Body, consts: Sequence, init: Sequence, xs: Sequence, **options) -> tuple[list, list]:
+    """``lax.scan(partial(body, consts), init, xs, **options)``, weight gradients after the loop.
+
+    ``options``: ``length``, ``reverse``, ``unroll`` (and ``_split_transpose``) of ``lax.scan``.
+    """
+    consts, init, xs = list(consts), list(init), list(xs)
+    plain = partial(_plain_scan, body, consts, init, xs, options)
+    if options["length"] == 0:
+        return plain()
+    step_avals = [core.mapped_aval(options["length"], 0, jax.typeof(x)) for x in xs]
+    closed = jax.make_jaxpr(body)(consts, init, step_avals)
+    taps = find_taps(closed.jaxpr, len(consts), len(init))
+    if not taps:
+        return plain()
+    tapped = sorted({t.const for t in taps})
+    rest = [k for k in range(len(consts)) if k not in tapped]
+    run = _loop(closed, taps, tapped, rest, len(init), options)
+    return run([consts[k] for k in tapped], [consts[k] for k in rest], init, xs, list(closed.consts))
+
+
+def find_taps(jaxpr: core.Jaxpr, num_consts: int, num_carry: int) -> list[Tap]:
+    """The matmuls reading a float loop constant against a value that changes per iteration.
+
+    A constant qualifies only if every use of it is such a matmul (not an
+    output of the body, not read by another equation or a nested body).
+    """
+    const_vars = {v: k for k, v in enumerate(jaxpr.invars[:num_consts])}
+    invariant = set(jaxpr.invars[:num_consts]) | set(jaxpr.constvars)
+    found: list[Tap] = []
+    other_uses: set[int] = {const_vars[v] for v in jaxpr.outvars if v in const_vars}
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
+        if all(v in invariant for v in ins):
+            invariant.update(eqn.outvars)
+        reads = [(side, const_vars[v]) for side, v in enumerate(eqn.invars)
+                 if not isinstance(v, core.Literal) and v in const_vars]  # fmt: skip
+        if not reads:
+            continue
+        if eqn.primitive.name == "dot_general" and len(reads) == 1:
+            side, k = reads[0]
+            other = eqn.invars[1 - side]
+            floating = jnp.issubdtype(eqn.invars[side].aval.dtype, jnp.floating)
+            if floating and not isinstance(other, core.Literal) and other not in invariant:
+                found.append(Tap(i, k, side))
+                continue
+        other_uses.update(k for _, k in reads)
+    return [t for t in found if t.const not in other_uses]
+
+
+def _plain_scan(body: Body, consts: list, init: list, xs: list, options: dict) -> tuple[list, list]:
+    carry, ys = lax.scan(lambda c, x: body(consts, list(c), list(x)), init, xs, **options)
+    return list(carry), list(ys)
+
+
+def _loop(closed: core.ClosedJaxpr, taps: list[Tap], tapped: list[int], rest: list[int],
+          num_carry: int, options: dict) -> Callable:  # fmt: skip
+    """The loop as a ``custom_vjp`` of (tapped weights, other constants, init, xs, jaxpr consts)."""
+    jaxpr = closed.jaxpr
+    position = {k: j for j, k in enumerate(tapped)}
+    by_eqn = {t.eqn: t for t in taps}
+    # the matmuls' other operands, each kept once; those that are a slice of xs are read from xs
+    operands = list(dict.fromkeys(jaxpr.eqns[t.eqn].invars[1 - t.side] for t in taps))
+    n_in = len(jaxpr.invars) - num_carry - len(rest) - len(tapped)
+    xs_vars = jaxpr.invars[len(jaxpr.invars) - n_in :]
+    kept = [v for v in operands if v not in xs_vars]
+
+    def iteration(weights, others, jconsts, carry, x, tap_values, keep: bool):
+        consts = _merge(weights, others, tapped, rest)
+        added = dict(zip(sorted(by_eqn), tap_values)) if keep else {}
+        env = _evaluate(jaxpr, jconsts, consts + list(carry) + list(x), added)
+        outs = [_read(env, v) for v in jaxpr.outvars]
+        held = [env[v] for v in kept] if keep else []
+        return outs[:num_carry], (outs[num_carry:], held)
+
+    def forward(weights, others, init, xs, jconsts, taps_in, keep: bool):
+        def step(carry, slices):
+            x, tap_values = slices
+            return iteration(weights, others, jconsts, carry, x, tap_values, keep)
+
+        carry, (ys, held) = lax.scan(step, init, (xs, taps_in or []), **options)
+        return (list(carry), list(ys)), held
+
+    @jax.custom_vjp
+    def run(weights, others, init, xs, jconsts):
+        return forward(weights, others, init, xs, jconsts, None, False)[0]
+
+    def run_fwd(weights, others, init, xs, jconsts):
+        zeros = _zero_taps(jaxpr, taps, options)
+        outs, pullback, held = jax.vjp(partial(forward, weights, keep=True), others, init, xs,
+                                       jconsts, zeros, has_aux=True)  # fmt: skip
+        return outs, (pullback, held, weights, xs)
+
+    def run_bwd(residuals, cotangents):
+        pullback, held, weights, xs = residuals
+        d_others, d_init, d_xs, d_jconsts, d_taps = pullback(cotangents)
+        stacks = dict(zip(kept, held)) | {v: x for v, x in zip(xs_vars, xs) if v in operands}
+        d_weights = [None] * len(tapped)
+        for tap, grad_out in zip(sorted(by_eqn), d_taps):
+            t = by_eqn[tap]
+            eqn = jaxpr.eqns[t.eqn]
+            j = position[t.const]
+            part = _weight_gradient(eqn, t.side, stacks[eqn.invars[1 - t.side]], weights[j], grad_out)
+            d_weights[j] = part if d_weights[j] is None else d_weights[j] + part
+        return d_weights, d_others, d_init, d_xs, d_jconsts
+
+    run.defvjp(run_fwd, run_bwd)
+    return run
+
+
+def _merge(weights: Sequence, others: Sequence, tapped: list[int], rest: list[int]) -> list:
+    consts: list = [None] * (len(tapped) + len(rest))
+    for k, w in zip(tapped, weights):
+        consts[k] = w
+    for k, c in zip(rest, others):
+        consts[k] = c
+    return consts
+
+
+def _zero_taps(jaxpr: core.Jaxpr, taps: list[Tap], options: dict) -> list:
+    """One zero array per tapped matmul, stacked over the iterations, typed like its output."""
+    out = []
+    for i in sorted(t.eqn for t in taps):
+        aval = jaxpr.eqns[i].outvars[0].aval
+        zero = jnp.zeros((options["length"], *aval.shape), aval.dtype)
+        out.append(vary(zero, frozenset(aval.mat.varying)))
+    return out
+
+
+def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence, taps: dict) -> dict:
+    """``jax.core.eval_jaxpr`` whose equation ``i`` (a matmul) also carries the tap ``taps[i]``."""
+    env: dict = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    for i, eqn in enumerate(jaxpr.eqns):
+        params = eqn.primitive.get_bind_params(eqn.params)
+        with source_context(eqn.source_info), eqn.ctx.manager:
+            ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **params)
+            if i in taps:
+                ans = _tapped(ans, taps[i])
+        env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
+    return env
+
+
+def _read(env: dict, var):
+    return var.val if isinstance(var, core.Literal) else env[var]
+
+
+@jax.custom_jvp
+def _tapped(out, tap):
+    """``out``, with the tangent of ``tap`` added to its own: the tap's gradient is ``out``'s."""
+    return out
+
+
+@_tapped.defjvp
+def _tapped_jvp(primals, tangents):
+    return primals[0], tangents[0] + tangents[1]
+
+
+def _weight_gradient(eqn: core.JaxprEqn, side: int, operand_stack, weight, grad_out):
+    """``Σ_t`` of matmul ``eqn``'s gradient for its operand ``side`` (the weight): one matmul.
+
+    ``operand_stack``: the other operand per iteration; ``grad_out``: its output's gradient
+    per iteration (both stacked on a leading iteration dim).
+    """
+    def stacked(w):
+        def one(a):
+            pair = (a, w) if side == 1 else (w, a)
+            return eqn.primitive.bind(*pair, **eqn.params)
+
+        return jax.vmap(one)(operand_stack)
+
+    return jax.linear_transpose(stacked, weight)(grad_out)[0]
