@@ -67,8 +67,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                       help="which rank runs each virtual stage: interleaved (s mod p) or v "
                            "(V-shaped, virtual 2; default interleaved)")  # fmt: skip
     plan.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="message",
-                      help="pipeline schedule priced (zb, zb-h1: zero bubble; auto: search those "
-                           "priced differently; default message)")  # fmt: skip
+                      help="pipeline schedule priced (zb, zb-h1, zb-v: zero bubble, zb-v with "
+                           "--placement v only; auto: search those priced differently; default message)")  # fmt: skip
     plan.add_argument("--no-scatter-batch", action="store_true",
                       help="price the all-reduce form (partition(..., scatter_batch=False)): each "
                            "layer's partial sums all-reduced, not reduce-scattered onto the batch")  # fmt: skip
@@ -120,6 +120,9 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     if args.placement == "v" and args.virtual != 2:
         parser.error(f"--placement v needs --virtual 2 (rank r runs stages r and 2p-1-r), got "
                      f"--virtual {args.virtual}; remedy: --virtual 2, or --placement interleaved")
+    if args.schedule == "zb-v" and args.placement != "v":
+        parser.error("--schedule zb-v runs on the V-shaped placement; remedy: --virtual 2 --placement v, "
+                     "or --schedule zb / zb-h1")
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         parser.error(f"--efficiency must be in (0, 1], got {args.efficiency}")
     try:
@@ -143,7 +146,8 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     result = search(spec, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
                     microbatches=args.microbatches, virtual=args.virtual, recompute=recompute,
-                    schedules=PRICED_SCHEDULES if args.schedule == "auto" else None,
+                    schedules=(PRICED_SCHEDULES + ("zb-v",) * (args.placement == "v")
+                               if args.schedule == "auto" else None),
                     placement=args.placement)  # fmt: skip
     seconds = time.perf_counter() - t0
     checks = None

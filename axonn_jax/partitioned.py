@@ -318,7 +318,8 @@ class Partitioned:
         default the number of stages + 1), "1f1b", "gpipe", or a zero-bubble
         schedule, which splits each stage's backward into B (input gradients) and W
         (weight gradients) and runs W where a rank would idle: "zb" (message-driven,
-        at most ``pipeline`` deferred W's per stage) or "zb-h1" (static); the loss is returned on
+        at most ``pipeline`` deferred W's per stage), "zb-h1" (static) or, on a grid with
+        ``placement="v"``, "zb-v" (static ZB-V, one order per rank); the loss is returned on
         every process and the gradients of this process's parameters (others
         ``None``). ``remat`` wraps each stage's forward (e.g. ``jax.checkpoint``);
         ``remat`` may also name a policy of :mod:`axonn_jax.runtime.remat` ("none",

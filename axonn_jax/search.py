@@ -151,6 +151,8 @@ def search(
                 virtuals, _ON_OFF[recompute],
                 schedules if grid.pipeline > 1 else schedules[:1], _ON_OFF[offload]):  # fmt: skip
             g = dataclasses.replace(grid, virtual=v, placement=placement if v == 2 else "interleaved")
+            if schedule == "zb-v" and g.stages > 1 and g.placement != "v":
+                continue  # ZB-V's order is the V's
             base = dataclasses.replace(options, recompute=rec, schedule=schedule, offload=off)
             pred = _best_microbatches(spec, g, machine, base, counts, limits)
             priced += len(counts)

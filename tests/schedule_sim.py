@@ -61,6 +61,8 @@ class Simulation:
     order: dict[int, list[tuple[int, str, int, float]]]  # rank → (stage, kind, mb, start)
     #: (rank, W task, time) of each W started while a B of the same rank was ready
     w_before_b: list = dataclasses.field(default_factory=list)
+    #: rank → most stage-microbatches holding residuals of either kind (full or W's) at once
+    rank_peak: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def interleaved(stage: int, virtual: int, pipeline: int) -> int:
@@ -89,6 +91,7 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
     ranks = tuple(placement(s, virtual, p) for s in range(n))
     owned = {r: [s for s in range(n) if ranks[s] == r] for r in range(p)}
     rank_peak = {r: 0 for r in range(p)}
+    rank_peak_all = {r: 0 for r in range(p)}
     plans = {}
     for r in range(p):
         plans[r] = (make_schedule(schedule, limit=limit, stages=n, pipeline=p, placement=ranks)
@@ -176,6 +179,8 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
                     heapq.heappush(events, (end + latency, seq, "B", (s - 1, mb)))
             seq += 1
             rank_peak[r] = max(rank_peak[r], sum(len(stages[o].residuals) for o in owned[r]))
+            rank_peak_all[r] = max(rank_peak_all[r], sum(len(stages[o].residuals) + len(stages[o].deferred)
+                                                         for o in owned[r]))  # fmt: skip
             plans[r].ran(task)
             order[r].append((s, "FB" if kind == "F" and s == last else kind, mb, now))
             free[r] = end
@@ -202,4 +207,5 @@ def simulate(schedule, pipeline: int, virtual: int, microbatches: int, *,
     makespan = max(free.values())
     idle = sum(1.0 - b / makespan for b in busy.values()) / p
     return Simulation(makespan, idle, {s: st.peak for s, st in stages.items()},
-                      {s: st.peak_full for s, st in stages.items()}, rank_peak, order, w_before_b)  # fmt: skip
+                      {s: st.peak_full for s, st in stages.items()}, rank_peak, order, w_before_b,
+                      rank_peak_all)  # fmt: skip

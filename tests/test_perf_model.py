@@ -521,6 +521,69 @@ def test_zero_bubble_schedules_are_priced():
         Options(schedule="zigzag")
 
 
+V_CASES = [(p, m) for p in range(2, 9) for m in sorted({1, 2, 4, 2 * p - 1, 2 * p, 16, 32})]
+
+
+def _simulated_fill(schedule: str, p: int, m: int, split: tuple[float, float]) -> float:
+    """The V's idle time in microbatch-times of a rank's work, from tests/schedule_sim.py."""
+    from schedule_sim import simulate, v_shaped
+
+    idle = simulate(schedule, p, 2, m, placement=v_shaped, split=split).idle
+    return idle * m / (1 - idle)
+
+
+@pytest.mark.parametrize("p,m", V_CASES)
+def test_v_placement_bubble_matches_the_simulator(p, m):
+    """perf.options.v_fill_and_drain against the simulated V (the real schedule classes).
+    F = B = W (the model's 1/3 forward): ZB-V and 1F1B exact (1F1B also at B = W = F/2,
+    forward 1/2); from m ≥ 2p, zb and ZB-H1 idle at most 0.03 above the model's bubble
+    (zb at least the floor); message-driven within 0.03 at B = W = F/2, where it reaches
+    the theory (at F = B = W it idles more on the V: docs/pipeline.md)."""
+    from axonn_jax.perf.options import fill_and_drain, v_fill_and_drain
+
+    def bubble(fill: float) -> float:
+        return fill / (m + fill)
+
+    def model(schedule: str) -> float:  # what predict and search use
+        return fill_and_drain(p, 2, schedule, False, "v", m)
+
+    for schedule in ("zb-v", "1f1b"):
+        assert _simulated_fill(schedule, p, m, (1, 1)) == pytest.approx(model(schedule), abs=1e-9)
+    assert _simulated_fill("1f1b", p, m, (0.5, 0.5)) == pytest.approx(v_fill_and_drain(p, "1f1b", 1 / 2, m), abs=1e-9)
+    if m >= 2 * p:
+        for schedule in ("zb", "zb-h1"):
+            priced, simulated = bubble(model(schedule)), bubble(_simulated_fill(schedule, p, m, (1, 1)))
+            assert priced - (1e-9 if schedule == "zb" else 0.03) <= simulated <= priced + 0.03, (schedule, simulated, priced)
+        priced = bubble(model("message"))
+        assert bubble(_simulated_fill("message", p, m, (0.5, 0.5))) == pytest.approx(priced, abs=0.03)
+
+
+def test_zb_v_is_priced_on_the_v_only(capsys):
+    """predict: ZB-V's bubble and 1F1B's p microbatches of a rank's layers on the V; refused
+    elsewhere (Options, fill_and_drain, the CLI)."""
+    spec = gpt_spec(layers=8, hidden=512, heads=8, seq=256, batch=64, vocab=4096)
+    machine = machines.get("frontier")
+    vee = Grid(z=2, pipeline=4, virtual=2, placement="v")
+    got = {s: predict(spec, vee, machine, Options(microbatches=16, recompute=False, schedule=s))
+           for s in ("message", "zb", "zb-v")}  # fmt: skip
+    assert got["zb-v"].bubble == pytest.approx(0.5 / 16.5)  # (p − 1)·F/2, F = 1/3
+    assert got["zb-v"].step_seconds < got["message"].step_seconds
+    acts = {s: q.memory.activations for s, q in got.items()}
+    assert acts["zb-v"] == pytest.approx(acts["message"] * 4 / 4.5) and acts["zb-v"] < acts["zb"]
+    with pytest.raises(ValueError, match="V-shaped placement only"):
+        predict(spec, Grid(z=2, pipeline=4, virtual=2), machine, Options(microbatches=16, schedule="zb-v"))
+    args = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "40", "--json", "--layers", "8",
+            "--hidden", "64", "--heads", "4", "--seq", "32", "--batch", "8", "--vocab", "256"]
+    assert main([*args, "--virtual", "2", "--placement", "v", "--schedule", "zb-v"]) == 0
+    piped = [c for c in json.loads(capsys.readouterr().out) if c["pipeline"] > 1]
+    assert piped and {c["schedule"] for c in piped} == {"zb-v"}
+    assert main([*args, "--virtual", "2", "--placement", "v", "--schedule", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit):
+        main([*args, "--schedule", "zb-v"])
+    assert "--schedule zb-v runs on the V-shaped placement" in capsys.readouterr().err
+
+
 def test_cli_prices_a_schedule(capsys):
     args = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "40", "--json", *GPT_ARGS]
     assert main(args) == 0

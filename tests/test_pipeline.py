@@ -265,8 +265,8 @@ def saved_references(tmp_path_factory):
     (2, [("gpt", "pipeline=2", ["--schedules=message,1f1b", "--offload"]),
          # interleaved (stages 0,2 | 1,3), zero bubble (B and W split) included
          ("gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b,zb,zb-h1", "--trajectory-schedule=zb"]),
-         # V-shaped (stages 0,3 | 1,2), the same schedules
-         ("gpt", "pipeline=2,virtual=2,placement=v", ["--schedules=message,1f1b,zb,zb-h1",
+         # V-shaped (stages 0,3 | 1,2), the same schedules and ZB-V
+         ("gpt", "pipeline=2,virtual=2,placement=v", ["--schedules=message,1f1b,zb,zb-h1,zb-v",
                                                       "--trajectory-schedule=zb"])],
      "local"),
     (2, [("gpt", "pipeline=2,x=2,z=2", [])], "local"),  # tensor-parallel collectives inside each process

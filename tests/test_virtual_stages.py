@@ -174,6 +174,9 @@ EQUIVALENCE = [
     ("pipeline=2,virtual=2,placement=v,x=2,z=2", (1, 4, 8), schedules.SCHEDULES),
     ("pipeline=4,virtual=2,placement=v,z=2", (4, 8), ("message", "zb")),
 ]
+#: ZB-V (static, V only): pipeline 2 and 4, then 5 AdamW steps with it
+ZB_V_EQUIVALENCE = [("pipeline=2,virtual=2,placement=v,x=2,z=2", (1, 4, 8)),
+                    ("pipeline=4,virtual=2,placement=v,z=2", (4, 8))]
 
 
 @pytest.mark.slow
@@ -184,6 +187,16 @@ def test_virtual_stages_equal_unpartitioned(grid, microbatches, schedules_, devi
     grid = axonn_jax.Grid.parse(grid)
     failures = run_case("gpt", grid, microbatches=microbatches, schedules=schedules_,
                         trajectory_schedule="zb" if grid.placement == "v" else "message")  # fmt: skip
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grid,microbatches", ZB_V_EQUIVALENCE)
+def test_zb_v_equals_unpartitioned(grid, microbatches, devices):
+    """ZB-V: loss and gradients per microbatch count, then 5 AdamW steps with "zb-v", equal
+    the plain single-device run (pipeline_cases' bounds)."""
+    failures = run_case("gpt", axonn_jax.Grid.parse(grid), microbatches=microbatches, schedules=("zb-v",),
+                        trajectory_schedule="zb-v")  # fmt: skip
     assert not failures, "\n".join(failures)
 
 
@@ -204,6 +217,10 @@ def test_schedules_finish_on_virtual_stages(schedule, pipeline, virtual, placeme
     message-driven keeps its bounds."""
     n = pipeline * virtual
     rank = axonn_jax.Grid(pipeline=pipeline, virtual=virtual, placement=placement).pipeline_rank
+    if schedule == "zb-v" and placement != "v":  # ZB-V's order is the V's
+        with pytest.raises(ValueError, match="V-shaped placement"):
+            simulate(schedule, pipeline, virtual, 1, placement=lambda s, v, p: rank(s))
+        return
     for m in (1, 3, 8):
         for latency in (0.0, 0.3):
             sim = simulate(schedule, pipeline, virtual, m, latency=latency,

@@ -112,20 +112,24 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
     Zero bubble: ``"zb"`` also keeps up to ``p`` deferred W's per stage (its W
     budget), each charged as a whole microbatch of the stage's activations (an
     upper bound: W keeps its matmuls' inputs and output gradients); ``"zb-h1"``
-    keeps 1F1B's ``min(m, p)`` (stage 0 defers no W). 1F1B and GPipe are priced
-    like the message-driven queue.
+    keeps 1F1B's ``min(m, p)`` (stage 0 defers no W); ``"zb-v"`` (V only) too: a
+    rank holds at most ``min(2m, 2p)`` stage-microbatches of residuals of either
+    kind, full or W's (``tests/test_schedule_sim.py``, p = 2…8). 1F1B and GPipe
+    are priced like the message-driven queue.
 
     Example:
         >>> in_flight(16, 4), in_flight(16, 4, virtual=2), in_flight(2, 4, virtual=2)
         (5.0, 7.0, 2.0)
         >>> in_flight(16, 4, schedule="zb"), in_flight(16, 4, schedule="zb-h1")
         (9.0, 4.0)
+        >>> in_flight(16, 4, 2, "zb-v", placement="v"), in_flight(16, 4, 2, "zb", placement="v")
+        (4.0, 8.5)
         >>> in_flight(16, 4, virtual=2, placement="v"), in_flight(3, 4, virtual=2, placement="v")
         (4.5, 3.0)
     """
     if pipeline == 1:
         return 1.0
-    if schedule == "zb-h1":
+    if schedule in ("zb-h1", "zb-v"):
         return float(min(microbatches, pipeline))
     limit = default_limit(pipeline * virtual)
     if placement == "v":

@@ -41,10 +41,11 @@ PRECISIONS: dict[str, PrecisionBytes] = {
 
 
 #: the pipeline schedules the model prices (those of ``axonn_jax.runtime.pipeline.schedules``)
-SCHEDULES = ("message", "1f1b", "gpipe", "zb", "zb-h1")
+SCHEDULES = ("message", "1f1b", "gpipe", "zb", "zb-h1", "zb-v")
 
 
-def fill_and_drain(pipeline: int, virtual: int, schedule: str, recompute: bool) -> float:
+def fill_and_drain(pipeline: int, virtual: int, schedule: str, recompute: bool,
+                   placement: str = "interleaved", microbatches: int | None = None) -> float:  # fmt: skip
     """The pipeline's idle time, in microbatch-times of one rank's work.
 
     GPipe, 1F1B and message-driven: ``(p − 1)/v`` (the classic bubble). Zero
@@ -53,7 +54,8 @@ def fill_and_drain(pipeline: int, virtual: int, schedule: str, recompute: bool) 
     reaches in ``tests/schedule_sim.py``) and ``(p − 1)`` for ZB-H1 (its
     ``(p − 1)·(F + B − W)`` with B = W; no interleaving gain is priced). A
     forward is ``1/3`` of a microbatch's compute (the backward's two matmuls per
-    forward matmul), ``1/4`` under recompute (the forward runs again).
+    forward matmul), ``1/4`` under recompute (the forward runs again). The
+    V-shaped placement (``placement="v"``) has its own: :func:`v_fill_and_drain`.
 
     Example:
         >>> fill_and_drain(4, 1, "message", False), fill_and_drain(4, 1, "zb", False)
@@ -62,11 +64,51 @@ def fill_and_drain(pipeline: int, virtual: int, schedule: str, recompute: bool) 
     if pipeline == 1:
         return 0.0
     forward = 1 / 4 if recompute else 1 / 3
+    if placement == "v":
+        return v_fill_and_drain(pipeline, schedule, forward, microbatches)
+    if schedule == "zb-v":
+        raise ValueError("schedule 'zb-v' runs on the V-shaped placement only (placement='v', virtual=2)")
     if schedule == "zb":
         return (pipeline - 1) / virtual * forward
     if schedule == "zb-h1":
         return (pipeline - 1) * forward
     return (pipeline - 1) / virtual
+
+
+def v_fill_and_drain(pipeline: int, schedule: str, forward: float, microbatches: int | None = None) -> float:
+    """:func:`fill_and_drain` on the V-shaped placement (``virtual=2``; rank ``r`` holds stages
+    ``r`` and ``2p − 1 − r``), in microbatch-times of one rank's work, a forward being
+    ``forward`` of it and B = W the rest halved (``microbatches`` ``None``: many).
+
+    * ``"zb-v"`` (:func:`~axonn_jax.runtime.pipeline.timeline.zb_v_theory`, F = B = W):
+      ``max(p − 1, 4p − 2m − 2)·F/2`` — the zero-bubble floor, ``(p − 1)·F/2``, once
+      ``m ≥ 2p − 1``, else the order's critical path ``(4p + 4m − 2)·F/2`` less the work;
+    * ``"1f1b"``, ``"gpipe"``: the per-stage orders do not interleave on a V:
+      ``(p − 1) − min(m − 1, p − 1)·F/2`` (1F1B: exact in ``tests/schedule_sim.py``,
+      p = 2…8, m = 1…32, F = B = W and B = W = F/2; GPipe priced the same);
+    * ``"zb"``: the floor ``(p − 1)·F/2`` (the warm-up forwards, as interleaved);
+    * ``"zb-h1"``: ``(p − 1)·F``, as without virtual stages (its per-stage order gains
+      nothing from the second stage);
+    * ``"message"``: ``(p − 1)/2``, the interleaved theory (reached exactly at
+      B = W = F/2 in the simulator).
+
+    Example:
+        >>> [round(v_fill_and_drain(4, s, 1 / 3, 16), 3) for s in ("zb-v", "zb", "zb-h1", "1f1b", "message")]
+        [0.5, 0.5, 1.0, 2.5, 1.5]
+        >>> round(v_fill_and_drain(4, "zb-v", 1 / 3, 2), 3)   # fewer than 2p − 1 microbatches
+        1.667
+    """
+    p = pipeline
+    m = microbatches if microbatches is not None else 2 * p
+    if schedule == "zb-v":
+        return max(p - 1, 4 * p - 2 * m - 2) * forward / 2
+    if schedule in ("1f1b", "gpipe"):
+        return (p - 1) - min(m - 1, p - 1) * forward / 2
+    if schedule == "zb":
+        return (p - 1) * forward / 2
+    if schedule == "zb-h1":
+        return (p - 1) * forward
+    return (p - 1) / 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +118,8 @@ class Options:
     buffer of 16 × ``bucket_bytes`` stays on the device), and the number of
     ``microbatches`` a step's batch is split into (gradient accumulation, or
     the pipeline's microbatches), and the pipeline ``schedule`` (one of
-    :data:`SCHEDULES`; the zero-bubble ones, ``"zb"`` and ``"zb-h1"``, shorten
-    the bubble and keep deferred weight-gradient residuals).
+    :data:`SCHEDULES`; the zero-bubble ones, ``"zb"``, ``"zb-h1"`` and ``"zb-v"``
+    (V-shaped placement only), shorten the bubble and keep deferred weight-gradient residuals).
     ``scatter_batch``: the program reduce-scatters layer outputs onto the batch
     (``partition``'s default) instead of all-reducing them.
     """

@@ -91,7 +91,8 @@ class Prediction:
         per_mb = self.per_microbatch_fixed + mb * self.per_microbatch_linear
         once = self.comm_seconds - self.per_microbatch_fixed - o.microbatches * self.per_microbatch_linear
         work = self.compute_seconds + self.elementwise_seconds
-        fill = fill_and_drain(self.grid.pipeline, self.grid.virtual, o.schedule, o.recompute)
+        fill = fill_and_drain(self.grid.pipeline, self.grid.virtual, o.schedule, o.recompute,
+                              self.grid.placement, mb)  # fmt: skip
         return (mb + fill) / mb * (work + per_mb) + once + self.optimizer_seconds + self.offload_seconds
 
     def as_dict(self) -> dict:
@@ -184,7 +185,7 @@ def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Op
         offload = n_local * (options.bytes.param + options.bytes.grad) / (machine.host_link_gbps * 1e9)
     update_gbps = machine.host_memory_gbps if options.offload else machine.memory_gbps
     optimizer = n_local * OPTIMIZER_BYTES_PER_PARAM / (update_gbps * 1e9)
-    fill = fill_and_drain(p, v, options.schedule, options.recompute)
+    fill = fill_and_drain(p, v, options.schedule, options.recompute, grid.placement, mb)
     step = (mb + fill) / mb * (compute + elementwise + per_mb) + once + optimizer + offload
     return Prediction(
         grid=grid,

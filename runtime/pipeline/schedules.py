@@ -6,8 +6,9 @@ loss and backward, so it has only forward tasks. Zero-bubble schedules
 (:attr:`Schedule.splits_weights`) split each backward into B (the input
 gradient, which the previous stage waits for) and W (the weight gradients,
 which only the optimizer waits for) and run W where a rank would idle:
-:class:`ZeroBubble` (message-driven) and ``"zb-h1"`` (static,
-:func:`zb_h1`). A :class:`Schedule` picks,
+:class:`ZeroBubble` (message-driven), ``"zb-h1"`` (static, :func:`zb_h1`) and,
+on the V-shaped placement, ``"zb-v"`` (static, one order per rank:
+:class:`ZeroBubbleV`, :func:`~axonn_jax.runtime.pipeline.zb_v.zb_v`). A :class:`Schedule` picks,
 among the tasks whose input has arrived, the one the dispatch queue runs next. Static schedules
 (:class:`StaticSchedule`: GPipe, 1F1B) fix each stage's order in advance; the
 message-driven schedule (:class:`MessageDriven`, AxoNN) runs whichever task's
@@ -30,12 +31,14 @@ from typing import Protocol
 
 from axonn_jax.partitioner.grid import default_limit
 from axonn_jax.runtime.pipeline.tasks import Task, TaskKind
+from axonn_jax.runtime.pipeline.zb_v import v_stages, zb_v
 
 F, B, W = TaskKind.FORWARD, TaskKind.BACKWARD, TaskKind.WEIGHTS
 
-#: every schedule's name; ``"zb"`` (message-driven) and ``"zb-h1"`` split B and W
-SCHEDULES = ("message", "1f1b", "gpipe", "zb", "zb-h1")
+#: every schedule's name; ``"zb"`` (message-driven), ``"zb-h1"`` and ``"zb-v"`` split B and W
+SCHEDULES = ("message", "1f1b", "gpipe", "zb", "zb-h1", "zb-v")
 STATIC = ("1f1b", "gpipe", "zb-h1")
+SPLIT = ("zb", "zb-h1", "zb-v")
 
 
 def check_schedule(name: str) -> str:
@@ -47,7 +50,7 @@ def check_schedule(name: str) -> str:
 
 def splits_weights(name: str) -> bool:
     """Whether schedule ``name`` runs B and W as separate tasks (zero bubble)."""
-    return check_schedule(name) in ("zb", "zb-h1")
+    return check_schedule(name) in SPLIT
 
 
 def gpipe(stage: int, stages: int, microbatches: int) -> list[Task]:
@@ -164,15 +167,19 @@ class StaticSchedule:
         self._position = {s: 0 for s in local}
 
     def pick(self, states, has_input, microbatches):
-        for s in states:
-            if self._position[s] < len(self._order[s]):
-                task = self._order[s][self._position[s]]
+        for key, order in self._order.items():
+            if self._position[key] < len(order):
+                task = order[self._position[key]]
                 if has_input(task):
                     return task
         return None
 
     def ran(self, task: Task) -> None:
-        self._position[task.stage] += 1
+        self._position[self._key(task.stage)] += 1
+
+    def _key(self, stage: int) -> int:
+        """Which order ``stage``'s tasks are in (here: its own)."""
+        return stage
 
     def in_flight_bound(self, stage: int) -> int | None:
         return None  # the order itself bounds what is in flight
@@ -349,6 +356,40 @@ class ZeroBubble(MessageDriven):
         return w
 
 
+class ZeroBubbleV(StaticSchedule):
+    """ZB-V: on the V-shaped placement each pipeline rank follows one order over its two
+    stages (:func:`~axonn_jax.runtime.pipeline.zb_v.zb_v`), B and W split.
+
+    Args:
+        placement: the pipeline rank of each stage; must be the V
+            (``Grid(pipeline=p, virtual=2, placement="v").placements``).
+    """
+
+    def __init__(self, placement: Sequence[int] | None):
+        stages = len(placement or ())
+        p = stages // 2
+        if stages < 2 or stages % 2 or tuple(placement) != tuple(min(s, 2 * p - 1 - s) for s in range(stages)):
+            raise ValueError(
+                f"schedule 'zb-v' runs on the V-shaped placement (rank r holds stages r and 2p-1-r), "
+                f"got stage ranks {None if placement is None else tuple(placement)}. Remedy: "
+                f"Grid(pipeline=p, virtual=2, placement='v'), or schedule 'zb' / 'zb-h1' on this grid."
+            )
+        self.name = "zb-v"
+        self.splits_weights = True
+        self.placement = tuple(placement)
+        self._order = {}
+        self._position = {}
+
+    def start(self, local, stages, microbatches) -> None:
+        p = stages // 2
+        ranks = sorted({self.placement[s] for s in local})
+        self._order = {r: zb_v(r, p, microbatches) for r in ranks}
+        self._position = {r: 0 for r in ranks}
+
+    def _key(self, stage: int) -> int:
+        return self.placement[stage]
+
+
 def make_schedule(name: str, *, limit: int | None, stages: int, pipeline: int | None = None,
                   placement: Sequence[int] | None = None) -> Schedule:  # fmt: skip
     """The schedule called ``name``; ``limit`` (message-driven) defaults to
@@ -356,11 +397,14 @@ def make_schedule(name: str, *, limit: int | None, stages: int, pipeline: int | 
 
     ``pipeline``: the pipeline ranks the ``stages`` run on (virtual stages: fewer ranks);
     ``placement``: the rank of each stage (default ``s mod pipeline``; the static
-    schedules follow each stage's own order wherever it runs).
+    schedules follow each stage's own order wherever it runs; ``"zb-v"`` needs the V and
+    follows one order per rank).
     """
     check_schedule(name)
     if name == "message":
         return MessageDriven(limit if limit is not None else default_limit(stages), pipeline, placement)
     if name == "zb":
         return ZeroBubble(limit if limit is not None else default_limit(stages), pipeline, placement=placement)
+    if name == "zb-v":
+        return ZeroBubbleV(placement)
     return StaticSchedule(name)

@@ -177,6 +177,27 @@ def zb_h1_theory(pipeline: int, microbatches: int, *, forward: float = 1.0, b: f
     return bubble / (bubble + microbatches * (forward + b + w))
 
 
+def zb_v_theory(pipeline: int, microbatches: int) -> float:
+    """ZB-V's idle fraction (:func:`~axonn_jax.runtime.pipeline.zb_v.zb_v`, ``virtual=2`` on
+    the V) with ``F = B = W`` per stage, in units of one stage's forward ``f``.
+
+    A rank's work is ``6m`` (two stages, F + B + W each). With ``m ≥ 2p − 1`` no rank
+    waits after its first forward arrives (ranks r > 0 wait ``r·f`` for it, and W
+    fills the cool-down): the step is the floor, ``p − 1 + 6m``
+    (:func:`zero_bubble_floor`). With fewer microbatches the order's critical path is
+    ``4p + 4m − 2`` (found with ``tests/schedule_sim.py``: exact for p = 2…8,
+    m = 1…40, not derived by hand). The step is the larger of the two.
+
+    Example:
+        >>> round(zb_v_theory(4, 16), 4), round(zero_bubble_floor(4, 16, 2, backward=2), 4)
+        (0.0303, 0.0303)
+        >>> round(zb_v_theory(4, 4), 4)
+        0.2
+    """
+    p, m = pipeline, microbatches
+    return 1 - 6 * m / max(p - 1 + 6 * m, 4 * p + 4 * m - 2)
+
+
 def plot_timeline(path: str | Path, rows: Sequence[Row], title: str = "pipeline timeline",
                   pipeline: Ranks = None) -> Path:  # fmt: skip
     """A PNG with one row per stage: forward, backward and (last stage) forward+loss+backward
