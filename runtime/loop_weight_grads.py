@@ -40,13 +40,21 @@ from axonn_jax.runtime.varying import vary
 Body = Callable[[list, list, list], tuple]
 
 
+#: one-operand linear equations a weight may pass through on its way to a matmul
+#: (a cast to the compute dtype, a varying-axes mark, a transpose or reshape)
+FOLLOWED = frozenset(["convert_element_type", "copy", "copy_p", "reduce_precision", "pvary", "pcast",
+                      "transpose", "reshape", "squeeze"])  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Tap:
-    """A matmul of the body reading loop constant ``const`` as operand ``side`` (0 or 1)."""
+    """A matmul of the body (equation ``eqn``) reading loop constant ``const`` as operand
+    ``side`` (0 or 1), through the equations ``chain`` (a cast, say; in order)."""
 
     eqn: int
     const: int
     side: int
+    chain: tuple[int, ...] = ()
 
 
 def scan(body: Body, consts: Sequence, init: Sequence, xs: Sequence, **options) -> tuple[list, list]:
@@ -72,29 +80,35 @@ def scan(body: Body, consts: Sequence, init: Sequence, xs: Sequence, **options) 
 def find_taps(jaxpr: core.Jaxpr, num_consts: int, num_carry: int) -> list[Tap]:
     """The matmuls reading a float loop constant against a value that changes per iteration.
 
-    A constant qualifies only if every use of it is such a matmul (not an
-    output of the body, not read by another equation or a nested body).
+    The constant may reach the matmul through :data:`FOLLOWED` equations. It
+    qualifies only if every use of it, and of those equations' outputs, is such
+    a matmul or such an equation (not an output of the body, not read by any
+    other equation or a nested body).
     """
-    const_vars = {v: k for k, v in enumerate(jaxpr.invars[:num_consts])}
+    reaches = {v: (k, ()) for k, v in enumerate(jaxpr.invars[:num_consts])}  # var -> (const, chain)
     invariant = set(jaxpr.invars[:num_consts]) | set(jaxpr.constvars)
     found: list[Tap] = []
-    other_uses: set[int] = {const_vars[v] for v in jaxpr.outvars if v in const_vars}
+    other_uses: set[int] = {reaches[v][0] for v in jaxpr.outvars if v in reaches}
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
         if all(v in invariant for v in ins):
             invariant.update(eqn.outvars)
-        reads = [(side, const_vars[v]) for side, v in enumerate(eqn.invars)
-                 if not isinstance(v, core.Literal) and v in const_vars]  # fmt: skip
+        reads = [(side, v) for side, v in enumerate(eqn.invars) if v in ins and v in reaches]
         if not reads:
             continue
+        if eqn.primitive.name in FOLLOWED and len(ins) == 1:
+            k, chain = reaches[ins[0]]
+            reaches[eqn.outvars[0]] = (k, chain + (i,))
+            continue
         if eqn.primitive.name == "dot_general" and len(reads) == 1:
-            side, k = reads[0]
+            side, v = reads[0]
             other = eqn.invars[1 - side]
-            floating = jnp.issubdtype(eqn.invars[side].aval.dtype, jnp.floating)
-            if floating and not isinstance(other, core.Literal) and other not in invariant:
-                found.append(Tap(i, k, side))
+            k, chain = reaches[v]
+            if jnp.issubdtype(v.aval.dtype, jnp.floating) and not isinstance(other, core.Literal) \
+                    and other not in invariant:  # fmt: skip
+                found.append(Tap(i, k, side, chain))
                 continue
-        other_uses.update(k for _, k in reads)
+        other_uses.update(reaches[v][0] for _, v in reads)
     return [t for t in found if t.const not in other_uses]
 
 
@@ -150,7 +164,7 @@ def _loop(closed: core.ClosedJaxpr, taps: list[Tap], tapped: list[int], rest: li
             t = by_eqn[tap]
             eqn = jaxpr.eqns[t.eqn]
             j = position[t.const]
-            part = _weight_gradient(eqn, t.side, stacks[eqn.invars[1 - t.side]], weights[j], grad_out)
+            part = _weight_gradient(jaxpr, t, stacks[eqn.invars[1 - t.side]], weights[j], grad_out)
             d_weights[j] = part if d_weights[j] is None else d_weights[j] + part
         return d_weights, d_others, d_init, d_xs, d_jconsts
 
@@ -205,17 +219,25 @@ def _tapped_jvp(primals, tangents):
     return primals[0], tangents[0] + tangents[1]
 
 
-def _weight_gradient(eqn: core.JaxprEqn, side: int, operand_stack, weight, grad_out):
-    """``Σ_t`` of matmul ``eqn``'s gradient for its operand ``side`` (the weight): one matmul.
+def _weight_gradient(jaxpr: core.Jaxpr, tap: Tap, operand_stack, weight, grad_out):
+    """``Σ_t`` of the tapped matmul's gradient for the weight: one matmul, then the chain's transpose.
 
-    ``operand_stack``: the other operand per iteration; ``grad_out``: its output's gradient
-    per iteration (both stacked on a leading iteration dim).
+    ``operand_stack``: the matmul's other operand per iteration; ``grad_out``: its output's
+    gradient per iteration (both stacked on a leading iteration dim).
     """
+    eqn = jaxpr.eqns[tap.eqn]
+
+    def chain(w):
+        for i in tap.chain:
+            link = jaxpr.eqns[i]
+            w = link.primitive.bind(w, **link.primitive.get_bind_params(link.params))
+        return w
+
     def stacked(w):
         def one(a):
-            pair = (a, w) if side == 1 else (w, a)
-            return eqn.primitive.bind(*pair, **eqn.params)
+            return eqn.primitive.bind(*((a, w) if tap.side == 1 else (w, a)), **eqn.params)
 
         return jax.vmap(one)(operand_stack)
 
-    return jax.linear_transpose(stacked, weight)(grad_out)[0]
+    read, back = jax.vjp(chain, weight)
+    return back(jax.linear_transpose(stacked, read)(grad_out)[0])[0]

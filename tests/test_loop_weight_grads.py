@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.extend.core import subjaxprs
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,6 +38,13 @@ def _cell(consts, carry, x):
     return [h], [h * 2]
 
 
+def _chained_cell(consts, carry, x):
+    """w reaches its matmuls through a transpose and a reshape (as a cast would)."""
+    w, u, bias = consts
+    (h,) = carry
+    return [jnp.tanh(h @ w.T.reshape(H, H) + x[0] @ u + bias)], [h]
+
+
 def _no_xs_cell(consts, carry, x):
     """A fori-style body (no xs): a weight-tied refinement."""
     w, _, bias = consts
@@ -45,7 +53,7 @@ def _no_xs_cell(consts, carry, x):
 
 
 def _loss(scan, body, consts, h0, xs, **options):
-    xs_list = [xs] if body is _cell else []
+    xs_list = [] if body is _no_xs_cell else [xs]
     carry, ys = scan(body, consts, [h0], xs_list, length=T, **options)
     return jnp.sum(carry[0] ** 2) + sum(jnp.sum(jnp.sin(y)) for y in ys)
 
@@ -56,13 +64,13 @@ def _plain(body, consts, init, xs, **options):
 
 
 def _weight_carries(jaxpr, shape) -> int:
-    """How many values of ``shape`` the scans of ``jaxpr`` carry."""
+    """How many values of ``shape`` the scans of ``jaxpr`` (nested ones too) carry."""
     found = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
             found += sum(v.aval.shape == shape for v in eqn.invars[nc : nc + nk])
-    return found
+    return found + sum(_weight_carries(sub, shape) for sub in subjaxprs(jaxpr))
 
 
 def test_taps_are_the_matmuls_that_read_only_a_constant():
@@ -80,9 +88,22 @@ def test_taps_are_the_matmuls_that_read_only_a_constant():
     closed = jax.make_jaxpr(mixed)(consts, [h0], [])
     assert L.find_taps(closed.jaxpr, 3, 1) == []
 
+    def chained(consts, carry, x):  # w's cast is also read by a sum: no tap for w
+        w16 = consts[0].astype(jnp.bfloat16)
+        return [jnp.tanh(carry[0].astype(jnp.bfloat16) @ w16 + jnp.sum(w16) + carry[0] @ consts[1])], []
+
+    closed = jax.make_jaxpr(chained)(consts, [h0], [])
+    assert [(t.const, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3, 1)] == [(1, 0)]
+
+    def cast(consts, carry, x):  # the compute-dtype cast of a mixed-precision cell
+        return [jnp.tanh(carry[0].astype(jnp.bfloat16) @ consts[0].astype(jnp.bfloat16))], []
+
+    closed = jax.make_jaxpr(cast)(consts, [h0], [])
+    assert [(t.const, t.side, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3, 1)] == [(0, 1, 1)]
+
 
 @pytest.mark.parametrize("options", [dict(), dict(reverse=True), dict(unroll=2)], ids=str)
-@pytest.mark.parametrize("body", [_cell, _no_xs_cell], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("body", [_cell, _chained_cell, _no_xs_cell], ids=lambda b: b.__name__)
 def test_gradients_equal_jax_scan_and_no_weight_is_carried(body, options):
     consts, h0, xs = _values()
     want, want_grads = jax.value_and_grad(lambda c, h, x: _loss(_plain, body, c, h, x, **options),
@@ -110,21 +131,26 @@ def test_forward_and_remat_unchanged():
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
 
-def test_inside_shard_map_typed_like_the_batch(devices):
-    """Rows split over a mesh axis, the weights replicated: the weight gradient is reduced over
-    the axis once, after the loop, and equals the single-device gradient."""
+@pytest.mark.parametrize("marked", [True, False], ids=["weights-marked-varying", "marked-in-the-body"])
+def test_inside_shard_map_typed_like_the_batch(marked, devices):
+    """Rows split over a mesh axis, the weights replicated, marked varying before the loop or
+    (by jnp) inside it: the weight gradient is reduced over the axis once, after the loop, and
+    equals the single-device gradient."""
     consts, h0, xs = _values(2)
     h0, xs = jnp.tile(h0, (2, 1)), jnp.tile(xs, (1, 2, 1))
     mesh = jax.make_mesh((2,), ("d",), devices=devices[:2])
 
     def local(c, h, x):
-        c = [lax.pcast(v, ("d",), to="varying") for v in c]
+        if marked:
+            c = [lax.pcast(v, ("d",), to="varying") for v in c]
         return lax.psum(_loss(L.scan, _cell, c, h, x), "d")
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P(None, "d")), out_specs=P())
     h_s = jax.device_put(h0, NamedSharding(mesh, P("d")))
     x_s = jax.device_put(xs, NamedSharding(mesh, P(None, "d")))
-    got = jax.jit(jax.grad(sharded))(consts, h_s, x_s)
+    grad = jax.grad(sharded)
+    got = jax.jit(grad)(consts, h_s, x_s)
     want = jax.grad(lambda c: _loss(_plain, _cell, c, h0, xs))(consts)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
+    assert _weight_carries(jax.make_jaxpr(grad)(consts, h_s, x_s).jaxpr, (H, H)) == 0
