@@ -132,7 +132,9 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
     (:func:`~axonn_jax.partitioner.blocks.block_of`), or empty. Consecutive
     layers whose weights lie in one block are gathered as one (a transformer
     block's attention and MLP weights in one all-gather, at its first layer,
-    or with OAG while the block before computes).
+    or with OAG while the block before computes). The first group is read at
+    the first equation that reads a parameter, so the parameters read before
+    the first layer (an embedding table) are gathered with it.
     """
     origin = param_origins(jaxpr, num_params)
     needs: dict = {}
@@ -140,6 +142,7 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
     layers: list = []
     siblings: dict = {}
     layer_input: set = set()  # the activation inputs of the matmul that started the current layer
+    first = None  # the first equation reading a parameter
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in made_by or eqn.primitive.name in CONTROL_FLOW:
             continue  # a cast chain runs when needed; a loop reads its parameters inside
@@ -147,6 +150,7 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
         if not read:
             continue
         needs[id(eqn)] = read
+        first = first or eqn
         if eqn.primitive.name in LAYER_PRIMITIVES:
             inputs = {v for v in eqn.invars if not R.is_literal(v) and v not in origin}
             if not (inputs and inputs <= layer_input):
@@ -158,13 +162,16 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
         for i in read:
             layer_of.setdefault(i, max(len(layers) - 1, 0))
     heads, group_of = _block_groups(layers, origin, blocks)
+    # the first group, which nothing prefetches, is read at the first read of a parameter
+    # (an embedding lookup: the table joins the first block's gather)
+    reads_at = [first, *heads[1:]]
     prefetch: dict = {}
     starts: dict = {}
     for i, layer in layer_of.items():
         if layers and group_of[layer] >= 1:
             prefetch.setdefault(id(heads[group_of[layer] - 1]), []).append(i)
         if layers:
-            starts.setdefault(id(heads[group_of[layer]]), []).append(i)
+            starts.setdefault(id(reads_at[group_of[layer]]), []).append(i)
     return needs, prefetch, starts, {k: eqns for k, eqns in siblings.items() if len(eqns) > 1}
 
 

@@ -254,7 +254,8 @@ def gpt_spec(
     layouts are exactly what the partitioner plans for that model
     (``tests/test_perf_model.py`` checks this against a traced plan).
     ``block_gathers``: a block's six depth-split weights (q, k, v, out, fc_in,
-    fc_out) share one all-gather (``Overlap.gather_blocks``), else q/k/v share one.
+    fc_out) share one all-gather (``Overlap.gather_blocks``), else q/k/v share one;
+    the embedding table joins the first group (block 0's, or its q/k/v).
     """
     for key, value in dict(layers=layers, hidden=hidden, heads=heads, seq=seq,
                            batch=batch, vocab=vocab).items():  # fmt: skip
@@ -267,17 +268,26 @@ def gpt_spec(
         )
     f = 4 * hidden if ffn is None else ffn
     h, hd, L, m = hidden, hidden // heads, layers, batch * seq
-    qkv, one = (6, 6) if block_gathers else (3, 1)  # depth weights sharing a gather
+    # depth weights sharing a gather (block 0's with the embedding table, read before it)
+    first, qkv, one = (7, 6, 6) if block_gathers else (4, 3, 1)
     P = Param
+
+    def kernels(name, shape, axes, per_block, fused0, fused):
+        """A block weight's copies: block 0's (gathered with the table) and the others'."""
+        out = [P(f"block_0/{name}", shape, axes, depth=True, count=per_block, fused=fused0)]
+        if L > 1:
+            out.append(P(f"block/{name}", shape, axes, depth=True, count=per_block * (L - 1), fused=fused))
+        return out
+
     params = [
-        P("embed/embedding", (vocab, h), (X, Y), depth=True, per_block=False),
+        P("embed/embedding", (vocab, h), (X, Y), depth=True, per_block=False, fused=first),
         P("pos_embed", (seq, h), (None, Y), per_block=False),
         P("norm_final/scale", (h,), (Y,), per_block=False, scatter_axis=X),
         P("norm_final/bias", (h,), (Y,), per_block=False, scatter_axis=X),
-        P("block/attn/qkv/kernel", (h, heads, hd), (Y, X, None), depth=True, count=3 * L, fused=qkv),
-        P("block/attn/out/kernel", (heads, hd, h), (X, None, Y), depth=True, count=L, fused=one),
-        P("block/mlp/fc_in/kernel", (h, f), (Y, X), depth=True, count=L, fused=one),
-        P("block/mlp/fc_out/kernel", (f, h), (X, Y), depth=True, count=L, fused=one),
+        *kernels("attn/qkv/kernel", (h, heads, hd), (Y, X, None), 3, first, qkv),
+        *kernels("attn/out/kernel", (heads, hd, h), (X, None, Y), 1, first if block_gathers else 1, one),
+        *kernels("mlp/fc_in/kernel", (h, f), (Y, X), 1, first if block_gathers else 1, one),
+        *kernels("mlp/fc_out/kernel", (f, h), (X, Y), 1, first if block_gathers else 1, one),
         # the first norm of block 0 sees the embeddings' whole rows; the others sit on the
         # stream that the blocks' transposed layers reduce-scatter over x
         P("block_0/norm_1/scale+bias", (h,), (Y,), count=2),

@@ -46,7 +46,7 @@ from axonn_jax.partitioner.flows import variable_layouts
 from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
-from axonn_jax.partitioner.stages import param_origins
+from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
 
 def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
@@ -62,9 +62,12 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     matmuls, saved, looked_up, weight_of = [], {}, set(), []
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
+    casts = param_like_producers(jaxpr, n_params)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
+        if all(var is None for var, _ in weight_of[-1:]) and not (eqn.outvars and eqn.outvars[0] in casts):
+            weight_of += [(None, origin[v]) for v in eqn.invars if not R.is_literal(v) and v in origin]
         if name_ == "gather" and eqn.invars[0] in origin:
             looked_up.add(origin[eqn.invars[0]])
             dn = eqn.params["dimension_numbers"]
@@ -247,20 +250,21 @@ def _gathered_together(params: list[Param], weight_of: list[tuple]) -> list[Para
 
     A group is a layer (the matmuls reading one input: q/k/v) and the layers after it
     whose first weight lies in the same block (``partitioner.blocks``), as
-    ``runtime.executor.gather_points`` groups them by default.
+    ``runtime.executor.gather_points`` groups them by default; parameters read before
+    the first matmul (input variable None: an embedding table) join the first group.
     """
-    group_of, members = {}, []
-    layer_var, block = object(), None
+    group_of, members = {}, [set()]
+    layer_var, block, layers = None, None, 0
     for var, p in weight_of:
-        if var is not layer_var:  # a new layer: a new group unless it continues the block
-            layer_var, start = var, block_of(params[p].name)
-            if start is None or start != block or not members:
+        if var is not None and var is not layer_var:  # a new layer: a new group unless it continues the block
+            start = block_of(params[p].name)
+            if layers and (start is None or start != block):
                 members.append(set())
-            block = start
+            layer_var, block, layers = var, start, layers + 1
         if params[p].depth:
             members[-1].add(p)
         group_of.setdefault(p, len(members) - 1)
-    return [dataclasses.replace(q, fused=max(len(members[group_of[i]]), 1) if i in group_of else 1)
+    return [dataclasses.replace(q, fused=len(members[group_of[i]]) if i in group_of and q.depth else 1)
             for i, q in enumerate(params)]  # fmt: skip
 
 
