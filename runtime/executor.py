@@ -150,7 +150,8 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
         if not read:
             continue
         needs[id(eqn)] = read
-        first = first or eqn
+        if first is None:
+            first = eqn
         if eqn.primitive.name in LAYER_PRIMITIVES:
             inputs = {v for v in eqn.invars if not R.is_literal(v) and v not in origin}
             if not (inputs and inputs <= layer_input):

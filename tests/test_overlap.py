@@ -206,7 +206,8 @@ class _Pair(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        return nn.Dense(8, use_bias=False, name="down")(nn.relu(nn.Dense(self.width, use_bias=False, name="up")(x)))
+        up = nn.Dense(self.width, use_bias=False, name="up")(x)
+        return nn.Dense(8, use_bias=False, name="down")(nn.relu(up))
 
 
 class _Blocks(nn.Module):

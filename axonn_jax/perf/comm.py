@@ -161,7 +161,8 @@ class _Step:
     def add(self, what, kind, axes, phase, elements, calls, per_mb=True, repeats=False, transfers=None):
         if elements > 0:
             # calls start exact: a gather group's calls, shared out among its weights, add up whole
-            entry = self.acc.setdefault((what, kind, axes, phase, per_mb, repeats), [0.0, Fraction(0), Fraction(0)])
+            key = (what, kind, axes, phase, per_mb, repeats)
+            entry = self.acc.setdefault(key, [0.0, Fraction(0), Fraction(0)])
             entry[0] += elements
             entry[1] += calls
             entry[2] += calls if transfers is None else transfers
