@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
                    help="activation checkpointing policy")
     p.add_argument("--overlap", default="all",
-                   help="communication overlap: all, none, or a comma list of oag, ors, oar")
+                   help="communication overlap: all, none, or a comma list of oag, ors, oar; "
+                        "add layer-gathers for one weight gather per layer instead of per block")
     p.add_argument("--eval-every", type=int, default=50,
                    help="validation loss every N steps and at the last (0: only at the last)")
     p.add_argument("--log-every", type=int, default=0,

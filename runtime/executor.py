@@ -31,6 +31,7 @@ from jax import lax
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner import control_flow as CF
+from axonn_jax.partitioner.blocks import block_of
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, dependents
 from axonn_jax.partitioner.layout import Layout, common_prefix, factor, live, local_shape, use_layout, used_axes
@@ -109,7 +110,8 @@ def _gather(x: jax.Array, axis: str, dim: int, partial: bool = False) -> jax.Arr
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
 
 
-def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, dict, dict]:
+def gather_points(jaxpr, num_params: int, made_by: dict,
+                  blocks: Sequence[str | None] = ()) -> tuple[dict, dict, dict, dict]:  # fmt: skip
     """Where each parameter is needed, and where it is gathered (pure, per jaxpr).
 
     ``made_by`` is :func:`~axonn_jax.partitioner.stages.param_like_producers`
@@ -125,6 +127,14 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
     read elsewhere (a bias, a norm scale) belongs to the layer of the last
     matmul before that read. ``siblings[id(eqn)]``: the matmuls of a layer of
     several (q, k, v), keyed by the first; their outputs are reduced together.
+
+    ``blocks``: the repeated block of each parameter
+    (:func:`~axonn_jax.partitioner.blocks.block_of`), or empty. Consecutive
+    layers whose weights lie in one block are gathered as one (a transformer
+    block's attention and MLP weights in one all-gather, at its first layer,
+    or with OAG while the block before computes). The first group is read at
+    the first equation that reads a parameter, so the parameters read before
+    the first layer (an embedding table) are gathered with it.
     """
     origin = param_origins(jaxpr, num_params)
     needs: dict = {}
@@ -132,6 +142,7 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
     layers: list = []
     siblings: dict = {}
     layer_input: set = set()  # the activation inputs of the matmul that started the current layer
+    first = None  # the first equation reading a parameter
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in made_by or eqn.primitive.name in CONTROL_FLOW:
             continue  # a cast chain runs when needed; a loop reads its parameters inside
@@ -139,6 +150,8 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
         if not read:
             continue
         needs[id(eqn)] = read
+        if first is None:
+            first = eqn
         if eqn.primitive.name in LAYER_PRIMITIVES:
             inputs = {v for v in eqn.invars if not R.is_literal(v) and v not in origin}
             if not (inputs and inputs <= layer_input):
@@ -149,14 +162,37 @@ def gather_points(jaxpr, num_params: int, made_by: dict) -> tuple[dict, dict, di
                 siblings[id(layers[-1])].append(eqn)
         for i in read:
             layer_of.setdefault(i, max(len(layers) - 1, 0))
+    heads, group_of = _block_groups(layers, origin, blocks)
+    # the first group, which nothing prefetches, is read at the first read of a parameter
+    # (an embedding lookup: the table joins the first block's gather)
+    reads_at = [first, *heads[1:]]
     prefetch: dict = {}
     starts: dict = {}
     for i, layer in layer_of.items():
-        if layer >= 1:
-            prefetch.setdefault(id(layers[layer - 1]), []).append(i)
+        if layers and group_of[layer] >= 1:
+            prefetch.setdefault(id(heads[group_of[layer] - 1]), []).append(i)
         if layers:
-            starts.setdefault(id(layers[layer]), []).append(i)
+            starts.setdefault(id(reads_at[group_of[layer]]), []).append(i)
     return needs, prefetch, starts, {k: eqns for k, eqns in siblings.items() if len(eqns) > 1}
+
+
+def _block_groups(layers: list, origin: dict, blocks: Sequence[str | None]) -> tuple[list, list[int]]:
+    """Layers gathered together: ``(first layer of each group, group of each layer)``.
+
+    A layer joins the group before it when its first weight lies in the same
+    block (``blocks[parameter]``, not None); without ``blocks`` each layer is a group.
+    """
+    heads: list = []
+    group_of: list[int] = []
+    last = None
+    for eqn in layers:
+        read = [origin[v] for v in eqn.invars if not R.is_literal(v) and v in origin]
+        block = blocks[read[0]] if blocks and read else None
+        if block is None or block != last:
+            heads.append(eqn)
+        group_of.append(len(heads) - 1)
+        last = block
+    return heads, group_of
 
 
 class Executor:
@@ -172,7 +208,10 @@ class Executor:
         n = len(self.param_storage)
         jaxpr = self.jaxpr
         self._made_by = param_like_producers(jaxpr, n)
-        self._needs, self._prefetch, self._starts, self._siblings = gather_points(jaxpr, n, self._made_by)
+        paths = program.traced.param_paths
+        blocks = [block_of(p) for p in paths] if overlap.gather_blocks and len(paths) == n else []
+        self._needs, self._prefetch, self._starts, self._siblings = gather_points(
+            jaxpr, n, self._made_by, blocks)
         self._param_dependent = dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:

@@ -49,36 +49,47 @@ from jax.interpreters import batching, mlir
 from axonn_jax.runtime.varying import vary
 
 _NAMES = {"oag": "gather", "ors": "reduce_scatter", "oar": "all_reduce"}
+_PER_LAYER = "layer-gathers"
 
 
 @dataclasses.dataclass(frozen=True)
 class Overlap:
-    """Which of the three overlap windows to open (all on by default)."""
+    """Which of the three overlap windows to open (all on by default).
+
+    ``gather_blocks``: a repeated block's depth-split weights (a transformer
+    block's attention and MLP) are gathered in one all-gather, their gradients
+    reduce-scattered in one call (``runtime/executor.py: gather_points``); off,
+    one gather per layer, which holds one layer's weights at a time instead of
+    a block's. Written ``layer-gathers`` in :meth:`parse` and ``str``.
+    """
 
     gather: bool = True
     reduce_scatter: bool = True
     all_reduce: bool = True
+    gather_blocks: bool = True
 
     @classmethod
     def parse(cls, text: str) -> Overlap:
-        """``"all"``, ``"none"`` or a comma list of ``oag``, ``ors``, ``oar``."""
-        text = text.strip().lower()
-        if text == "all":
-            return cls()
-        if text == "none":
-            return cls(False, False, False)
-        chosen = {t.strip() for t in text.split(",") if t.strip()}
+        """``"all"``, ``"none"`` or a comma list of ``oag``, ``ors``, ``oar``; each may add
+        ``layer-gathers`` (one weight gather per layer, not per block)."""
+        chosen = {t.strip() for t in text.strip().lower().split(",") if t.strip()}
+        blocks = _PER_LAYER not in chosen
+        chosen.discard(_PER_LAYER)
+        if chosen == {"all"}:
+            return cls(gather_blocks=blocks)
+        if chosen == {"none"}:
+            return cls(False, False, False, blocks)
         unknown = chosen - set(_NAMES)
         if unknown:
             raise ValueError(
                 f"unknown overlap option(s) {sorted(unknown)} in {text!r}; use 'all', 'none' "
-                "or a comma list of oag, ors, oar (e.g. --overlap oag,ors)."
+                "or a comma list of oag, ors, oar, layer-gathers (e.g. --overlap oag,ors)."
             )
-        return cls(**{field: name in chosen for name, field in _NAMES.items()})
+        return cls(**{field: name in chosen for name, field in _NAMES.items()}, gather_blocks=blocks)
 
     def __str__(self) -> str:
         on = [name for name, field in _NAMES.items() if getattr(self, field)]
-        return ",".join(on) if on else "none"
+        return ",".join((on or ["none"]) + ([] if self.gather_blocks else [_PER_LAYER]))
 
 
 # --- a barrier that keeps each operand's type -------------------------------

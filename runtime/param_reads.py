@@ -4,7 +4,8 @@ A parameter stored split over z is gathered before use; the gather's
 transpose is its weight-gradient reduce-scatter over z, and marking it
 varying over the batch axes first makes autodiff all-reduce that gradient
 over ``data`` at shard size. :func:`read_params` reads several parameters at
-once (the weights of matmuls that read the same input: q/k/v, gate/up): the
+once (a gather group: by default all of a repeated block's weights, else the
+weights of matmuls that read the same input: q/k/v, gate/up): the
 shards of one dtype are flattened into one vector, gathered with one
 all-gather, and split back, so the group issues one all-gather forward and
 one reduce-scatter (and one data all-reduce) backward instead of one per

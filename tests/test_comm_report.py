@@ -242,8 +242,9 @@ def test_report_without_devices_for_1024_devices():
     groups = pm.report().communication.groups()
     depth = [p for p in pm.plan.params if p.storage and any(a and a[-1] == "z" for a in p.storage)]
     shard_bytes = sum(p.bytes_per_device(grid) for p in depth)
-    # one gather per layer: each block's q, k and v kernels are gathered together
-    layers = len(depth) - 2 * config.num_layers
+    # one gather per block (its q, k, v, out, fc_in and fc_out kernels together), the
+    # embedding table (tied: no head) with the first block's
+    layers = config.num_layers
     gather = groups[("all-gather", ("z",))]
     assert (gather.count, gather.forward_bytes) == (layers, 4 * shard_bytes)
     assert gather.backward_bytes == 0  # the gathered blocks are kept, not re-gathered

@@ -10,7 +10,9 @@ for GPU is checked by ``benchmarks/overlap.py`` (async start/done pairs).
 
 Model: a 3-layer MLP (8 → 16 → 32 → 64) on x=y=z=2, so every layer's
 gathered weight, weight-gradient reduce-scatter and activations have distinct
-local shapes and can be named by shape.
+local shapes and can be named by shape. Block gathers: three numbered blocks of
+two Dense layers each, every block's weights gathered in one all-gather of a
+distinct size.
 """
 
 import itertools
@@ -18,6 +20,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import flax.linen as nn
 import pytest
 from partition_cases import assert_matches_reference, trajectories
 
@@ -194,3 +197,55 @@ def test_parse_and_errors():
     assert str(Overlap.parse("oar,oag")) == "oag,oar"
     with pytest.raises(ValueError, match="oag, ors, oar"):
         Overlap.parse("oag,prefetch")
+
+
+class _Pair(nn.Module):
+    """One block of two Dense layers (8 → width → 8)."""
+
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        up = nn.Dense(self.width, use_bias=False, name="up")(x)
+        return nn.Dense(8, use_bias=False, name="down")(nn.relu(up))
+
+
+class _Blocks(nn.Module):
+    """Three numbered blocks (``block_0`` ...), gathered one block at a time."""
+
+    @nn.compact
+    def __call__(self, x):
+        for b, width in enumerate(BLOCK_WIDTHS):
+            x = _Pair(width, name=f"block_{b}")(x)
+        return x
+
+
+#: per block: its two weights' shards on x=y=z=2 (8·width·2 / 8 elements), gathered as one row each
+BLOCK_WIDTHS = (16, 32, 64)
+BLOCK_GATHERED = [(2, 2 * w) for w in BLOCK_WIDTHS]
+
+
+def _block_forward(overlap: Overlap) -> list:
+    x = jnp.ones((16, 8), jnp.float32)
+    pm = axonn_jax.partition(_Blocks(), axonn_jax.Grid(x=2, y=2, z=2), x, overlap=overlap, scatter_batch=False)
+    params = pm.init(jax.random.key(0), x)
+    text = jax.jit(jax.grad(lambda p: jnp.mean(pm.apply(p, x) ** 2))).lower(params).as_text(dialect="hlo")
+    return next(c for c in computations(text).values()
+                if any(i.opcode == "all-gather" and i.dims == BLOCK_GATHERED[0] for i in c))  # fmt: skip
+
+
+@pytest.mark.parametrize("oag", [True, False], ids=["oag", "no_oag"])
+def test_block_gathers_keep_the_oag_window(oag, devices):
+    """A block's weights in one all-gather; with OAG block b's is issued before block b-1's
+    matmuls (prefetched one block ahead, not earlier), without OAG after them."""
+    forward = _block_forward(Overlap(gather=oag))
+    deps = ancestors(forward)
+    gathers = [_one(forward, "all-gather", dims) for dims in BLOCK_GATHERED]
+    # a block's own matmuls: those reading its gather and not the next one's
+    own = [{d for d in _dots(forward) if gathers[b] in deps[d]
+            and (b + 1 == len(gathers) or gathers[b + 1] not in deps[d])} for b in range(3)]  # fmt: skip
+    assert all(len(o) == 2 for o in own), own
+    waits = [any(d in deps[gathers[b]] for d in own[b - 1]) for b in (1, 2)]
+    assert waits == ([False, False] if oag else [True, True])
+    if oag:
+        assert any(d in deps[gathers[2]] for d in own[0]), "prefetch is one block ahead, not earlier"

@@ -374,7 +374,7 @@ def test_gpt_spec_equals_the_traced_plan(tied):
     def params(spec):
         out = collections.Counter()
         for p in spec.params:
-            out[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis)] += p.count
+            out[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused)] += p.count
         return out
 
     def matmuls(spec):
@@ -398,6 +398,15 @@ def test_gpt_spec_equals_the_traced_plan(tied):
         ref = [c for c in collectives(analytic, g, recompute=True, scatter_batch=scatter_batch)
                if c.what != "norm statistics"]  # fmt: skip
         assert elements_by(ours, "what") == pytest.approx(elements_by(ref, "what"))
+        # and as many calls: a block's weights in one gather (gather groups alike)
+        assert _calls_by_what(ours) == _calls_by_what(ref)
+
+
+def _calls_by_what(cs) -> dict[str, float]:
+    out: dict[str, float] = collections.defaultdict(float)
+    for c in cs:
+        out[c.what] += c.calls
+    return dict(out)
 
 
 # --- command line -------------------------------------------------------------------

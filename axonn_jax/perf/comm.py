@@ -62,6 +62,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 
 from axonn_jax.partitioner.grid import DATA, PIPELINE, X, Y, Z, Grid
 from axonn_jax.partitioner.report import ring_wire_bytes
@@ -159,7 +160,9 @@ class _Step:
 
     def add(self, what, kind, axes, phase, elements, calls, per_mb=True, repeats=False, transfers=None):
         if elements > 0:
-            entry = self.acc.setdefault((what, kind, axes, phase, per_mb, repeats), [0.0, 0.0, 0.0])
+            # calls start exact: a gather group's calls, shared out among its weights, add up whole
+            key = (what, kind, axes, phase, per_mb, repeats)
+            entry = self.acc.setdefault(key, [0.0, Fraction(0), Fraction(0)])
             entry[0] += elements
             entry[1] += calls
             entry[2] += calls if transfers is None else transfers
@@ -172,7 +175,8 @@ class _Step:
             if p.depth and grid.z > 1:
                 full = p.use_elements(grid)
                 wire = _ring("all-gather", grid.z) * full * copies * mb
-                calls = copies * mb / p.fused  # siblings' weights share one gather
+                # the weights of a gather group (q/k/v, a block) share one gather: exact shares
+                calls = Fraction(p.count * mb) / p.fused / (grid.pipeline if p.per_block else 1)
                 self.add("weight gather", "all-gather", (Z,), "forward", wire, calls, repeats=True)
                 if self.recompute and p.per_block:
                     self.add("weight re-gather", "all-gather", (Z,), "backward", wire, calls,
@@ -277,9 +281,9 @@ class _Step:
         groups = {axes: group_of(axes, self.grid) for (_, _, axes, *_rest) in self.acc}
         # gradients are all-reduced in buckets: one call per group and step (XLA combines them too)
         return tuple(
-            CollectiveCost(what, kind, axes, phase, elements, calls if per_mb else 1.0,
+            CollectiveCost(what, kind, axes, phase, elements, float(calls) if per_mb else 1.0,
                            *groups[axes], per_microbatch=per_mb, repeats=repeats,
-                           transfers=transfers)  # fmt: skip
+                           transfers=float(transfers))  # fmt: skip
             for (what, kind, axes, phase, per_mb, repeats), (elements, calls, transfers) in self.acc.items()
             if groups[axes][1] > 1
         )

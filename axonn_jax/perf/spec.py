@@ -52,8 +52,9 @@ class Param:
     #: stream; its gradient is then also all-reduced over that axis (None: whole rows)
     scatter_axis: str | None = None
     #: depth-split weights gathered in one all-gather with this one (the weights of the
-    #: matmuls reading the same input: q/k/v, gate/up; ``runtime/param_reads.py``): one
-    #: all-gather, one reduce-scatter and one data all-reduce per ``fused`` copies
+    #: matmuls reading the same input: q/k/v, gate/up; by default all of a repeated
+    #: block's, ``runtime/executor.py: gather_points``): one all-gather, one
+    #: reduce-scatter and one data all-reduce per ``fused`` copies
     fused: int = 1
 
     def __post_init__(self) -> None:
@@ -245,12 +246,16 @@ def gpt_spec(
     tied: bool = True,
     bias: bool = True,
     name: str | None = None,
+    block_gathers: bool = True,
 ) -> ModelSpec:
     """The spec of :class:`axonn_jax.models.GPT` (pre-norm LayerNorm blocks, learned positions).
 
     ``batch`` is in sequences of ``seq`` tokens. Parameters, matmuls and
     layouts are exactly what the partitioner plans for that model
     (``tests/test_perf_model.py`` checks this against a traced plan).
+    ``block_gathers``: a block's six depth-split weights (q, k, v, out, fc_in,
+    fc_out) share one all-gather (``Overlap.gather_blocks``), else q/k/v share one;
+    the embedding table joins the first group (block 0's, or its q/k/v).
     """
     for key, value in dict(layers=layers, hidden=hidden, heads=heads, seq=seq,
                            batch=batch, vocab=vocab).items():  # fmt: skip
@@ -263,16 +268,26 @@ def gpt_spec(
         )
     f = 4 * hidden if ffn is None else ffn
     h, hd, L, m = hidden, hidden // heads, layers, batch * seq
+    # depth weights sharing a gather (block 0's with the embedding table, read before it)
+    first, qkv, one = (7, 6, 6) if block_gathers else (4, 3, 1)
     P = Param
+
+    def kernels(name, shape, axes, per_block, fused0, fused):
+        """A block weight's copies: block 0's (gathered with the table) and the others'."""
+        out = [P(f"block_0/{name}", shape, axes, depth=True, count=per_block, fused=fused0)]
+        if L > 1:
+            out.append(P(f"block/{name}", shape, axes, depth=True, count=per_block * (L - 1), fused=fused))
+        return out
+
     params = [
-        P("embed/embedding", (vocab, h), (X, Y), depth=True, per_block=False),
+        P("embed/embedding", (vocab, h), (X, Y), depth=True, per_block=False, fused=first),
         P("pos_embed", (seq, h), (None, Y), per_block=False),
         P("norm_final/scale", (h,), (Y,), per_block=False, scatter_axis=X),
         P("norm_final/bias", (h,), (Y,), per_block=False, scatter_axis=X),
-        P("block/attn/qkv/kernel", (h, heads, hd), (Y, X, None), depth=True, count=3 * L, fused=3),
-        P("block/attn/out/kernel", (heads, hd, h), (X, None, Y), depth=True, count=L),
-        P("block/mlp/fc_in/kernel", (h, f), (Y, X), depth=True, count=L),
-        P("block/mlp/fc_out/kernel", (f, h), (X, Y), depth=True, count=L),
+        *kernels("attn/qkv/kernel", (h, heads, hd), (Y, X, None), 3, first, qkv),
+        *kernels("attn/out/kernel", (heads, hd, h), (X, None, Y), 1, first if block_gathers else 1, one),
+        *kernels("mlp/fc_in/kernel", (h, f), (Y, X), 1, first if block_gathers else 1, one),
+        *kernels("mlp/fc_out/kernel", (f, h), (X, Y), 1, first if block_gathers else 1, one),
         # the first norm of block 0 sees the embeddings' whole rows; the others sit on the
         # stream that the blocks' transposed layers reduce-scatter over x
         P("block_0/norm_1/scale+bias", (h,), (Y,), count=2),

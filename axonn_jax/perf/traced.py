@@ -11,7 +11,8 @@ transposed layers are known without devices). From the plan and the jaxpr:
   weight but meets an activation, e.g. a tied embedding used as the output
   head, contracts over the axis its layout carries);
 * gather groups: the depth-split weights of the matmuls that read one input
-  (q/k/v, gate/up) are gathered in one all-gather (``Param.fused``);
+  (q/k/v, gate/up), and by default of a repeated block's consecutive layers
+  (``partitioner.blocks``), are gathered in one all-gather (``Param.fused``);
 * matmuls between two activations (attention) count as FLOPs split over
   data·z·x;
 * activations kept for backward: the activation operands of those matmuls
@@ -37,19 +38,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import re
 
 from axonn_jax.partitioner.grid import X, Y, Grid
 from axonn_jax.partitioner import rules as R
+from axonn_jax.partitioner.blocks import NUMBERED, block_of
 from axonn_jax.partitioner.flows import variable_layouts
 from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
-from axonn_jax.partitioner.stages import param_origins
+from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
-
-_NUMBERED = re.compile(r"^(.*?)_?(\d+)$")
-
 
 def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
     """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices."""
@@ -64,9 +62,12 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     matmuls, saved, looked_up, weight_of = [], {}, set(), []
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
+    casts = param_like_producers(jaxpr, n_params)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
+        if all(var is None for var, _ in weight_of[-1:]) and not (eqn.outvars and eqn.outvars[0] in casts):
+            weight_of += [(None, origin[v]) for v in eqn.invars if not R.is_literal(v) and v in origin]
         if name_ == "gather" and eqn.invars[0] in origin:
             looked_up.add(origin[eqn.invars[0]])
             dn = eqn.params["dimension_numbers"]
@@ -75,6 +76,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
             conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path)
             matmuls.append((None, conv))
+            weight_of.append((eqn.invars[0], origin[eqn.invars[1]]))  # a layer of the gather groups
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
             continue
         if name_ != "dot_general":
@@ -214,7 +216,7 @@ def _tensor_axis(axes: tuple[str, ...]) -> str | None:
 
 
 def _in_block(path: str) -> bool:
-    return any(_NUMBERED.match(part) for part in path.split("/"))
+    return any(NUMBERED.match(part) for part in path.split("/"))
 
 
 def _blocks(paths) -> int:
@@ -223,7 +225,7 @@ def _blocks(paths) -> int:
     for path in paths:
         parts = path.split("/")
         for depth, part in enumerate(parts):
-            match = _NUMBERED.match(part)
+            match = NUMBERED.match(part)
             if match:
                 seen[(tuple(parts[:depth]), match.group(1))].add(int(match.group(2)))
                 break
@@ -243,16 +245,27 @@ def _merge_params(params) -> tuple[Param, ...]:
 
 
 def _gathered_together(params: list[Param], weight_of: list[tuple]) -> list[Param]:
-    """``params`` with ``fused``: the depth-split weights of the matmuls reading one input
-    (``weight_of``: (input variable, parameter index) per matmul) share one gather."""
-    siblings: dict = collections.defaultdict(set)
+    """``params`` with ``fused``: the depth-split weights of one gather group share one
+    gather (``weight_of``: (input variable, parameter index) per matmul, in program order).
+
+    A group is a layer (the matmuls reading one input: q/k/v) and the layers after it
+    whose first weight lies in the same block (``partitioner.blocks``), as
+    ``runtime.executor.gather_points`` groups them by default; parameters read before
+    the first matmul (input variable None: an embedding table) join the first group.
+    """
+    group_of, members = {}, [set()]
+    layer_var, block, layers = None, None, 0
     for var, p in weight_of:
+        if var is not None and var is not layer_var:  # a new layer: a new group unless it continues the block
+            start = block_of(params[p].name)
+            if layers and (start is None or start != block):
+                members.append(set())
+            layer_var, block, layers = var, start, layers + 1
         if params[p].depth:
-            siblings[var].add(p)
-    fused = {}
-    for var, p in weight_of:
-        fused.setdefault(p, max(len(siblings[var]), 1))
-    return [dataclasses.replace(q, fused=fused.get(i, 1)) for i, q in enumerate(params)]
+            members[-1].add(p)
+        group_of.setdefault(p, len(members) - 1)
+    return [dataclasses.replace(q, fused=len(members[group_of[i]]) if i in group_of and q.depth else 1)
+            for i, q in enumerate(params)]  # fmt: skip
 
 
 def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
