@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 MODELS = ("scan_gpt", "scan_gpt_nnx", "loop_gpt", "lstm", "gru", "fori_refiner",
           "while_normalised", "cond_switch", "scan_dense")  # fmt: skip
-GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "y=2,z=2,data=2")
+GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "y=2,z=2,data=2", "x=2,z=2,data=2")
 PIPELINES = ("pipeline=2,x=2,z=2", "pipeline=4,z=2")
 
 

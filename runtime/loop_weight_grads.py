@@ -100,7 +100,7 @@ def find_taps(jaxpr: core.Jaxpr, num_consts: int, num_carry: int) -> list[Tap]:
             k, chain = reaches[ins[0]]
             reaches[eqn.outvars[0]] = (k, chain + (i,))
             continue
-        if eqn.primitive.name == "dot_general" and len(reads) == 1:
+        if is_matmul(eqn) and len(reads) == 1:
             side, v = reads[0]
             other = eqn.invars[1 - side]
             k, chain = reaches[v]
@@ -110,6 +110,29 @@ def find_taps(jaxpr: core.Jaxpr, num_consts: int, num_carry: int) -> list[Tap]:
                 continue
         other_uses.update(reaches[v][0] for _, v in reads)
     return [t for t in found if t.const not in other_uses]
+
+
+def is_matmul(eqn: core.JaxprEqn) -> bool:
+    """A ``dot_general`` of two operands, or a ``custom_vjp`` call wrapping exactly one (the
+    executor's :func:`~axonn_jax.runtime.overlap.contraction`: varying-axes marks, then the
+    matmul) — linear in each operand either way."""
+    if eqn.primitive.name == "dot_general":
+        return True
+    inner = eqn.params.get("call_jaxpr") if eqn.primitive.name == "custom_vjp_call" else None
+    if inner is None or len(eqn.invars) != 2 or len(eqn.outvars) != 1:
+        return False
+    names = [e.primitive.name for e in inner.jaxpr.eqns]
+    return names.count("dot_general") == 1 and all(n in FOLLOWED for n in names if n != "dot_general")
+
+
+def _product(eqn: core.JaxprEqn, side: int, weight):
+    """The matmul ``eqn`` as a function of its other operand, ``weight`` held as operand ``side``."""
+    if eqn.primitive.name == "dot_general":
+        bind = partial(eqn.primitive.bind, **eqn.params)
+    else:
+        inner = eqn.params["call_jaxpr"]
+        bind = lambda a, b: core.jaxpr_as_fun(inner)(a, b)[0]  # noqa: E731
+    return lambda a: bind(a, weight) if side == 1 else bind(weight, a)
 
 
 def _plain_scan(body: Body, consts: list, init: list, xs: list, options: dict) -> tuple[list, list]:
@@ -198,9 +221,10 @@ def _evaluate(jaxpr: core.Jaxpr, consts: Sequence, args: Sequence, taps: dict) -
         params = eqn.primitive.get_bind_params(eqn.params)
         with source_context(eqn.source_info), eqn.ctx.manager:
             ans = eqn.primitive.bind(*[_read(env, v) for v in eqn.invars], **params)
-            if i in taps:
-                ans = _tapped(ans, taps[i])
-        env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
+        outs = list(ans) if eqn.primitive.multiple_results else [ans]
+        if i in taps:
+            outs[0] = _tapped(outs[0], taps[i])
+        env.update(zip(eqn.outvars, outs))
     return env
 
 
@@ -220,7 +244,8 @@ def _tapped_jvp(primals, tangents):
 
 
 def _weight_gradient(jaxpr: core.Jaxpr, tap: Tap, operand_stack, weight, grad_out):
-    """``Σ_t`` of the tapped matmul's gradient for the weight: one matmul, then the chain's transpose.
+    """``Σ_t`` of the tapped matmul's gradient for the weight: one matmul (and the reduction of a
+    varying-axes mark inside it, once), then the chain's transpose.
 
     ``operand_stack``: the matmul's other operand per iteration; ``grad_out``: its output's
     gradient per iteration (both stacked on a leading iteration dim).
@@ -234,10 +259,7 @@ def _weight_gradient(jaxpr: core.Jaxpr, tap: Tap, operand_stack, weight, grad_ou
         return w
 
     def stacked(w):
-        def one(a):
-            return eqn.primitive.bind(*((a, w) if tap.side == 1 else (w, a)), **eqn.params)
-
-        return jax.vmap(one)(operand_stack)
+        return jax.vmap(_product(eqn, tap.side, w))(operand_stack)
 
     read, back = jax.vjp(chain, weight)
     return back(jax.linear_transpose(stacked, read)(grad_out)[0])[0]

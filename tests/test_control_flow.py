@@ -108,7 +108,8 @@ def test_carry_layout_is_a_fixed_point_of_the_body(model):
 #: on z=2,data=4 (their weight gradients are one matmul after the loop: runtime/loop_weight_grads.py)
 RECURRENT_REDUNDANCY = [("lstm", "x=2,y=2,z=2", 8), ("lstm", "x=4,data=2", 8),
                         ("lstm", "z=2,data=4", 8), ("lstm", "y=2,z=2,data=2", 8),
-                        ("gru", "z=2,data=4", 8), ("lstm_plain", "x=4,data=2", 8)]  # fmt: skip
+                        ("lstm", "x=2,z=2,data=2", 8), ("gru", "z=2,data=4", 8),
+                        ("lstm_plain", "x=4,data=2", 8)]  # fmt: skip
 
 
 @pytest.mark.parametrize("model,grid,batch", RECURRENT_REDUNDANCY, ids=str)

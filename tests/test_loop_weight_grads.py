@@ -16,6 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime import loop_weight_grads as L
+from axonn_jax.runtime.overlap import contraction
 
 T, B, H = 5, 3, 4
 
@@ -131,26 +132,40 @@ def test_forward_and_remat_unchanged():
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("marked", [True, False], ids=["weights-marked-varying", "marked-in-the-body"])
-def test_inside_shard_map_typed_like_the_batch(marked, devices):
-    """Rows split over a mesh axis, the weights replicated, marked varying before the loop or
-    (by jnp) inside it: the weight gradient is reduced over the axis once, after the loop, and
-    equals the single-device gradient."""
+def _rnn_cell(consts, carry, x, matmul=jnp.matmul):
+    w, u, bias = consts
+    (h,) = carry
+    return [jnp.tanh(x[0] @ w + matmul(h, u) + bias)], [h]
+
+
+def _contracted_cell(consts, carry, x):
+    """``_rnn_cell`` with ``h @ u`` as the executor binds it inside ``shard_map``: a
+    ``custom_vjp`` (overlap.contraction) marking the replicated weight varying over "d"."""
+    return _rnn_cell(consts, carry, x, lambda h, u: contraction(
+        jnp.matmul, h, u, lhs_missing=frozenset(), rhs_missing=frozenset({"d"}), overlap_all_reduce=True))
+
+
+@pytest.mark.parametrize("mode", ["marked-before", "marked-in-the-body", "contraction"])
+def test_inside_shard_map_typed_like_the_batch(mode, devices):
+    """Rows split over a mesh axis, the weights replicated, marked varying before the loop, (by
+    jnp) inside it, or inside the executor's matmul: the weight gradient is reduced over the axis
+    once, after the loop, and equals the single-device gradient."""
     consts, h0, xs = _values(2)
     h0, xs = jnp.tile(h0, (2, 1)), jnp.tile(xs, (1, 2, 1))
     mesh = jax.make_mesh((2,), ("d",), devices=devices[:2])
+    body, reference = (_contracted_cell, _rnn_cell) if mode == "contraction" else (_cell, _cell)
 
     def local(c, h, x):
-        if marked:
+        if mode == "marked-before":
             c = [lax.pcast(v, ("d",), to="varying") for v in c]
-        return lax.psum(_loss(L.scan, _cell, c, h, x), "d")
+        return lax.psum(_loss(L.scan, body, c, h, x), "d")
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("d"), P(None, "d")), out_specs=P())
     h_s = jax.device_put(h0, NamedSharding(mesh, P("d")))
     x_s = jax.device_put(xs, NamedSharding(mesh, P(None, "d")))
     grad = jax.grad(sharded)
     got = jax.jit(grad)(consts, h_s, x_s)
-    want = jax.grad(lambda c: _loss(_plain, _cell, c, h0, xs))(consts)
+    want = jax.grad(lambda c: _loss(_plain, reference, c, h0, xs))(consts)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-6)
     assert _weight_carries(jax.make_jaxpr(grad)(consts, h_s, x_s).jaxpr, (H, H)) == 0
