@@ -27,17 +27,14 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from axonn_jax.partitioner.program import Program, call_signature, composite_program
-from axonn_jax.partitioner.trace import call_leaves, trace_composite
+from axonn_jax.partitioner.program import Program, call_signature
+from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, loss_program, not_planned_note
 from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import program_function
 
 if TYPE_CHECKING:
     from axonn_jax.runtime.engine.single_mesh import SingleMesh
-
-#: the keyword the batch takes in the traced composite call (beside the model's inputs)
-BATCH_KEYWORD = "_loss_batch"
-
 
 class PlannedLoss:
     """``(variables, args, kwargs, batch) → (loss, state updates or None)`` on one mesh.
@@ -73,28 +70,13 @@ class PlannedLoss:
             try:
                 program = self._plan(args, kwargs)
             except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
-                self.notes[key] = f"loss not planned with the model ({type(err).__name__}: {err})"
+                self.notes[key] = not_planned_note(err)
                 program = None
             engine = self.engine
             self._programs[key] = None if program is None else (
                 program, program_function(program, engine.mesh, overlap=engine.overlap))
         return self._programs[key]
 
-    def _plan(self, args: tuple, kwargs: dict) -> Program | None:
-        engine, loss_fn = self.engine, self.loss_fn
-
-        def composite(variables, *a, **k):
-            batch = k.pop(BATCH_KEYWORD)
-            outputs, updates = engine.call.outputs(engine.program.traced.apply(variables, *a, **k))
-            loss = loss_fn(outputs, batch)
-            return loss if updates is None else (loss, updates)
-
-        traced = trace_composite(engine.program.traced, composite, args, kwargs,
-                                 returns_updates=engine.call.stateful)  # fmt: skip
-        if any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts):
-            self.notes[call_signature(args, kwargs)] = (
-                "loss not planned with the model: it closes over values of the enclosing trace "
-                "(pass them in the batch instead)"
-            )
-            return None
-        return composite_program(traced, engine.plan, options=engine.options)
+    def _plan(self, args: tuple, kwargs: dict) -> Program:
+        engine = self.engine
+        return loss_program(engine.program, engine.plan, engine.options, engine.call, self.loss_fn, args, kwargs)
