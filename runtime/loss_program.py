@@ -55,3 +55,18 @@ def without_batch(kwargs: dict) -> dict:
 def not_planned_note(err: Exception) -> str:
     """What ``step.loss_notes`` says of a loss that :func:`loss_program` could not plan."""
     return f"loss not planned with the model ({type(err).__name__}: {err})"
+
+
+def scaled(loss: jax.Array, loss_scale: jax.Array | None) -> jax.Array:
+    """``loss * loss_scale`` in the loss's dtype (as ``LossScale.scale_loss``), or ``loss``."""
+    return loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)
+
+
+def scaled_loss(loss_fn: Callable) -> Callable:
+    """``(outputs, (batch, scale)) → loss_fn(outputs, batch) · scale``: the scale one more input."""
+
+    def loss(outputs, batch_and_scale):
+        batch, loss_scale = batch_and_scale
+        return scaled(loss_fn(outputs, batch), loss_scale)
+
+    return loss

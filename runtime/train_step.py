@@ -262,13 +262,10 @@ class SingleMeshStep(TrainStep):
 
         def step(variables, opt_state: OptState, batch, rngs):
             scale = opt_state.loss_scale
-
-            def scaled_loss(outputs, b):
-                loss = loss_fn(outputs, b)
-                return scale.scale_loss(loss) if scale is not None else loss
-
-            value_and_grad = engine.value_and_grad(scaled_loss, **options)
-            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs)
+            value_and_grad = engine.value_and_grad(loss_fn, **options)
+            self.loss_notes = value_and_grad.loss_notes  # filled as the step traces
+            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs,
+                                         loss_scale=None if scale is None else scale.scale)  # fmt: skip
             params, model_state = call.split(variables)
             if call.stateful:
                 loss, updates = loss
