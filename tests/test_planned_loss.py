@@ -185,3 +185,41 @@ def _with_scale(loss_scale, scale: float):
     """``loss_scale`` with its scale set to ``scale`` (placed as the step keeps it)."""
     given = jax.device_put(jnp.float32(scale), loss_scale.scale.sharding)
     return dataclasses.replace(loss_scale, scale=given)
+
+
+def _wire_by_group(transfers, grid) -> dict:
+    """(kind, mesh axes of size > 1) → wire bytes of one device."""
+    live = lambda axes: tuple(a for a in ("data", "z", "y", "x") if a in axes and grid.axis_size(a) > 1)  # noqa: E731
+    groups: dict = {}
+    for kind, axes, wire in transfers:
+        groups[(kind, live(axes))] = groups.get((kind, live(axes)), 0.0) + wire
+    return groups
+
+
+def test_the_report_with_its_loss_matches_the_compiled_step(devices):
+    """``pm.report(loss_fn=, batch=)`` describes the step that runs: group by group, the wire
+    bytes of the compiled ``value_and_grad`` (the loss's split max and sums over x included,
+    the logits' x all-gather gone), and the plain step's FLOPs count the loss."""
+    import itertools
+
+    from axonn_jax.runtime.hlo import collectives, mesh_axis_groups
+
+    grid, tokens = Grid(x=2, y=2, z=2), jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    pm = axonn_jax.partition(GPT(CONFIG), grid, tokens)
+    loss_fn = lambda out, t: next_token_loss(out, t)  # noqa: E731
+    with_loss, model_only = pm.report(tokens, loss_fn=loss_fn, batch=tokens), pm.report(tokens)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(pm.init, jax.random.key(0)), pm.param_shardings)  # fmt: skip
+    text = jax.jit(pm.value_and_grad(loss_fn)).lower(params, tokens).compile().as_text()
+    ids, names = np.vectorize(lambda d: d.id)(pm.mesh.devices), pm.mesh.axis_names
+    axes_of = {mesh_axis_groups(ids, names, axes): axes
+               for r in range(1, len(names) + 1) for axes in itertools.combinations(names, r)}  # fmt: skip
+    compiled = [(c.kind, axes_of[frozenset(frozenset(g) for g in c.groups)], c.wire_bytes)
+                for c in collectives(text, num_devices=8) if not c.trivial]  # fmt: skip
+    ours = [(t.kind, t.axes, t.wire_bytes) for t in with_loss.communication.transfers]
+    assert _wire_by_group(ours, grid) == pytest.approx(_wire_by_group(compiled, grid), rel=1e-12)
+    before = _wire_by_group([(t.kind, t.axes, t.wire_bytes) for t in model_only.communication.transfers], grid)
+    after = _wire_by_group(ours, grid)
+    assert after[("all-reduce", ("x",))] > before[("all-reduce", ("x",))]  # the loss's reductions
+    assert after[("all-gather", ("x",))] < before[("all-gather", ("x",))]  # no gathered logits
+    assert with_loss.compute.plain.total > model_only.compute.plain.total  # the loss's own FLOPs
