@@ -82,3 +82,23 @@ def test_a_loss_that_cannot_be_planned_runs_after_the_gathered_outputs(gpt, monk
     assert abs(float(loss) - ref.losses[0]) <= 1e-5 * abs(ref.losses[0])
     assert not compare_grads(pm.gather(grads), ref.grads, "fallback")
     assert _vocabulary_gathers(step, case), "the fallback gathers the logits"
+
+
+def test_the_pipeline_report_with_its_loss(gpt):
+    """``pm.report(loss_fn=, batch=)`` on the pipeline grid: the last stage's traced step reduces
+    over the split logits (x all-reduces of token-shaped values) and gathers none."""
+    case, pm, _ = gpt
+    tokens = case.batch(1)
+    with_loss = pm.report(tokens, loss_fn=case.loss, batch=tokens)
+    model_only = pm.report(tokens)
+
+    def logits_gathers(report):
+        return [t for t in report.stages[-1].communication.transfers
+                if t.kind == "all-gather" and {SEQ, VOCAB} <= set(t.result_shape)]  # fmt: skip
+
+    assert logits_gathers(model_only) and not logits_gathers(with_loss)
+    sums = [t for t in with_loss.stages[-1].communication.transfers
+            if t.kind == "all-reduce" and t.axes == ("x",) and VOCAB not in t.result_shape]  # fmt: skip
+    assert len(sums) > len([t for t in model_only.stages[-1].communication.transfers
+                            if t.kind == "all-reduce" and t.axes == ("x",)])  # fmt: skip
+    assert with_loss.compute.plain.total > model_only.compute.plain.total  # the loss's FLOPs counted
