@@ -357,7 +357,8 @@ class Partitioned:
                                       update_on=update_on, bucket_bytes=bucket_bytes, **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
-    def report(self, *args, optimizer_slots: int = 2, **kwargs) -> StepReport | PipelineReport:
+    def report(self, *args, optimizer_slots: int = 2, loss_fn: Callable | None = None, batch=None,
+               **kwargs) -> StepReport | PipelineReport:  # fmt: skip
         """Communication and memory of one training step, per device (traced, cached).
 
         Traces ``jax.value_and_grad`` of ``pm.apply`` on an abstract mesh (no
@@ -373,10 +374,16 @@ class Partitioned:
         and ``.compute`` summed over the stages (the same redundancy as
         without pipeline).
 
+        ``loss_fn`` (with one call's ``batch``, as ``value_and_grad`` gets
+        them): the step with the loss planned with the model, its reductions
+        over the split logits and its FLOPs included (``ValueError`` when that
+        loss cannot be planned: the step then runs it after the gathered outputs).
+
         Example::
 
             print(pm.report())                 # plan table, memory, collectives
             pm.report().communication.wire_bytes
+            pm.report(tokens, loss_fn=lambda logits, t: next_token_loss(logits, t), batch=tokens)
         """
-        return self.engine.report(args, kwargs, optimizer_slots=optimizer_slots)
+        return self.engine.report(args, kwargs, optimizer_slots=optimizer_slots, loss_fn=loss_fn, batch=batch)
 

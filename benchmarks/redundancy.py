@@ -15,6 +15,7 @@ Run (8 simulated CPU devices)::
     .venv/bin/python benchmarks/redundancy.py --models hf_gpt2 --grids x=4,data=2
     .venv/bin/python benchmarks/redundancy.py --dropout 0.1     # train mode, dropout on
     .venv/bin/python benchmarks/redundancy.py --idioms          # tests/idiom_cases.py × 5 grids
+    .venv/bin/python benchmarks/redundancy.py --pipeline-loss   # GPT on pipeline grids, loss planned or not
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import numpy as np
 
 #: the grids issue 15 names (8 devices each)
 GRIDS = ("x=2,y=2,z=2", "z=4,data=2", "x=4,data=2", "y=2,z=2,data=2")
+#: pipeline grids of the planned-loss table (--pipeline-loss)
+PIPELINE_GRIDS = ("pipeline=2,x=2,z=2", "pipeline=2,x=4", "pipeline=2,x=2,y=2")
 #: the grids of the idiom models' table (tests/test_idioms.py)
 IDIOM_GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2")
 
@@ -80,6 +83,58 @@ def traced_compute(model, args: tuple, loss, grid, kwargs: dict | None = None):
     rngs = {"rngs": kwargs["rngs"]} if "rngs" in kwargs else {}
     split = count(jax.make_jaxpr(lambda p, b: step(p, b, **rngs))(pm.shard(variables), tuple(args)))
     return ComputeReport(split, plain, grid.size), pm
+
+
+def pipeline_loss_compute(model, args: tuple, loss, grid) -> tuple:
+    """``(loss after the gathered outputs, loss planned with the last stage)``: ComputeReports of one
+    pipelined loss-and-gradient step (one microbatch), counted on the traced stage programs the
+    dispatch queue runs (forward and backward; the last stage's forward+loss+backward)."""
+    import axonn_jax
+    from axonn_jax.partitioner.flops import ComputeReport, count
+    from axonn_jax.partitioner.trace import call_leaves
+    from axonn_jax.runtime.loss_program import BATCH_KEYWORD
+
+    variables = model.init(jax.random.key(0), *args)
+    plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
+    pm = axonn_jax.partition(model, grid, *args)
+    engine, loss_fn = pm.engine, (lambda out, b: loss(out, *b))
+    params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]
+    batch = tuple(args)
+    reports = []
+    for kwargs, build in (({}, engine.stages.training), ({BATCH_KEYWORD: batch}, engine.stages.planned_training)):
+        _, programs = build(tuple(args), kwargs, loss_fn, remat=None, call=engine.call)
+        arrays, _ = call_leaves(tuple(args), kwargs)
+        total = None
+        for st in programs:
+            mine = [params[i] for i in st.flow.params]
+            given = [arrays[j] for j in st.flow.args]
+            inbound = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in st.flow.inbound]
+            if st.last:
+                flops = count(jax.make_jaxpr(st._forward_backward)(mine, given, inbound, None if kwargs else batch))
+            else:
+                fwd, (outs, residuals) = jax.make_jaxpr(st._forward, return_shape=True)(mine, given, inbound)
+                cts = [jax.ShapeDtypeStruct(outs[i].shape, outs[i].dtype) for i in st.diff_out]
+                leaves, tree = jax.tree.flatten(residuals)
+                bwd = jax.make_jaxpr(lambda r, ct: st._backward(jax.tree.unflatten(tree, r), ct))(leaves, cts)
+                flops = count(fwd) + count(bwd)
+            total = flops if total is None else total + flops
+        reports.append(ComputeReport(total, plain, grid.stage_size))
+    return tuple(reports)
+
+
+def pipeline_loss_table(entries: dict, grids) -> str:
+    """Markdown: whole-step redundancy, loss included, on pipeline grids, before/after planning the loss."""
+    from axonn_jax import Grid
+
+    lines = ["| model | grid | loss after gathered outputs | loss planned with the last stage | ratio |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for name, (model, args, loss) in entries.items():
+        for grid in grids:
+            before, after = pipeline_loss_compute(model, args, loss, Grid.parse(grid))
+            lines.append(f"| {name} | `{grid}` | {before.redundancy:.3f} | {after.redundancy:.3f} | "
+                         f"{after.redundancy / before.redundancy:.3f} |")  # fmt: skip
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def measure(name: str, model, args: tuple, loss, grid_text: str, kwargs: dict | None = None) -> Row:
@@ -172,7 +227,22 @@ def main(argv=None) -> dict:
                         help="instead: the traced redundancy of tests/idiom_cases.py's models")
     parser.add_argument("--breakdown", action="store_true",
                         help="instead: the source lines whose work is repeated, per model × grid")
+    parser.add_argument("--pipeline-loss", action="store_true",
+                        help="instead: the repo GPT's whole-step redundancy on pipeline grids, before/after "
+                             "planning the loss with the last stage (--grids: pipeline grids)")
     ns = parser.parse_args(argv)
+    if ns.pipeline_loss:
+        from axonn_jax.models import GPT, GPTConfig, next_token_loss
+
+        entries = {}
+        for vocab in (96, 1024):  # the tests' vocabulary, and one where the logits weigh more
+            config = GPTConfig(vocab_size=vocab, num_layers=4, hidden=32, num_heads=4, max_seq_len=16)
+            tokens = np.random.default_rng(0).integers(0, vocab, size=(8, 16)).astype(np.int32)
+            entries[f"gpt vocab {vocab}"] = (GPT(config), (tokens,), next_token_loss)
+        grids = PIPELINE_GRIDS if ns.grids == ";".join(GRIDS) else ns.grids.split(";")
+        text = pipeline_loss_table(entries, grids)
+        print(text)
+        return {"rows": [], "table": text}
     if ns.idioms:
         text = idiom_table()
         print(text)

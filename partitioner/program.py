@@ -145,13 +145,17 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
     return _program(traced, with_cuts(closed, plan.scan_cuts), grid, plan, layouts)
 
 
-def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions = PlanOptions()) -> Program:
+def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions = PlanOptions(),
+                      model: Program | None = None) -> Program:  # fmt: skip
     """The :class:`Program` of a function of the model's variables (``traced`` by
     :func:`~axonn_jax.partitioner.trace.trace_composite`: a loss of the model's outputs),
     planned with the same rules and laid out as ``plan``.
 
+    On a pipeline plan the function's equations after the model's join the last
+    stage; ``model`` (the model's Program for the same call) is then required.
     Raises ``ValueError`` when the function would give the parameters another
-    layout than the plan's (the caller then runs the model's own Program).
+    layout than the plan's, or does not begin with the model's equations (the
+    caller then runs the model's own Program).
     """
     grid = plan.grid
     closed = inline_calls(traced.jaxpr)
@@ -159,10 +163,27 @@ def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions =
     changed = [p.path for p in plan.params if layouts.storage.get(p.path) != p.storage]
     if changed:
         raise ValueError(f"planned together, the parameters {changed[:3]} would take another layout")
-    return _program(traced, with_cuts(closed, plan.scan_cuts), grid, plan, layouts)
+    closed = with_cuts(closed, plan.scan_cuts)
+    stages = loss_on_last_stage(plan.stages, closed.jaxpr, model) if len(plan.stages) > 1 else None
+    return _program(traced, closed, grid, plan, layouts, stages=stages)
 
 
-def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: PlannedLayouts) -> Program:
+def loss_on_last_stage(stages: tuple, jaxpr, model: Program | None) -> tuple:
+    """``stages`` (the model's) with the equations ``jaxpr`` adds after the model's on the last one.
+
+    Raises ``ValueError`` unless ``jaxpr`` begins with ``model``'s equations (same primitives).
+    """
+    if model is None:
+        raise ValueError("a pipeline plan needs the model's Program to place the loss on its last stage")
+    n = len(model.jaxpr.eqns)
+    ours = [e.primitive for e in jaxpr.eqns[:n]]
+    if stages[-1].stop != n or ours != [e.primitive for e in model.jaxpr.eqns]:
+        raise ValueError("traced with the loss, the model's equations differ from those its stages were cut from")
+    return (*stages[:-1], dataclasses.replace(stages[-1], stop=len(jaxpr.eqns)))
+
+
+def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: PlannedLayouts, *,
+             stages: tuple | None = None) -> Program:  # fmt: skip
     storage = tuple(p.storage for p in plan.params)
     targets = [output_layout(lay) for lay in layouts.outs]
     for out, var in traced.state_outputs:  # updated state returns in its variable's layout
@@ -171,7 +192,7 @@ def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: Plann
     per_variable = variable_layouts(closed.jaxpr, grid, storage, layouts.args,
                                     scatter_batch=layouts.scatter_batch,
                                     random_layouts=layouts.random_layouts)  # fmt: skip
-    stages = plan.stages or plan_stages(traced, closed.jaxpr, 1).stages
+    stages = stages or plan.stages or plan_stages(traced, closed.jaxpr, 1).stages
     flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets,
                         traced.state_outputs)  # fmt: skip
     return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,

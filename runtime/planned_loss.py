@@ -27,20 +27,17 @@ from typing import TYPE_CHECKING
 
 import jax
 
-from axonn_jax.partitioner.program import Program, call_signature, composite_program
-from axonn_jax.partitioner.trace import call_leaves, trace_composite
+from axonn_jax.partitioner.program import Program, call_signature
+from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, loss_program, not_planned_note, scaled_loss
 from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import program_function
 
 if TYPE_CHECKING:
     from axonn_jax.runtime.engine.single_mesh import SingleMesh
 
-#: the keyword the batch takes in the traced composite call (beside the model's inputs)
-BATCH_KEYWORD = "_loss_batch"
-
-
 class PlannedLoss:
-    """``(variables, args, kwargs, batch) → (loss, state updates or None)`` on one mesh.
+    """``(variables, args, kwargs, batch, loss_scale=None) → (loss, state updates or None)`` on one mesh.
 
     ``args``/``kwargs`` are one model call's inputs (flags, ``rngs``,
     ``mutable`` included, as ``ModelCall.of_inputs`` makes them). The composite
@@ -49,16 +46,20 @@ class PlannedLoss:
 
     def __init__(self, engine: SingleMesh, loss_fn: Callable):
         self.engine, self.loss_fn = engine, loss_fn
+        self._scaled = scaled_loss(loss_fn)  # an fp16 step's loss: the scale comes with the batch
         self._programs: dict = {}  # signature → (Program, its function), or None: not planned
         #: input signature → why the loss of that call runs outside the planned program
         self.notes: dict = {}
 
-    def __call__(self, variables, args: tuple, kwargs: dict, batch):
+    def __call__(self, variables, args: tuple, kwargs: dict, batch, *, loss_scale=None):
+        loss_fn = self.loss_fn if loss_scale is None else self._scaled
+        if loss_scale is not None:  # an input of the program: a new scale compiles nothing
+            batch = (batch, loss_scale)
         call_kwargs = {**kwargs, BATCH_KEYWORD: batch}
-        planned = self._planned(args, call_kwargs)
+        planned = self._planned(args, call_kwargs, loss_fn)
         if planned is None:  # the loss outside, on the model's gathered outputs
             outputs, updates = self.engine.call.outputs(self.engine.apply(variables, args, kwargs))
-            return self.loss_fn(outputs, batch), updates
+            return loss_fn(outputs, batch), updates
         program, function = planned
         params, _ = self.engine.plan_tree(variables)
         self.engine.placed.check_params(params, dtypes=False)  # a wrong tree never runs
@@ -67,34 +68,17 @@ class PlannedLoss:
         result = jax.tree.unflatten(program.out_tree, function(list(jax.tree.leaves(params)), list(arrays)))
         return result if self.engine.call.stateful else (result, None)
 
-    def _planned(self, args: tuple, kwargs: dict) -> tuple[Program, Callable] | None:
-        key = call_signature(args, kwargs)
+    def _planned(self, args: tuple, kwargs: dict, loss_fn: Callable) -> tuple[Program, Callable] | None:
+        key = call_signature(args, kwargs)  # a scaled loss's batch is (batch, scale): another key
         if key not in self._programs:  # planned once per signature, a failure too
             try:
-                program = self._plan(args, kwargs)
+                engine = self.engine
+                program = loss_program(engine.program, engine.plan, engine.options, engine.call, loss_fn, args,
+                                       kwargs)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
-                self.notes[key] = f"loss not planned with the model ({type(err).__name__}: {err})"
+                self.notes[key] = not_planned_note(err)
                 program = None
             engine = self.engine
             self._programs[key] = None if program is None else (
                 program, program_function(program, engine.mesh, overlap=engine.overlap))
         return self._programs[key]
-
-    def _plan(self, args: tuple, kwargs: dict) -> Program | None:
-        engine, loss_fn = self.engine, self.loss_fn
-
-        def composite(variables, *a, **k):
-            batch = k.pop(BATCH_KEYWORD)
-            outputs, updates = engine.call.outputs(engine.program.traced.apply(variables, *a, **k))
-            loss = loss_fn(outputs, batch)
-            return loss if updates is None else (loss, updates)
-
-        traced = trace_composite(engine.program.traced, composite, args, kwargs,
-                                 returns_updates=engine.call.stateful)  # fmt: skip
-        if any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts):
-            self.notes[call_signature(args, kwargs)] = (
-                "loss not planned with the model: it closes over values of the enclosing trace "
-                "(pass them in the batch instead)"
-            )
-            return None
-        return composite_program(traced, engine.plan, options=engine.options)

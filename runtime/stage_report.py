@@ -33,7 +33,7 @@ from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.step_report import (abstract_call, abstract_stage_mesh, cotangent, plain_flops, saved_bytes,
-                                           step_collectives)  # fmt: skip
+                                           step_collectives, without_dead_residuals)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +116,8 @@ def pipeline_report(plan: Plan, program: Program, args: tuple, kwargs: dict, *,
         leaves, tree = jax.tree.flatten(residuals)
         bwd = jax.make_jaxpr(lambda r, ct: backward(jax.tree.unflatten(tree, r), ct))(
             leaves, [cotangent(outs[i]) for i in flow.diff_out])  # fmt: skip
-        saved = saved_bytes(fwd.jaxpr, num_params=len(params), num_residuals=len(leaves))
+        fwd, bwd, kept = without_dead_residuals(fwd, bwd, len(leaves))
+        saved = saved_bytes(fwd.jaxpr, num_params=len(params), num_residuals=kept)
         memory = MemoryReport.from_plan(plan, params=[plan.params[i] for i in flow.params],
                                         optimizer_slots=optimizer_slots, activations=saved.activations,
                                         gathered_weights=saved.weights)  # fmt: skip

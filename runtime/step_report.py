@@ -173,7 +173,20 @@ def _trace_step(apply: Callable, params, args, kwargs):
     bwd = jax.make_jaxpr(lambda r, ct: jax.tree.unflatten(pullback_tree["tree"], r)(ct))(
         residual_shapes, cotangents
     )
-    return fwd, bwd, len(residual_shapes)
+    return without_dead_residuals(fwd, bwd, len(residual_shapes))
+
+
+def without_dead_residuals(fwd, bwd, residuals: int) -> tuple:
+    """``(fwd, bwd, residuals)`` without what the compiled step would not run either: the
+    residuals ``bwd`` never reads and the work (collectives included) that only they needed
+    (a split max's psum-ed counts, when the max is under ``stop_gradient`` in a softmax)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    bwd_jaxpr, used = pe.dce_jaxpr(bwd.jaxpr, [True] * len(bwd.jaxpr.outvars), instantiate=True)
+    keep = list(used[:residuals])
+    outputs = len(fwd.jaxpr.outvars) - residuals
+    fwd_jaxpr, _ = pe.dce_jaxpr(fwd.jaxpr, [True] * outputs + keep, instantiate=True)
+    return (jex_core.ClosedJaxpr(fwd_jaxpr, fwd.consts), jex_core.ClosedJaxpr(bwd_jaxpr, bwd.consts), sum(keep))
 
 
 def collect(eqns, sizes: Mapping[str, int] | None = None, times: int = 1) -> list[Transfer]:

@@ -119,6 +119,12 @@ class TrainStep(abc.ABC):
         self.value_and_grad = engine.value_and_grad(loss_fn, **options)
         self._programs: dict[int, UpdateProgram] = {}  # local stage → its optimizer and program
 
+    @property
+    def loss_notes(self) -> dict:
+        """Input signature → why the loss of that call runs after the model's gathered outputs
+        (empty: the loss is planned with the model, or the last pipeline stage)."""
+        return self.value_and_grad.loss_notes
+
     # --- what the kinds of step differ in ---------------------------------------------
     def _refuse(self, settings: MasterSettings) -> None:
         """Raise for settings this kind of step cannot run (before anything compiles)."""
@@ -258,17 +264,12 @@ class SingleMeshStep(TrainStep):
                                       replicated))  # fmt: skip
 
     def _whole_step(self, optimizer: MasterOptimizer):
-        engine, plan, loss_fn, options, call = self.engine, self.plan, self.loss_fn, self.options, self.call
+        plan, call, value_and_grad = self.plan, self.call, self.value_and_grad
 
         def step(variables, opt_state: OptState, batch, rngs):
-            scale = opt_state.loss_scale
-
-            def scaled_loss(outputs, b):
-                loss = loss_fn(outputs, b)
-                return scale.scale_loss(loss) if scale is not None else loss
-
-            value_and_grad = engine.value_and_grad(scaled_loss, **options)
-            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs)
+            scale = opt_state.loss_scale  # an input of the planned loss: a new scale compiles nothing
+            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs,
+                                         loss_scale=None if scale is None else scale.scale)  # fmt: skip
             params, model_state = call.split(variables)
             if call.stateful:
                 loss, updates = loss

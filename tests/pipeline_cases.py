@@ -225,6 +225,7 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
             if abs(float(loss) - ref.losses[0]) > 1e-5 * abs(ref.losses[0]):
                 failures.append(f"{what} loss {float(loss)} != {ref.losses[0]}")
             failures += compare_grads(pm.gather(grads), ref.grads, what)
+            failures += [f"{what} loss not planned with the last stage: {n}" for n in step.loss_notes.values()]
     m = trajectory_microbatches
     batch, ref = case.batch(m), refs[m]
     step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m,

@@ -193,8 +193,9 @@ def test_whole_model_hand_computed():
     }
 
 
-def _compiled_collectives(grid: Grid, scatter_batch: bool):
-    """(the report's transfers, the compiled HLO's non-trivial collectives) of a GPT train step."""
+def _compiled_collectives(grid: Grid, scatter_batch: bool, planned_loss: bool = False):
+    """(the report's transfers, the compiled HLO's non-trivial collectives) of a GPT train step
+    (``planned_loss``: ``pm.value_and_grad``'s, the loss planned with the model)."""
     from axonn_jax.models import GPT, GPTConfig, next_token_loss
     from axonn_jax.partitioned import partition
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
@@ -209,14 +210,21 @@ def _compiled_collectives(grid: Grid, scatter_batch: bool):
                           params, pm.param_shardings)  # fmt: skip
     opt = optax.adamw(1e-3)
 
+    loss_fn = lambda out, t: next_token_loss(out, t)  # noqa: E731
+    planned = pm.value_and_grad(loss_fn)
+
     def step(p, s, t):
-        loss, grads = jax.value_and_grad(lambda q: next_token_loss(pm.apply(q, t), t))(p)
+        if planned_loss:
+            loss, grads = planned(p, t)
+        else:
+            loss, grads = jax.value_and_grad(lambda q: next_token_loss(pm.apply(q, t), t))(p)
         updates, s = opt.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss
 
     text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), tokens).compile().as_text()
     found = [x for x in hlo_collectives(text, num_devices=8) if not x.trivial]
-    return pm.report().communication.transfers, found
+    report = pm.report(tokens, loss_fn=loss_fn, batch=tokens) if planned_loss else pm.report()
+    return report.communication.transfers, found
 
 
 def _live(axes, grid: Grid) -> tuple[str, ...]:
@@ -224,10 +232,10 @@ def _live(axes, grid: Grid) -> tuple[str, ...]:
     return tuple(a for a in ("pipeline", "data", "z", "y", "x") if a in axes and grid.axis_size(a) > 1)
 
 
-def _compare_with_hlo(grid: Grid, scatter_batch: bool):
+def _compare_with_hlo(grid: Grid, scatter_batch: bool, planned_loss: bool = False):
     """The model equals the compiled program kind by kind (bytes, and calls where XLA's
     combiner is predictable) and ``pm.report()`` group by group (bytes and collectives)."""
-    transfers, found = _compiled_collectives(grid, scatter_batch)
+    transfers, found = _compiled_collectives(grid, scatter_batch, planned_loss)
     hlo_bytes, hlo_calls = collections.Counter(), collections.Counter()
     for c in found:
         # the user's loss is a scalar reduced over the batch axes: not part of the model
@@ -235,13 +243,15 @@ def _compare_with_hlo(grid: Grid, scatter_batch: bool):
         wire = c.wire_bytes * (1 - scalar / c.result_bytes)
         hlo_bytes[c.kind] += wire
         hlo_calls[c.kind] += 1 if wire else 0
-    ours = collectives(gpt_spec(**SMALL_GPT), grid, recompute=False, scatter_batch=scatter_batch)
+    loss_rows = SMALL_GPT["batch"] * (SMALL_GPT["seq"] - 1) if planned_loss else 0  # next-token targets
+    ours = collectives(gpt_spec(**SMALL_GPT), grid, recompute=False, scatter_batch=scatter_batch,
+                       loss_rows=loss_rows)  # fmt: skip
     our_bytes = {k: 4 * v for k, v in elements_by(ours, "kind").items()}
     our_calls, our_groups, report_groups = collections.Counter(), collections.Counter(), collections.Counter()
     for c in ours:
         our_calls[c.kind] += c.calls
         our_groups[(c.kind, _live(c.axes, grid))] += complex(4 * c.elements, c.transfers)
-    for t in transfers:
+    for t in (t for t in transfers if t.result_shape != ()):  # the loss's scalar sums: not the model's
         report_groups[(t.kind, _live(t.axes, grid))] += complex(t.wire_bytes, t.count)
     assert our_bytes == pytest.approx(dict(hlo_bytes), rel=1e-12)
     # collective by collective: every group's wire bytes and number of collectives
@@ -259,6 +269,13 @@ def _compare_with_hlo(grid: Grid, scatter_batch: bool):
 @pytest.mark.parametrize("scatter_batch", [True, False], ids=["default", "all_reduce_form"])
 def test_matches_compiled_gpt_step(scatter_batch):
     _compare_with_hlo(Grid(x=2, y=2, z=2), scatter_batch)
+
+
+@pytest.mark.parametrize("g", ["x=2,y=2,z=2", "x=4,data=2"])
+def test_matches_compiled_gpt_step_with_the_planned_loss(g):
+    """The loss planned with the model: no output gathers, its max and sums all-reduced over x
+    (``collectives(loss_rows=)``), as in the compiled ``pm.value_and_grad`` and ``pm.report(loss_fn=)``."""
+    _compare_with_hlo(Grid.parse(g), True, planned_loss=True)
 
 
 @pytest.mark.slow

@@ -14,11 +14,15 @@ logits reduces over the split instead of gathering the logits:
   redundancy, loss included, is ≤ 1.03 on ``x=4,data=2`` and ``x=2,y=2,z=2``
   (1.040 and 1.032 with the loss after the gathered logits; 1.012 and 1.004 planned);
 * a loss that closes over a value of the enclosing ``jax.jit`` cannot be
-  planned: it runs after the model's gathered outputs, exactly, with a note.
+  planned: it runs after the model's gathered outputs, exactly, with a note;
+* an fp16 step's dynamic loss scale is an input: two scales trace and compile
+  one program, the loss is planned, and the step equals the plain fp16 step;
+* ``pm.report(loss_fn=, batch=)`` matches the compiled step group by group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -136,3 +140,89 @@ def test_a_loss_over_an_enclosing_trace_runs_after_the_model(devices):
     assert any("enclosing trace" in note for note in notes.values()), notes
     want_loss, want_grads = _plain(lambda out, b: 2.0 * optax_masked(out, b), params, batch)
     _assert_equal(loss, pm.gather(grads), want_loss, want_grads)
+
+
+def _fp16_step(pm, loss_fn, params, scale: float):
+    """One fp16 SGD step of ``pm.train_step`` from ``params`` with the loss scale set to ``scale``."""
+    step = pm.train_step(loss_fn, optax.sgd(0.5), precision="fp16", inputs=lambda b: (b["inputs"],))
+    device, state = step.init(pm.shard(params))
+    state = state._replace(loss_scale=_with_scale(state.loss_scale, scale))
+    return step, step(device, state, _batch())
+
+
+def test_the_fp16_loss_scale_is_an_input_of_the_planned_loss(devices):
+    """Two scales (powers of two: the same scaled arithmetic) trace and compile one program, the
+    loss is planned (no note), and both steps equal the plain fp16 step on one device."""
+    batch, model = _batch(), GPT(CONFIG)
+    params = model.init(jax.random.key(0), batch["inputs"])["params"]
+    pm = axonn_jax.partition(model, Grid(x=2, z=2, data=2), batch["inputs"])
+    traced = []
+
+    def loss_fn(out, b):
+        traced.append(1)  # runs when a program is traced, never when it runs
+        return optax_masked(out, b)
+
+    step, (got_params, got_state, got_loss) = _fp16_step(pm, loss_fn, params, 2.0**8)
+    assert step.loss_notes == {}, step.loss_notes
+    traces, run = len(traced), step._program(0).run
+    for scale in (2.0**12, 2.0**3):  # the same program: nothing traced, nothing compiled
+        device, state = step.init(pm.shard(params))  # the step took the last ones (donated)
+        state = state._replace(loss_scale=_with_scale(state.loss_scale, scale))
+        new_params, _, loss = step(device, state, batch)
+        assert float(loss) == float(got_loss)
+        jax.tree.map(np.testing.assert_array_equal, pm.gather(new_params), pm.gather(got_params))
+    assert len(traced) == traces and run._cache_size() == 1
+
+    half = jax.tree.map(lambda w: w.astype(jnp.float16), params)  # the plain fp16 step, fp32 masters
+    want_loss, want_grads = _plain(lambda o, b: optax_masked(o, b) * jnp.float16(2.0**8), half, batch)
+    want = jax.tree.map(lambda w, g: w - 0.5 * g.astype(jnp.float32) / 2.0**8, params, want_grads)
+    np.testing.assert_allclose(float(got_loss), float(want_loss) / 2.0**8, rtol=2e-3)  # fp16: eps 2**-10
+    trees = [jax.tree.leaves(t) for t in (pm.gather(got_state.optimizer.master), want, params)]
+    moved = [float(np.linalg.norm(np.asarray(w) - np.asarray(w0))) for _, w, w0 in zip(*trees)]
+    for (got, w, _), step_norm in zip(zip(*trees), moved):  # fp16 gradients: 1e-3 of each update
+        err = float(np.linalg.norm(np.asarray(got) - np.asarray(w)))
+        assert err <= 1e-3 * step_norm + 1e-6 * max(moved), (err, step_norm)
+
+
+def _with_scale(loss_scale, scale: float):
+    """``loss_scale`` with its scale set to ``scale`` (placed as the step keeps it)."""
+    given = jax.device_put(jnp.float32(scale), loss_scale.scale.sharding)
+    return dataclasses.replace(loss_scale, scale=given)
+
+
+def _wire_by_group(transfers, grid) -> dict:
+    """(kind, mesh axes of size > 1) → wire bytes of one device."""
+    live = lambda axes: tuple(a for a in ("data", "z", "y", "x") if a in axes and grid.axis_size(a) > 1)  # noqa: E731
+    groups: dict = {}
+    for kind, axes, wire in transfers:
+        groups[(kind, live(axes))] = groups.get((kind, live(axes)), 0.0) + wire
+    return groups
+
+
+def test_the_report_with_its_loss_matches_the_compiled_step(devices):
+    """``pm.report(loss_fn=, batch=)`` describes the step that runs: group by group, the wire
+    bytes of the compiled ``value_and_grad`` (the loss's split max and sums over x included,
+    the logits' x all-gather gone), and the plain step's FLOPs count the loss."""
+    import itertools
+
+    from axonn_jax.runtime.hlo import collectives, mesh_axis_groups
+
+    grid, tokens = Grid(x=2, y=2, z=2), jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    pm = axonn_jax.partition(GPT(CONFIG), grid, tokens)
+    loss_fn = lambda out, t: next_token_loss(out, t)  # noqa: E731
+    with_loss, model_only = pm.report(tokens, loss_fn=loss_fn, batch=tokens), pm.report(tokens)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(pm.init, jax.random.key(0)), pm.param_shardings)  # fmt: skip
+    text = jax.jit(pm.value_and_grad(loss_fn)).lower(params, tokens).compile().as_text()
+    ids, names = np.vectorize(lambda d: d.id)(pm.mesh.devices), pm.mesh.axis_names
+    axes_of = {mesh_axis_groups(ids, names, axes): axes
+               for r in range(1, len(names) + 1) for axes in itertools.combinations(names, r)}  # fmt: skip
+    compiled = [(c.kind, axes_of[frozenset(frozenset(g) for g in c.groups)], c.wire_bytes)
+                for c in collectives(text, num_devices=8) if not c.trivial]  # fmt: skip
+    ours = [(t.kind, t.axes, t.wire_bytes) for t in with_loss.communication.transfers]
+    assert _wire_by_group(ours, grid) == pytest.approx(_wire_by_group(compiled, grid), rel=1e-12)
+    before = _wire_by_group([(t.kind, t.axes, t.wire_bytes) for t in model_only.communication.transfers], grid)
+    after = _wire_by_group(ours, grid)
+    assert after[("all-reduce", ("x",))] > before[("all-reduce", ("x",))]  # the loss's reductions
+    assert after[("all-gather", ("x",))] < before[("all-gather", ("x",))]  # no gathered logits
+    assert with_loss.compute.plain.total > model_only.compute.plain.total  # the loss's own FLOPs

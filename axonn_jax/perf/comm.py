@@ -30,6 +30,8 @@ norm statistics                     all-reduce   y            forward (×2 recom
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
 output gather                       all-gather   x (and y)    forward (vocabulary-parallel
                                                               logits; default: their batch)
+loss reductions (loss_rows=)        all-reduce   x            forward (max; sums and label
+                                                              logits; instead of the gather)
 stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
                                                               added to a scattered one)
 weight-gradient shard               all-reduce   data         once per step
@@ -123,7 +125,8 @@ def _ring(kind: str, g: int) -> float:
 
 
 def collectives(
-    spec: ModelSpec, grid: Grid, *, recompute: bool, microbatches: int = 1, scatter_batch: bool = True
+    spec: ModelSpec, grid: Grid, *, recompute: bool, microbatches: int = 1, scatter_batch: bool = True,
+    loss_rows: int = 0,
 ) -> tuple[CollectiveCost, ...]:
     """Every collective of one training step on one device of the slowest stage.
 
@@ -134,10 +137,15 @@ def collectives(
     scatters repeat per microbatch, gradient all-reduces run once per step.
     ``scatter_batch``: the program's option (``partition(..., scatter_batch=)``):
     layer outputs reduce-scattered onto the batch (default) or all-reduced.
+    ``loss_rows``: the rows a softmax cross-entropy planned with the model reads
+    (``batch·(seq−1)`` for a next-token loss): its vocabulary-split logits are not
+    gathered, and its max, exponential sums and label logits are all-reduced over
+    x instead (0: the loss runs after the gathered outputs, the default).
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be >= 1, got {microbatches}")
     step = _Step(spec, grid, recompute, microbatches, scatter_batch)
+    step.loss_rows = loss_rows
     step.parameters()
     step.matmuls()
     step.model_edges()
@@ -157,6 +165,7 @@ class _Step:
         self.scattered = {a for a in (X, Y) if scatter_batch and grid.axis_size(a) > 1
                           and local_batch % grid.axis_size(a) == 0}  # fmt: skip
         self.acc: dict[tuple, list[float]] = {}
+        self.loss_rows = 0  # rows of a loss planned with the model (collectives(loss_rows=))
 
     def add(self, what, kind, axes, phase, elements, calls, per_mb=True, repeats=False, transfers=None):
         if elements > 0:
@@ -242,7 +251,9 @@ class _Step:
         if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
             looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
             self.add("embedding lookup", "all-reduce", (X,), "forward", looked_up, spec.lookups * mb)
-        if spec.split_outputs:  # the head is a normal layer: its logits come scattered over y
+        if spec.split_outputs and self.loss_rows:  # the loss planned with the model: reduced over x
+            self._planned_loss()
+        elif spec.split_outputs:  # the head is a normal layer: its logits come scattered over y
             logits = rows * spec.split_outputs
             if Y in self.scattered:
                 self.add("output gather", "all-gather", (Y,), "forward",
@@ -256,6 +267,14 @@ class _Step:
             self.add("stream join gradient", "all-reduce", (stream,), "backward",
                      _ring("all-reduce", grid.axis_size(stream)) * rows * spec.hidden / grid.y
                      * spec.stream_joins, spec.stream_joins * mb)  # fmt: skip
+
+    def _planned_loss(self) -> None:
+        """Softmax cross-entropy over the x-split logits: the max (one all-reduce), then the
+        exponential sums and the label's logit (one, combined), on the device's rows."""
+        grid = self.grid
+        rows = self.loss_rows / grid.batch_shards / (grid.y if Y in self.scattered else 1)
+        self.add("loss reductions", "all-reduce", (X,), "forward", _ring("all-reduce", grid.x) * 3 * rows,
+                 2 * self.mb, transfers=3 * self.mb)  # fmt: skip
 
     def _norms(self, stream: str | None) -> None:
         spec, grid = self.spec, self.grid

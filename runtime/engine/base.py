@@ -12,6 +12,7 @@ import jax
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, call_signature
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, loss_program
 from axonn_jax.runtime.microbatches import default_inputs
 from axonn_jax.runtime.model_call import ModelCall, check_differentiable, is_params_of_state, unwrap_params
 from axonn_jax.runtime.overlap import Overlap
@@ -166,16 +167,24 @@ class Engine(abc.ABC):
         """A complete step (see :meth:`axonn_jax.Partitioned.train_step`)."""
         return self.step_type(self, loss_fn, optimizer, **options)
 
-    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2) -> StepReport | PipelineReport:
+    def report(self, args: tuple, kwargs: dict, *, optimizer_slots: int = 2, loss_fn: Callable | None = None,
+               batch=None) -> StepReport | PipelineReport:  # fmt: skip
         """Communication, memory and FLOPs of one training step (traced, no devices; per stage on
-        pipelines), once per input signature; no inputs: the example inputs given to ``partition``."""
+        pipelines), once per input signature; no inputs: the example inputs given to ``partition``.
+
+        With ``loss_fn`` (and its ``batch``), the step with its loss planned with the model, as
+        ``value_and_grad(loss_fn)`` runs it; ``ValueError`` if that loss cannot be planned."""
         if not args and not kwargs:
             args, kwargs = self.program.traced.example_call()
-        key = (call_signature(args, kwargs), optimizer_slots)
+        key = (call_signature(args, kwargs), optimizer_slots, loss_fn,
+               None if loss_fn is None else call_signature((batch,), {}))  # fmt: skip
         if key not in self._reports:
             args, kwargs = abstract_call(args, kwargs)
-            self._reports[key] = self._build_report(self.program_for(args, kwargs), args, kwargs,
-                                                    optimizer_slots=optimizer_slots)  # fmt: skip
+            program = self.program_for(args, kwargs)
+            if loss_fn is not None:
+                kwargs = {**kwargs, BATCH_KEYWORD: abstract_call((batch,), {})[0][0]}
+                program = loss_program(program, self.plan, self.options, self.call, loss_fn, args, kwargs)
+            self._reports[key] = self._build_report(program, args, kwargs, optimizer_slots=optimizer_slots)
         return self._reports[key]
 
     @abc.abstractmethod

@@ -12,6 +12,7 @@ from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.engine.base import Engine
 from axonn_jax.runtime.master_optimizer import check_optimizer, optimizer_state_shardings
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
+from axonn_jax.runtime.loss_program import scaled
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import program_function
@@ -95,28 +96,30 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
     loss is the mean of the microbatch losses). A model with state returns
     ``((loss, updates), grads)``, ``grads`` for ``variables['params']`` only
     (see :mod:`axonn_jax.runtime.model_call`). ``model_loss(variables, args,
-    kwargs, batch) → (loss, updates)``, when given, computes the loss of one
-    model call itself (:class:`~axonn_jax.runtime.planned_loss.PlannedLoss`).
+    kwargs, batch, loss_scale=None) → (loss, updates)``, when given, computes the
+    loss of one model call itself (:class:`~axonn_jax.runtime.planned_loss.PlannedLoss`).
+    ``loss_scale`` (an fp16 step's dynamic scale, an array) multiplies the loss
+    that is differentiated (and returned); an input, so a new scale compiles nothing.
     """
     call = call or ModelCall({}, stateful=False, mutable=())
     microbatches = check_microbatches(microbatches)
     call.check_microbatches(microbatches)
 
-    def loss_of(params, state, batch, rngs, mb):
+    def loss_of(params, state, batch, rngs, mb, loss_scale):
         args, kwargs = call.of_inputs(inputs(batch), rngs, mb, microbatches)
         if model_loss is not None:
-            return model_loss(call.merge(params, state), args, kwargs, batch)
+            return model_loss(call.merge(params, state), args, kwargs, batch, loss_scale=loss_scale)
         outputs, updates = call.outputs(apply(call.merge(params, state), args, kwargs))
-        return loss_fn(outputs, batch), updates
+        return scaled(loss_fn(outputs, batch), loss_scale), updates
 
     grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of, has_aux=True)
 
-    def value_and_grad(variables, batch, rngs=None):
+    def value_and_grad(variables, batch, rngs=None, *, loss_scale=None):
         params, state = call.split(variables)
         part = (lambda mb: batch) if microbatches == 1 else batch_slices(batch, microbatches, grid)
         losses, updates, total = [], [], None
         for mb in range(microbatches):
-            (loss, new_state), grads = grad_fn(params, state, part(mb), rngs, mb)
+            (loss, new_state), grads = grad_fn(params, state, part(mb), rngs, mb, loss_scale)
             losses.append(loss)
             updates.append(new_state)
             total = grads if total is None else jax.tree.map(jax.numpy.add, total, grads)

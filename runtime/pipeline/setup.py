@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
-from axonn_jax.partitioner.program import Program
+from axonn_jax.partitioner.program import Program, call_signature
 from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.loss_program import loss_program, without_batch
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
@@ -43,6 +44,7 @@ class StagePrograms:
     def __init__(self, programs: ProgramCache, meshes: Sequence, overlap: Overlap = Overlap()):
         self.programs, self.meshes, self.overlap = programs, list(meshes), overlap
         self._built: dict = {}
+        self._planned: dict = {}  # (call signature, loss, remat) → the loss's Program, or why not
 
     def training(self, args: tuple, kwargs: dict, loss_fn: Callable, *, remat: Callable | None,
                  call: ModelCall) -> Stages:  # fmt: skip
@@ -57,6 +59,33 @@ class StagePrograms:
                                 remat=remat, trainable=program.traced.trainable)  # fmt: skip
 
         return self._get(program, ("training", loss_fn, remat), build)
+
+    def planned_training(self, args: tuple, kwargs: dict, loss_fn: Callable, *, remat: Callable | None,
+                         call: ModelCall) -> Stages:  # fmt: skip
+        """As :meth:`training`, the loss planned with the last stage (``kwargs`` hold the batch
+        under :data:`~axonn_jax.runtime.loss_program.BATCH_KEYWORD`; its last stage's outputs are
+        the loss). Raises ``ValueError`` (kept, raised again) when the loss cannot be planned so."""
+        key = (call_signature(args, kwargs), loss_fn, remat)
+        if key not in self._planned:
+            try:
+                model = self.programs.for_call(args, without_batch(kwargs))
+                self._planned[key] = loss_program(model, self.programs.plan, self.programs.options, call,
+                                                  loss_fn, args, kwargs)  # fmt: skip
+            except Exception as err:  # noqa: BLE001 - the caller runs the loss after the model
+                self._planned[key] = err
+        program = self._planned[key]
+        if isinstance(program, Exception):
+            raise program
+
+        def loss_of(result, batch):  # the stage's outputs are the loss (and the state updates)
+            del batch  # a model argument of the planned program
+            return call.outputs(result)[0]
+
+        def build(flow, executor, mesh, last):
+            return StageProgram(flow, executor, mesh, last=last, out_tree=program.out_tree, loss_fn=loss_of,
+                                remat=remat, trainable=program.traced.trainable)  # fmt: skip
+
+        return self._get(program, ("planned", loss_fn, remat), build)
 
     def forward(self, args: tuple, kwargs: dict) -> Stages:
         """Forward-only programs (no residuals kept) for these inputs."""

@@ -28,6 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from axonn_jax.partitioner.program import call_signature
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, not_planned_note
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.pipeline import timeline
@@ -84,10 +86,17 @@ class PipelinedValueAndGrad:
         self.stages, self.placed, self.call, self.loss_fn = stages, placed, call, loss_fn
         self.inputs, self.options = inputs, options
         self.last_result: TrainingRun | None = None
+        #: input signature → why the loss of that call runs after the model's gathered outputs
+        self.loss_notes: dict = {}
+        self._used: dict = {}  # model call signature → the stage programs its last step ran
 
     def stage_programs(self, args: tuple, kwargs: dict | None = None) -> list[StageProgram]:
         """Every stage's program for one microbatch's model inputs (built and cached on first use)."""
-        _, programs = self.stages.training(args, kwargs or {}, self.loss_fn, remat=self.options.remat,
+        kwargs = kwargs or {}
+        used = self._used.get(call_signature(args, kwargs))  # the last step's, the loss planned or not
+        if used is not None:
+            return used
+        _, programs = self.stages.training(args, kwargs, self.loss_fn, remat=self.options.remat,
                                            call=self.call)  # fmt: skip
         return programs
 
@@ -96,17 +105,17 @@ class PipelinedValueAndGrad:
         placed, m, opts = self.placed, self.options.microbatches, self.options
         microbatch = batch_slices(batch, m, placed.grid)
 
-        def call(mb):  # RNG keys: one stream per microbatch, the same on every stage
+        def model_call(mb):  # RNG keys: one stream per microbatch, the same on every stage
             return self.call.of_inputs(self.inputs(microbatch(mb)), rngs, mb, m)
 
-        programs = self.stage_programs(*call(0))
+        programs, call, planned = self._stages(model_call, microbatch)
         leaves = placed.param_leaves(params)
         inputs = StageInputs(programs, placed, leaves, call)
         last_mesh, last = programs[-1].mesh, len(programs) - 1
 
-        def loss_batch(mb):
-            return jax.tree.map(lambda x: place(x, batch_sharding(last_mesh, placed.grid, np.shape(x))),
-                                microbatch(mb))  # fmt: skip
+        def loss_batch(mb):  # planned: the batch is an argument of the last stage's program
+            return None if planned else jax.tree.map(
+                lambda x: place(x, batch_sharding(last_mesh, placed.grid, np.shape(x))), microbatch(mb))
 
         split = splits_weights(opts.schedule)
         compile_stages(programs, placed, lambda st: st.split_compiled if split else st.compiled,
@@ -125,6 +134,26 @@ class PipelinedValueAndGrad:
         new_state = [u if u is not None else x for u, x in zip(updated, leaves)]
         _, state = self.call.split(jax.tree.unflatten(placed.plan.param_tree, new_state))
         return (loss, state), self.call.split(grads)[0]
+
+    def _stages(self, model_call: Callable, microbatch: Callable) -> tuple[list[StageProgram], Callable, bool]:
+        """Every stage's program, each microbatch's call, and whether the loss is planned with the
+        last stage (its batch then one more keyword of the call); a loss that cannot be planned
+        runs after the model's outputs, with a note in :attr:`loss_notes`."""
+
+        def planned_call(mb):
+            args, kwargs = model_call(mb)
+            return args, {**kwargs, BATCH_KEYWORD: microbatch(mb)}
+
+        key = call_signature(*model_call(0))
+        try:
+            _, programs = self.stages.planned_training(*planned_call(0), self.loss_fn, remat=self.options.remat,
+                                                       call=self.call)  # fmt: skip
+            self._used[key] = programs
+            return programs, planned_call, True
+        except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
+            self.loss_notes[call_signature(*planned_call(0))] = not_planned_note(err)
+            self._used.pop(key, None)
+            return self.stage_programs(*model_call(0)), model_call, False
 
     def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
         """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).

@@ -1,0 +1,72 @@
+"""``loss_fn(model(...), batch)`` traced and planned as one Program: the loss planned with the model.
+
+Shared by the one-mesh engine (:mod:`~axonn_jax.runtime.planned_loss`) and
+the pipeline's last stage (:mod:`~axonn_jax.runtime.pipeline.setup`). The
+batch travels as one more keyword of the call (:data:`BATCH_KEYWORD`), so it
+is planned, placed and split like the model's inputs.
+
+Example:
+    >>> program = loss_program(model_program, plan, options, call, loss_fn, args,
+    ...                        {**kwargs, BATCH_KEYWORD: batch})          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from axonn_jax.partitioner.plan import Plan
+from axonn_jax.partitioner.program import PlanOptions, Program, composite_program
+from axonn_jax.partitioner.trace import trace_composite
+from axonn_jax.runtime.model_call import ModelCall
+
+#: the keyword the batch takes in the traced composite call (beside the model's inputs)
+BATCH_KEYWORD = "_loss_batch"
+
+
+def loss_program(model: Program, plan: Plan, options: PlanOptions, call: ModelCall, loss_fn: Callable,
+                 args: tuple, kwargs: dict) -> Program:  # fmt: skip
+    """The Program of ``loss_fn(outputs of model(*args, **kwargs), kwargs[BATCH_KEYWORD])``
+    (with the state updates of a model with state), laid out as ``plan``.
+
+    Raises ``ValueError`` when it cannot be planned so: the loss closes over
+    values of an enclosing trace, planning it would move a parameter, or (on
+    a pipeline plan) the model's equations traced with the loss differ.
+    """
+
+    def composite(variables, *a, **k):
+        batch = k.pop(BATCH_KEYWORD)
+        outputs, updates = call.outputs(model.traced.apply(variables, *a, **k))
+        loss = loss_fn(outputs, batch)
+        return loss if updates is None else (loss, updates)
+
+    traced = trace_composite(model.traced, composite, args, kwargs, returns_updates=call.stateful)
+    if any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts):
+        raise ValueError("it closes over values of the enclosing trace (pass them in the batch instead)")
+    return composite_program(traced, plan, options=options, model=model)
+
+
+def without_batch(kwargs: dict) -> dict:
+    """The model's own keywords of a composite call."""
+    return {k: v for k, v in kwargs.items() if k != BATCH_KEYWORD}
+
+
+def not_planned_note(err: Exception) -> str:
+    """What ``step.loss_notes`` says of a loss that :func:`loss_program` could not plan."""
+    return f"loss not planned with the model ({type(err).__name__}: {err})"
+
+
+def scaled(loss: jax.Array, loss_scale: jax.Array | None) -> jax.Array:
+    """``loss * loss_scale`` in the loss's dtype (as ``LossScale.scale_loss``), or ``loss``."""
+    return loss if loss_scale is None else loss * loss_scale.astype(loss.dtype)
+
+
+def scaled_loss(loss_fn: Callable) -> Callable:
+    """``(outputs, (batch, scale)) → loss_fn(outputs, batch) · scale``: the scale one more input."""
+
+    def loss(outputs, batch_and_scale):
+        batch, loss_scale = batch_and_scale
+        return scaled(loss_fn(outputs, batch), loss_scale)
+
+    return loss
