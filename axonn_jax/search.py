@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 
 from axonn_jax.partitioner.grid import PLACEMENTS, Grid
 from axonn_jax.perf.machines import Machine
-from axonn_jax.perf.memory import in_flight, memory
+from axonn_jax.perf.memory import held_microbatches, memory
 from axonn_jax.perf.options import SCHEDULES, Options
 from axonn_jax.perf.spec import ModelSpec
 from axonn_jax.perf.step import Prediction, predict
@@ -177,7 +177,7 @@ def _best_microbatches(spec: ModelSpec, grid: Grid, machine: Machine, options: O
     """The fastest of ``counts`` microbatches that fits (``None``: none fits).
 
     Only activations depend on the microbatches: memory is priced once, with one
-    microbatch, and scaled by the microbatches in flight (:func:`in_flight`).
+    microbatch, and scaled by the microbatches held (:func:`~axonn_jax.perf.memory.held_microbatches`).
     Time: :meth:`~Prediction.step_seconds_with` extrapolates exactly from one
     priced count to the others while the program's collectives keep their
     kinds; they change where a microbatch's rows stop dividing over x or y
@@ -187,11 +187,10 @@ def _best_microbatches(spec: ModelSpec, grid: Grid, machine: Machine, options: O
     base = memory(spec, grid, dataclasses.replace(options, microbatches=1))
     if base.host > limits.host:
         return None
-    p, v, schedule, placement = grid.pipeline, grid.virtual, options.schedule, grid.placement
-    per_microbatch = base.activations / in_flight(1, p, v, schedule, placement)
+    per_microbatch = base.activations / held_microbatches(spec, grid, options, 1)
     fixed = base.device - base.activations
     fitting = [mb for mb in counts
-               if fixed + per_microbatch * in_flight(mb, p, v, schedule, placement) / mb <= limits.device]
+               if fixed + per_microbatch * held_microbatches(spec, grid, options, mb) / mb <= limits.device]
     if not fitting:
         return None
     rows = spec.batch // grid.batch_shards

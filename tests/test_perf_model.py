@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import json
 import math
@@ -31,7 +32,13 @@ from axonn_jax import Grid
 from axonn_jax.cli import main
 from axonn_jax.perf import machines
 from axonn_jax.perf.comm import collectives, elements_by
-from axonn_jax.perf.memory import memory
+from axonn_jax.perf.memory import (
+    held_microbatches,
+    matmul_w_elements,
+    memory,
+    output_gradient_elements,
+    w_residual_share,
+)
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.paper import layer_volumes
 from axonn_jax.perf.spec import MatMul, ModelSpec, Param, gpt_spec
@@ -536,7 +543,11 @@ def test_zero_bubble_schedules_are_priced():
     assert got["zb-h1"].bubble == pytest.approx(1 / 17)
     assert got["zb"].step_seconds < got["message"].step_seconds == got["1f1b"].step_seconds
     acts = {s: p.memory.activations for s, p in got.items()}
-    assert acts["zb"] == pytest.approx(acts["message"] * 9 / 5)  # 5 in flight + 4 deferred W's
+    share = w_residual_share(spec, grid, Options(microbatches=16, recompute=False, schedule="zb"))
+    # stage 0's W: all its residuals (2 blocks of 16h + heads·seq, 2 B each, float32 logits)
+    # and the output gradient (h, 2 B): 1 + 1024 / 57344
+    assert share == pytest.approx(1 + 512 * 2 / (2 * (16 * 512 + 8 * 256) * 2 + 4096 * 4))
+    assert acts["zb"] == pytest.approx(acts["message"] * (5 + 4 * share) / 5)  # 5 in flight + 4 deferred W's
     assert acts["zb-h1"] == pytest.approx(acts["message"] * 4 / 5)  # 1F1B's min(m, p)
     virtual = predict(spec, Grid(z=2, pipeline=4, virtual=2), machine,
                       Options(microbatches=16, recompute=False, schedule="zb"))  # fmt: skip
@@ -660,3 +671,22 @@ def test_convolutions_are_priced_as_their_implicit_gemm():
     grid = Grid(x=2, y=2, data=2)
     assert flops_per_device(spec, grid, recompute=False) == pytest.approx(
         3 * sum(m.flops * m.count for m in spec.matmuls) / 8)
+
+
+def test_deferred_w_residuals_are_priced_per_stage():
+    """Stage 0's deferred W holds its whole microbatch of residuals plus the output gradient
+    (its B is empty); a later stage's W only its weight matmuls' inputs and output gradients:
+    on a GPT block 16·h of the 16·h + heads·seq elements per token the block keeps (p=4, y=1:
+    qkv input h once for three, their gradients 3h; out h + h; fc_in h + 4h; fc_out 4h + h)."""
+    layers, hidden, heads, seq = 8, 512, 8, 256
+    spec = gpt_spec(layers=layers, hidden=hidden, heads=heads, seq=seq, batch=64, vocab=4096)
+    grid, options = Grid(pipeline=4), Options(microbatches=16, recompute=False, schedule="zb")
+    blocks = layers / 4
+    vocab_head = hidden + 4096  # the head's input and its output gradient, charged to every stage
+    assert matmul_w_elements(spec, grid) == pytest.approx(blocks * 16 * hidden + vocab_head)
+    first, later = w_residual_share(spec, grid, options), w_residual_share(spec, grid, options, first=False)
+    assert later < 1.0 < first
+    assert output_gradient_elements(spec, grid) == hidden
+    held = held_microbatches(spec, grid, options, 16)
+    assert held == pytest.approx(5 + 4 * first)  # limit p + 1 full, budget p W's
+    assert held_microbatches(spec, grid, dataclasses.replace(options, schedule="message"), 16) == 5

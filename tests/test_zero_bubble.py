@@ -18,6 +18,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from pipeline_cases import build, run_case
 
 import axonn_jax
+from axonn_jax.perf.memory import held_microbatches, matmul_w_elements, w_residual_share
+from axonn_jax.perf.options import Options
+from axonn_jax.perf.traced import spec_from_model
 from axonn_jax.runtime.memory import shard_bytes
 from axonn_jax.runtime.pipeline.backward_split import BackwardSplit
 from axonn_jax.runtime.pipeline.tasks import TaskKind
@@ -204,3 +207,19 @@ def test_held_residual_bytes_are_measured_per_stage(devices):
     assert 1 < run.peak_in_flight[0] < 6, run.peak_in_flight
     assert residuals <= run.peak_held_bytes[0] <= run.peak_in_flight[0] * (residuals + gradient + carried), (
         run.peak_held_bytes, run.peak_in_flight, residuals, gradient, carried)
+    # stage 0's B is empty: a deferred W holds all the residuals and the output gradient, so the
+    # peak is k full microbatches and n − k deferred W's of residuals + gradient, exactly
+    n, peak = run.peak_in_flight[0], run.peak_held_bytes[0]
+    assert any(peak == k * residuals + (n - k) * (residuals + gradient) for k in range(n + 1)), (
+        peak, n, residuals, gradient)
+    # the perf model prices that (its share of a microbatch per deferred W, from the traced spec)
+    spec = spec_from_model(case.model, *case.inputs(case.batch(1)))
+    grid, options = pm.grid, Options(microbatches=6, schedule="zb", precision="fp32")
+    assert peak <= residuals * held_microbatches(spec, grid, options, 6), (peak, residuals)
+    assert (residuals + gradient) / residuals <= w_residual_share(spec, grid, options), (residuals, gradient)
+    # a W sized by the stage's weight matmuls alone (inputs + output gradients: 90,112 B here) is
+    # a lower bound on a stage with a B (the last: 147,776 B per W) and under-prices stage 0's
+    matmul_only = matmul_w_elements(spec, grid) * spec.tokens / grid.batch_shards * options.bytes.activation
+    assert 2 * matmul_only < residuals + gradient, (matmul_only, residuals, gradient)
+    last = run.peak_in_flight[1]
+    assert last >= 1 and run.peak_held_bytes[1] >= last * matmul_only, (run.peak_held_bytes, last, matmul_only)

@@ -110,8 +110,9 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
     ``(min(m, 2p + 1) + min(m, p + 1))/2``.
 
     Zero bubble: ``"zb"`` also keeps up to ``p`` deferred W's per stage (its W
-    budget), each charged as a whole microbatch of the stage's activations (an
-    upper bound: W keeps its matmuls' inputs and output gradients); ``"zb-h1"``
+    budget, :func:`deferred_w`), counted here as whole microbatches; :func:`memory`
+    charges each at :func:`w_residual_share` of one (stage 0's W holds all its residuals
+    and the output gradient: its B is empty); ``"zb-h1"``
     keeps 1F1B's ``min(m, p)`` (stage 0 defers no W); ``"zb-v"`` (V only) too: a
     rank holds at most ``min(2m, 2p)`` stage-microbatches of residuals of either
     kind, full or W's (``tests/test_schedule_sim.py``, p = 2…8). 1F1B and GPipe
@@ -139,11 +140,65 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
     return full + (min(microbatches, pipeline) if schedule == "zb" else 0)
 
 
-def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
-    microbatches = options.microbatches
-    tokens = spec.tokens / (grid.batch_shards * microbatches)
-    in_flight_ = in_flight(microbatches, grid.pipeline, grid.virtual, options.schedule,
-                           grid.placement)  # the busiest rank  # fmt: skip
+def deferred_w(microbatches: int, pipeline: int, virtual: int = 1, schedule: str = "message",
+               placement: str = "interleaved") -> float:  # fmt: skip
+    """How many of :func:`in_flight`'s microbatches are deferred W's (``"zb"`` only: its W budget ``p``)."""
+    return float(min(microbatches, pipeline)) if schedule == "zb" and pipeline > 1 else 0.0
+
+
+def output_gradient_elements(spec: ModelSpec, grid: Grid) -> float:
+    """Elements per token of the gradient a stage receives for its output (``hidden/y``)."""
+    return spec.hidden / grid.axis_size("y")
+
+
+def matmul_w_elements(spec: ModelSpec, grid: Grid) -> float:
+    """Elements per token one balanced stage's weight matmuls read for dW = Iᵀ·dO: each input
+    (once per ``fused`` group) and each output gradient, split over the layer's axes.
+
+    Blocks' matmuls (``count`` a multiple of the layers) count ``1/pipeline`` of their copies,
+    the others whole (as :func:`memory` charges embeddings and the head to every stage).
+    """
+    total = 0.0
+    for mm in spec.matmuls:
+        copies = mm.count / grid.pipeline if mm.count % spec.layers == 0 else mm.count
+        inputs = mm.input_per_row / (grid.axis_size(mm.in_axis) if mm.in_axis else 1) / mm.fused
+        grads = mm.n / (grid.axis_size(mm.out_axis) if mm.out_axis else 1)
+        total += copies * (inputs + grads)
+    return total
+
+
+def w_residual_share(spec: ModelSpec, grid: Grid, options: Options, first: bool = True) -> float:
+    """What one deferred W holds per microbatch, as a share of the stage's full residuals.
+
+    ``first`` (stage 0, the busiest rank's): its input is data, so its B is empty and W runs its
+    whole backward, holding every residual plus the output gradient: ``1 + g/A``
+    (measured: ``tests/test_zero_bubble.py``, GPT stage 0 holds 247,756 B per deferred W
+    against 245,708 B of residuals). A later stage: its weight matmuls' inputs and output
+    gradients (:func:`matmul_w_elements`, a lower bound: norms and biases are not counted),
+    at most ``1 + g/A``.
+    """
+    per_token = _activation_bytes_per_token(spec, grid, options)
+    if per_token == 0:
+        return 0.0
+    grad = output_gradient_elements(spec, grid) * options.bytes.activation
+    whole = 1.0 + grad / per_token
+    if first:
+        return whole
+    return min(matmul_w_elements(spec, grid) * options.bytes.activation / per_token, whole)
+
+
+def held_microbatches(spec: ModelSpec, grid: Grid, options: Options, microbatches: int) -> float:
+    """The busiest rank's held residuals in microbatches of full residuals: :func:`in_flight`'s
+    full ones plus each deferred W (:func:`deferred_w`) at its :func:`w_residual_share`."""
+    args = (microbatches, grid.pipeline, grid.virtual, options.schedule, grid.placement)
+    deferred = deferred_w(*args)
+    if not deferred:
+        return in_flight(*args)
+    return in_flight(*args) - deferred + deferred * w_residual_share(spec, grid, options)
+
+
+def _activation_bytes_per_token(spec: ModelSpec, grid: Grid, options: Options) -> float:
+    """Bytes per token (of the whole batch's rows on this device) of one stage's kept activations."""
     total = 0.0
     for a in spec.activations:
         elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
@@ -152,4 +207,11 @@ def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
         elif a.kind == "block":
             elements /= spec.layers if options.recompute else grid.pipeline
         total += elements * (a.itemsize or options.bytes.activation)
-    return total * tokens * in_flight_
+    return total
+
+
+def _activations(spec: ModelSpec, grid: Grid, options: Options) -> float:
+    microbatches = options.microbatches
+    tokens = spec.tokens / (grid.batch_shards * microbatches)
+    held = held_microbatches(spec, grid, options, microbatches)  # the busiest rank
+    return _activation_bytes_per_token(spec, grid, options) * tokens * held
