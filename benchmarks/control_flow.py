@@ -82,7 +82,8 @@ def stage_shares(name: str, grid_text: str) -> dict:
     except ValueError as err:  # not enough boundaries to cut
         before = str(err).split(":")[1].strip().split(",")[0]
     return dict(model=name, grid=grid_text, after=_shares(pm.plan.stages), before=before,
-                cuts=pm.plan.scan_cuts)  # fmt: skip
+                cuts=pm.plan.scan_cuts, redundancy=pm.report().compute.redundancy,
+                fallbacks=len(pm.plan.fallbacks))  # fmt: skip
 
 
 def _shares(stages) -> list[float]:
@@ -107,8 +108,8 @@ def main(argv=None) -> dict:
                         help="rows of the language models' token batch (default: the test cases' 8)")
     ns = parser.parse_args(argv)
     rows = []
-    for name in ns.models.split(","):
-        for grid in ns.grids.split(";"):
+    for name in filter(None, ns.models.split(",")):
+        for grid in filter(None, ns.grids.split(";")):
             rows.append(row(name, grid, ns.batch))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     stages = [stage_shares(name, grid) for name in ("scan_gpt", "scan_gpt_nnx")
@@ -116,7 +117,8 @@ def main(argv=None) -> dict:
     print(table(rows))
     for s in stages:
         print(f"{s['model']} {s['grid']}: FLOP share per stage {s['after']} (scan kept whole: "
-              f"{s['before']}); cuts {s['cuts']}")
+              f"{s['before']}); cuts {s['cuts']}; redundancy {s['redundancy']:.3f}, "
+              f"{s['fallbacks']} fallbacks")
     return {"rows": rows, "stages": stages, "table": table(rows)}
 
 
