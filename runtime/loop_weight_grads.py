@@ -68,7 +68,7 @@ def scan(body: Body, consts: Sequence, init: Sequence, xs: Sequence, **options) 
         return plain()
     step_avals = [core.mapped_aval(options["length"], 0, jax.typeof(x)) for x in xs]
     closed = jax.make_jaxpr(body)(consts, init, step_avals)
-    taps = find_taps(closed.jaxpr, len(consts), len(init))
+    taps = find_taps(closed.jaxpr, len(consts))
     if not taps:
         return plain()
     tapped = sorted({t.const for t in taps})
@@ -77,7 +77,7 @@ def scan(body: Body, consts: Sequence, init: Sequence, xs: Sequence, **options) 
     return run([consts[k] for k in tapped], [consts[k] for k in rest], init, xs, list(closed.consts))
 
 
-def find_taps(jaxpr: core.Jaxpr, num_consts: int, num_carry: int) -> list[Tap]:
+def find_taps(jaxpr: core.Jaxpr, num_consts: int) -> list[Tap]:
     """The matmuls reading a float loop constant against a value that changes per iteration.
 
     The constant may reach the matmul through :data:`FOLLOWED` equations. It

@@ -79,7 +79,7 @@ def test_taps_are_the_matmuls_that_read_only_a_constant():
     A constant read by a matmul and by anything else, or against another constant, is no tap."""
     consts, h0, xs = _values()
     closed = jax.make_jaxpr(_cell)(consts, [h0], [xs[0]])
-    taps = L.find_taps(closed.jaxpr, 3, 1)
+    taps = L.find_taps(closed.jaxpr, 3)
     assert sorted((t.const, t.side) for t in taps) == [(0, 0), (0, 1), (1, 1)]
 
     def mixed(consts, carry, x):
@@ -87,20 +87,20 @@ def test_taps_are_the_matmuls_that_read_only_a_constant():
         return [jnp.tanh(carry[0] @ w + jnp.sum(w) + carry[0] @ (u @ u) + bias)], []
 
     closed = jax.make_jaxpr(mixed)(consts, [h0], [])
-    assert L.find_taps(closed.jaxpr, 3, 1) == []
+    assert L.find_taps(closed.jaxpr, 3) == []
 
     def chained(consts, carry, x):  # w's cast is also read by a sum: no tap for w
         w16 = consts[0].astype(jnp.bfloat16)
         return [jnp.tanh(carry[0].astype(jnp.bfloat16) @ w16 + jnp.sum(w16) + carry[0] @ consts[1])], []
 
     closed = jax.make_jaxpr(chained)(consts, [h0], [])
-    assert [(t.const, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3, 1)] == [(1, 0)]
+    assert [(t.const, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3)] == [(1, 0)]
 
     def cast(consts, carry, x):  # the compute-dtype cast of a mixed-precision cell
         return [jnp.tanh(carry[0].astype(jnp.bfloat16) @ consts[0].astype(jnp.bfloat16))], []
 
     closed = jax.make_jaxpr(cast)(consts, [h0], [])
-    assert [(t.const, t.side, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3, 1)] == [(0, 1, 1)]
+    assert [(t.const, t.side, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3)] == [(0, 1, 1)]
 
 
 @pytest.mark.parametrize("options", [dict(), dict(reverse=True), dict(unroll=2)], ids=str)
