@@ -1,4 +1,4 @@
-"""Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven / ZB-H1 / zero-bubble message-driven vs theory.
+"""Pipeline bubble: measured idle fraction of GPipe / 1F1B / message-driven / ZB-H1 / zero-bubble message-driven / ZB-V vs theory.
 
 Launches itself under ``mpiexec -n P`` (pipeline=P; for each ``--virtual``
 value V each process runs V interleaved stages, P·V in all, V=1: one stage;
@@ -39,9 +39,11 @@ if str(HERE) not in sys.path:
 from mpi_launch import PREFIX, is_worker, relaunch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEDULES = ("gpipe", "1f1b", "message", "zb-h1", "zb")
+SCHEDULES = ("gpipe", "1f1b", "message", "zb-h1", "zb", "zb-v")
 LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "message": "message-driven", "zb-h1": "ZB-H1",
-          "zb": "zero-bubble message-driven"}  # fmt: skip
+          "zb": "zero-bubble message-driven", "zb-v": "ZB-V"}  # fmt: skip
+#: schedules that run on the V-shaped placement only
+V_ONLY = ("zb-v",)
 
 
 def parse_args(argv=None):
@@ -87,6 +89,8 @@ def worker(args) -> None:
         for mode in args.modes.split(","):
             for m in map(int, args.microbatches.split(",")):
                 for schedule in args.schedules.split(","):
+                    if schedule in V_ONLY and placement != "v":
+                        continue
                     split = splits_weights(schedule)
 
                     def delay(stage, kind, mb, task=task, last=grid.stages - 1, mode=mode, split=split,
@@ -144,8 +148,9 @@ def table(results, stages: int) -> str:
     keyed = {(r["mode"], virtual(r), r["m"], r["schedule"]): r for r in results}
     for mode, v, m in sorted({(r["mode"], virtual(r), r["m"]) for r in results},
                              key=lambda t: (t[0] != "uniform", t[1], t[2])):  # fmt: skip
-        cells = [f"{keyed[(mode, v, m, s)]['idle_mean']:.3f}" for s in names]
-        first = keyed[(mode, v, m, names[0])]
+        cells = [f"{keyed[(mode, v, m, s)]['idle_mean']:.3f}" if (mode, v, m, s) in keyed else "—"
+                 for s in names]  # fmt: skip
+        first = next(keyed[(mode, v, m, s)] for s in names if (mode, v, m, s) in keyed)
         floor = f"{first['floor']:.3f}" if "floor" in first else "—"
         lines.append(f"| {mode} | {v} | {m} | " + " | ".join(cells) + f" | {first['theory']:.3f} | {floor} |")
     shares = {(virtual(r), int(s)): w for r in results for s, w in r.get("w_share", {}).items()}

@@ -281,3 +281,8 @@ def test_pipeline_bubble_reports_the_v_placement_apart():
     assert [v for k, v in rows.items() if "V-shaped" not in k] == ["0.10 (0.09; 0.16)", "0.11 (0.04)"]
     text = pipeline_bubble.table(results, 4)
     assert "| uniform | 2 | 16 | 0.100 | 0.110 |" in text and "| uniform | 2 V | 16 | 0.200 | 0.210 |" in text
+    # ZB-V runs on the V only: the interleaved row shows no value in its column
+    zb_v = dict(results[-1], schedule="zb-v", idle_mean=0.05)
+    text = pipeline_bubble.table(results + [zb_v], 4)
+    assert "| uniform | 2 | 16 | 0.100 | 0.110 | — |" in text
+    assert "| uniform | 2 V | 16 | 0.200 | 0.210 | 0.050 |" in text and "| ZB-V |" in text
