@@ -63,14 +63,11 @@ def scan(body: Body, consts: Sequence, init: Sequence, xs: Sequence, **options) 
     ``options``: ``length``, ``reverse``, ``unroll`` (and ``_split_transpose``) of ``lax.scan``.
     """
     consts, init, xs = list(consts), list(init), list(xs)
-    plain = partial(_plain_scan, body, consts, init, xs, options)
-    if options["length"] == 0:
-        return plain()
     step_avals = [core.mapped_aval(options["length"], 0, jax.typeof(x)) for x in xs]
-    closed = jax.make_jaxpr(body)(consts, init, step_avals)
-    taps = find_taps(closed.jaxpr, len(consts))
+    closed = jax.make_jaxpr(body)(consts, init, step_avals)  # the body, traced once
+    taps = find_taps(closed.jaxpr, len(consts)) if options["length"] else []
     if not taps:
-        return plain()
+        return _plain_scan(closed, consts, init, xs, options)
     tapped = sorted({t.const for t in taps})
     rest = [k for k in range(len(consts)) if k not in tapped]
     run = _loop(closed, taps, tapped, rest, len(init), options)
@@ -88,7 +85,7 @@ def find_taps(jaxpr: core.Jaxpr, num_consts: int) -> list[Tap]:
     reaches = {v: (k, ()) for k, v in enumerate(jaxpr.invars[:num_consts])}  # var -> (const, chain)
     invariant = set(jaxpr.invars[:num_consts]) | set(jaxpr.constvars)
     found: list[Tap] = []
-    other_uses: set[int] = {reaches[v][0] for v in jaxpr.outvars if v in reaches}
+    other_uses: set[int] = set()
     for i, eqn in enumerate(jaxpr.eqns):
         ins = [v for v in eqn.invars if not isinstance(v, core.Literal)]
         if all(v in invariant for v in ins):
@@ -109,6 +106,8 @@ def find_taps(jaxpr: core.Jaxpr, num_consts: int) -> list[Tap]:
                 found.append(Tap(i, k, side, chain))
                 continue
         other_uses.update(reaches[v][0] for _, v in reads)
+    # a constant returned by the body, itself or through a chain (w.T as an output)
+    other_uses.update(reaches[v][0] for v in jaxpr.outvars if not isinstance(v, core.Literal) and v in reaches)
     return [t for t in found if t.const not in other_uses]
 
 
@@ -135,8 +134,17 @@ def _product(eqn: core.JaxprEqn, side: int, weight):
     return lambda a: bind(a, weight) if side == 1 else bind(weight, a)
 
 
-def _plain_scan(body: Body, consts: list, init: list, xs: list, options: dict) -> tuple[list, list]:
-    carry, ys = lax.scan(lambda c, x: body(consts, list(c), list(x)), init, xs, **options)
+def _plain_scan(closed: core.ClosedJaxpr, consts: list, init: list, xs: list,
+                options: dict) -> tuple[list, list]:  # fmt: skip
+    """``lax.scan`` of the traced body, differentiated by JAX's own rule."""
+    jaxpr, n = closed.jaxpr, len(init)
+
+    def step(carry, x):
+        env = _evaluate(jaxpr, closed.consts, consts + list(carry) + list(x), {})
+        outs = [_read(env, v) for v in jaxpr.outvars]
+        return outs[:n], outs[n:]
+
+    carry, ys = lax.scan(step, init, xs, **options)
     return list(carry), list(ys)
 
 

@@ -4,7 +4,9 @@ The executor interprets each body on local shards in the layouts the
 planner chose (:mod:`axonn_jax.partitioner.control_flow`), so a body is a
 Python function here and the loop is rebuilt with ``lax.scan`` /
 ``lax.while_loop`` / ``lax.switch``: autodiff, remat and the varying-axes
-types of ``shard_map`` then work as for any JAX loop.
+types of ``shard_map`` then work as for any JAX loop. A ``scan`` goes through
+:mod:`~axonn_jax.runtime.loop_weight_grads`, which traces its body once and
+takes the weights' gradients out of the loop.
 
 A carry must have one type for every iteration, varying axes included, but
 a body may make a value vary over more mesh axes than it came in with (a

@@ -96,6 +96,12 @@ def test_taps_are_the_matmuls_that_read_only_a_constant():
     closed = jax.make_jaxpr(chained)(consts, [h0], [])
     assert [(t.const, len(t.chain)) for t in L.find_taps(closed.jaxpr, 3)] == [(1, 0)]
 
+    def returned(consts, carry, x):  # w also leaves the body (through a transpose): no tap
+        return [jnp.tanh(carry[0] @ consts[0])], [consts[0].T]
+
+    closed = jax.make_jaxpr(returned)(consts, [h0], [])
+    assert L.find_taps(closed.jaxpr, 3) == []
+
     def cast(consts, carry, x):  # the compute-dtype cast of a mixed-precision cell
         return [jnp.tanh(carry[0].astype(jnp.bfloat16) @ consts[0].astype(jnp.bfloat16))], []
 
