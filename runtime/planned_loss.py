@@ -71,14 +71,13 @@ class PlannedLoss:
     def _planned(self, args: tuple, kwargs: dict, loss_fn: Callable) -> tuple[Program, Callable] | None:
         key = call_signature(args, kwargs)  # a scaled loss's batch is (batch, scale): another key
         if key not in self._programs:  # planned once per signature, a failure too
+            engine = self.engine
             try:
-                engine = self.engine
                 program = loss_program(engine.program, engine.plan, engine.options, engine.call, loss_fn, args,
                                        kwargs)  # fmt: skip
             except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
                 self.notes[key] = not_planned_note(err)
                 program = None
-            engine = self.engine
             self._programs[key] = None if program is None else (
                 program, program_function(program, engine.mesh, overlap=engine.overlap))
         return self._programs[key]

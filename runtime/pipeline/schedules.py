@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from axonn_jax.partitioner.grid import default_limit
+from axonn_jax.partitioner.grid import Grid, default_limit
 from axonn_jax.runtime.pipeline.tasks import Task, TaskKind
 from axonn_jax.runtime.pipeline.zb_v import v_stages, zb_v
 
@@ -367,8 +367,8 @@ class ZeroBubbleV(StaticSchedule):
 
     def __init__(self, placement: Sequence[int] | None):
         stages = len(placement or ())
-        p = stages // 2
-        if stages < 2 or stages % 2 or tuple(placement) != tuple(min(s, 2 * p - 1 - s) for s in range(stages)):
+        v_shaped = Grid(pipeline=stages // 2, virtual=2, placement="v").placements if stages >= 2 else None
+        if stages % 2 or tuple(placement or ()) != v_shaped:
             raise ValueError(
                 f"schedule 'zb-v' runs on the V-shaped placement (rank r holds stages r and 2p-1-r), "
                 f"got stage ranks {None if placement is None else tuple(placement)}. Remedy: "

@@ -144,16 +144,18 @@ class PipelinedValueAndGrad:
             args, kwargs = model_call(mb)
             return args, {**kwargs, BATCH_KEYWORD: microbatch(mb)}
 
-        key = call_signature(*model_call(0))
+        first = model_call(0)  # one microbatch's call: its signature and shapes build the programs
+        first_planned = (first[0], {**first[1], BATCH_KEYWORD: microbatch(0)})
+        key = call_signature(*first)
         try:
-            _, programs = self.stages.planned_training(*planned_call(0), self.loss_fn, remat=self.options.remat,
+            _, programs = self.stages.planned_training(*first_planned, self.loss_fn, remat=self.options.remat,
                                                        call=self.call)  # fmt: skip
             self._used[key] = programs
             return programs, planned_call, True
         except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
-            self.loss_notes[call_signature(*planned_call(0))] = not_planned_note(err)
+            self.loss_notes[call_signature(*first_planned)] = not_planned_note(err)
             self._used.pop(key, None)
-            return self.stage_programs(*model_call(0)), model_call, False
+            return self.stage_programs(*first), model_call, False
 
     def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
         """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).
