@@ -367,7 +367,7 @@ class ZeroBubbleV(StaticSchedule):
 
     def __init__(self, placement: Sequence[int] | None):
         stages = len(placement or ())
-        v_shaped = Grid(pipeline=stages // 2, virtual=2, placement="v").placements if stages >= 2 else None
+        v_shaped = Grid(pipeline=stages // 2, virtual=2, placement="v").placements if stages >= 4 else None
         if stages % 2 or tuple(placement or ()) != v_shaped:
             raise ValueError(
                 f"schedule 'zb-v' runs on the V-shaped placement (rank r holds stages r and 2p-1-r), "
