@@ -218,12 +218,13 @@ class StageUpdate:
         params = jax.eval_shape(master.precision.to_device, abstract_params)
         state = jax.eval_shape(_full_state(master), abstract_params)
         finite = jax.ShapeDtypeStruct((), np.bool_) if master.precision.half else None
-        args = (params, params, state, finite)
+        grad_scale = jax.ShapeDtypeStruct((), np.float32) if master.precision.loss_scaling else None
+        args = (params, params, state, finite, grad_scale)
         closed = jax.make_jaxpr(master.step_on_device)(*args)
         inner_labels = state_labels(master.optimizer, state.inner, abstract_params)
         own = list(range(n))
         in_labels = own + own + (own if master.keeps_master else []) + inner_labels
-        in_labels += [-1] * (finite is not None)
+        in_labels += [-1] * ((finite is not None) + (grad_scale is not None))  # shared by every stage
         out_labels = own + (own if master.keeps_master else []) + inner_labels
         if len(in_labels) != len(closed.jaxpr.invars) or len(out_labels) != len(closed.jaxpr.outvars):
             raise ValueError(
@@ -255,11 +256,12 @@ class StageUpdate:
                  for s in sorted(masters)]  # fmt: skip
         return cls(tracer, in_ids, out_ids, units, masters, placed.meshes, placed.host)
 
-    def __call__(self, params: dict, grads: dict, states: dict, finite) -> tuple[dict, dict]:
-        """``{stage: params subtree}``, ... → ``({stage: new params}, {stage: new MasterState})``."""
+    def __call__(self, params: dict, grads: dict, states: dict, finite, grad_scale=None) -> tuple[dict, dict]:
+        """``{stage: params subtree}``, ... → ``({stage: new params}, {stage: new MasterState})``;
+        ``finite`` and ``grad_scale`` (fp16's loss scale, a host value) as the step's update takes them."""
         envs, exchanged = {}, {}
         for u in self.units:
-            leaves = jax.tree.leaves((params[u.stage], grads[u.stage], states[u.stage], finite))
+            leaves = jax.tree.leaves((params[u.stage], grads[u.stage], states[u.stage], finite, grad_scale))
             if len(leaves) != len(u.inputs):
                 raise ValueError(
                     f"stage {u.stage}'s optimizer state does not match the traced update "

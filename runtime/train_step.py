@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
@@ -112,7 +112,6 @@ class TrainStep(abc.ABC):
         self.plan = engine.plan
         check_optimizer(optimizer)
         self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes)
-        self._refuse(self.settings)
         self.options = options
         if offload:
             check_offloadable(optimizer)
@@ -126,11 +125,12 @@ class TrainStep(abc.ABC):
         return self.value_and_grad.loss_notes
 
     # --- what the kinds of step differ in ---------------------------------------------
-    def _refuse(self, settings: MasterSettings) -> None:
-        """Raise for settings this kind of step cannot run (before anything compiles)."""
-
     def _check_exact(self) -> None:
         """Raise, before :meth:`init` does any work, if this step cannot update exactly."""
+
+    def _scale_sharding(self) -> jax.sharding.Sharding:
+        """Where an fp16 step keeps its dynamic loss scale."""
+        return NamedSharding(self.engine.mesh, P())
 
     @abc.abstractmethod
     def _compile(self, optimizer: MasterOptimizer, out_shardings: tuple) -> Callable:
@@ -181,7 +181,7 @@ class TrainStep(abc.ABC):
                 out[i] = new[i]
         scale = None
         if self.settings.precision.loss_scaling:
-            scale = jax.device_put(self.settings.precision.loss_scale(), NamedSharding(self.engine.mesh, P()))
+            scale = jax.device_put(self.settings.precision.loss_scale(), self._scale_sharding())
         return jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(states), scale)
 
     # --- checkpoints: one form for every grid, pipeline and offload mode ----------------
@@ -306,17 +306,12 @@ class PipelinedStep(TrainStep):
     (:mod:`~axonn_jax.runtime.stage_update`).
     """
 
-    def _refuse(self, settings):
-        if settings.precision.loss_scaling:
-            raise ValueError(
-                f"precision fp16 needs dynamic loss scaling, which pipelined steps "
-                f"({self.engine.grid}) do not support yet. Remedy: precision='bf16' (no loss scale "
-                "needed), or a grid with pipeline=1."
-            )
+    def _scale_sharding(self) -> jax.sharding.Sharding:
+        return SingleDeviceSharding(jax.local_devices()[0])  # each process keeps its own, equal copy
 
     def _compile(self, optimizer, out_shardings):
-        def update(params, grads, state, finite):
-            return optimizer.update(grads, state, params, finite=finite)
+        def update(params, grads, state, finite, grad_scale):
+            return optimizer.update(grads, state, params, finite=finite, grad_scale=grad_scale)
 
         return jax.jit(update, donate_argnums=(0, 2), out_shardings=out_shardings)
 
@@ -341,8 +336,9 @@ class PipelinedStep(TrainStep):
 
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
         _check_step_inputs(params, opt_state, batch)
-        placed = self.placed
-        loss, grads = self.value_and_grad(params, batch, rngs)
+        placed, scale = self.placed, opt_state.loss_scale
+        grad_scale = None if scale is None else np.asarray(scale.scale)  # a host value: any stage's mesh
+        loss, grads = self.value_and_grad(params, batch, rngs, loss_scale=grad_scale)
         if self.call.stateful:  # the new state takes the place of the old; it is not optimized
             loss, new_state = loss
             grads = self.call.merge(grads, new_state)
@@ -358,19 +354,20 @@ class PipelinedStep(TrainStep):
         stage_grads = {s: self._stage_tree(g_leaves, s) for s in groups}
         states = self.engine.unpack_states(opt_state.optimizer)
         if self.across_stages is not None:  # the whole-model update, in rounds over the stages
-            new_params, new_states = self.across_stages(stage_params, stage_grads, states, finite)
+            new_params, new_states = self.across_stages(stage_params, stage_grads, states, finite, grad_scale)
         else:  # leaf-wise: each stage on its own is exact
             new_params, new_states = {}, {}
             for s in groups:
                 new_params[s], new_states[s] = self._program(s).run(stage_params[s], stage_grads[s],
-                                                                    states[s], finite)  # fmt: skip
+                                                                    states[s], finite, grad_scale)  # fmt: skip
         out = list(p_leaves)
         for s, idx in groups.items():
             new = plan_leaves(placed, self.call, new_params[s])
             for i in idx:
                 out[i] = new[i]
-        return (jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(new_states), None),
-                loss)  # fmt: skip
+        if scale is not None:  # the same flag on every process: every copy of the scale stays equal
+            loss, scale = np.float32(loss / grad_scale), scale.update(finite)
+        return jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(new_states), scale), loss
 
 
 def plan_leaves(placed: PlacedModel, call: ModelCall, params_tree) -> list:

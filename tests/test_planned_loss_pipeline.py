@@ -11,12 +11,18 @@ exactly, with a note in ``loss_notes``.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from pipeline_cases import LR, SEQ, STEPS, VOCAB, build, compare_grads, compare_params, references
 
 import axonn_jax
 from axonn_jax.runtime.hlo import collectives
+from axonn_jax.runtime.train_step import master_params
 
 GRID = "pipeline=2,x=2,z=2"
 COUNTS, TRAJECTORY = (1, 4), 4
@@ -102,3 +108,66 @@ def test_the_pipeline_report_with_its_loss(gpt):
     assert len(sums) > len([t for t in model_only.stages[-1].communication.transfers
                             if t.kind == "all-reduce" and t.axes == ("x",)])  # fmt: skip
     assert with_loss.compute.plain.total > model_only.compute.plain.total  # the loss's FLOPs counted
+
+
+def _fp16_state(step, pm, params, scale: float):
+    """``step.init`` from ``params`` with the dynamic loss scale set to ``scale``."""
+    device, state = step.init(pm.shard(params))
+    given = jax.device_put(jnp.float32(scale), state.loss_scale.scale.sharding)
+    return device, state._replace(loss_scale=dataclasses.replace(state.loss_scale, scale=given))
+
+
+@pytest.mark.parametrize("across_stages", [False, True], ids=["per_stage", "across_stages"])
+def test_fp16_pipelined_steps_scale_the_loss_skip_overflows_and_compile_once(gpt, across_stages):
+    """fp16 on a pipeline: the loss scale is an input of the last stage (a new scale traces and
+    compiles nothing), a step equals the plain fp16 step with float32 masters, and a step with a
+    non-finite gradient is skipped with the scale halved; per-stage updates, and the rounds of an
+    update that mixes stages (a global norm, too large to clip: SGD's step stays checkable)."""
+    case, pm, refs = gpt
+    init, batch, m = refs[1].init, case.batch(2), 2
+    traced = []
+
+    def loss_fn(out, b):
+        traced.append(1)  # runs when a program is traced, never when it runs
+        return case.loss(out, b)
+
+    sgd = optax.chain(optax.clip_by_global_norm(1e9), optax.sgd(0.5)) if across_stages else optax.sgd(0.5)
+    step = pm.train_step(loss_fn, sgd, precision="fp16", inputs=case.inputs, microbatches=m)
+    assert (step.across_stages is not None) == across_stages
+    device, state = _fp16_state(step, pm, init, 2.0**8)
+    got_device, got_state, got_loss = step(device, state, batch)
+    assert step.loss_notes == {}, step.loss_notes
+    assert (float(got_state.loss_scale.scale), int(got_state.loss_scale.good_steps)) == (2.0**8, 1)
+    masters = pm.gather(master_params(pm.engine, got_device, got_state))
+    traces = len(traced)
+    for scale in (2.0**12, 2.0**3):  # powers of two: the same scaled arithmetic, nothing traced
+        new_device, new_state, loss = step(*_fp16_state(step, pm, init, scale), batch)
+        assert float(loss) == float(got_loss)
+        jax.tree.map(np.testing.assert_array_equal, pm.gather(master_params(pm.engine, new_device, new_state)),
+                     masters)  # fmt: skip
+    assert len(traced) == traces
+
+    half = jax.tree.map(lambda w: jnp.asarray(w, jnp.float16), init)  # the plain fp16 step
+    args = case.inputs(batch)
+
+    def plain(p):
+        return case.loss(case.model.apply({"params": p}, *args), batch) * jnp.float16(2.0**8)
+
+    want_loss, want_grads = jax.value_and_grad(plain)(half)
+    want = jax.tree.map(lambda w, g: w - 0.5 * g.astype(jnp.float32) / 2.0**8, init, want_grads)
+    np.testing.assert_allclose(float(got_loss), float(want_loss) / 2.0**8, rtol=2e-3)  # fp16: eps 2**-10
+    trees = [jax.tree.leaves(t) for t in (masters, want, init)]
+    moved = [float(np.linalg.norm(np.asarray(w) - np.asarray(w0))) for _, w, w0 in zip(*trees)]
+    for (got, w, _), step_norm in zip(zip(*trees), moved):  # fp16 gradients: 1e-3 of each update
+        err = float(np.linalg.norm(np.asarray(got) - np.asarray(w)))
+        assert err <= 1e-3 * step_norm + 1e-6 * max(moved), (err, step_norm)
+
+    # an fp16 weight that overflowed (inf): every gradient downstream is non-finite
+    device, state = _fp16_state(step, pm, init, 2.0**8)
+    path = next(p for p, _ in jax.tree_util.tree_leaves_with_path(device) if "norm_final" in str(p))
+    device = jax.tree_util.tree_map_with_path(lambda p, x: jnp.full_like(x, jnp.inf) if p == path else x, device)
+    before = pm.gather(master_params(pm.engine, device, state))
+    new_device, new_state, _ = step(device, state, batch)
+    assert (float(new_state.loss_scale.scale), int(new_state.loss_scale.good_steps)) == (2.0**7, 0)
+    after = pm.gather(master_params(pm.engine, new_device, new_state))
+    jax.tree.map(np.testing.assert_array_equal, after, before)  # skipped: nothing moved

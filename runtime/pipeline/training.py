@@ -27,9 +27,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.program import call_signature
-from axonn_jax.runtime.loss_program import BATCH_KEYWORD, not_planned_note
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, not_planned_note, scaled_loss
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.pipeline import timeline
@@ -70,7 +72,10 @@ class PipelinedValueAndGrad:
     The loss is the mean of the microbatch losses (equal to the full-batch loss
     for losses that average over examples) and is returned on every process;
     ``grads`` holds this process's leaves (``None`` elsewhere). A model with
-    state returns ``((loss, new state), grads)``.
+    state returns ``((loss, new state), grads)``. ``loss_scale`` (an fp16
+    step's dynamic scale) multiplies every microbatch's loss before its
+    backward: loss and gradients come back scaled, and a new scale compiles
+    nothing (it is one more input of the last stage, beside the batch).
 
     Args:
         stages: the model's stage programs (the engine's cache).
@@ -84,38 +89,46 @@ class PipelinedValueAndGrad:
                  inputs: Callable, options: PipelineOptions):  # fmt: skip
         call.check_microbatches(options.microbatches)
         self.stages, self.placed, self.call, self.loss_fn = stages, placed, call, loss_fn
+        self._scaled = scaled_loss(loss_fn)  # (outputs, (batch, scale)) → loss · scale
         self.inputs, self.options = inputs, options
         self.last_result: TrainingRun | None = None
         #: input signature → why the loss of that call runs after the model's gathered outputs
         self.loss_notes: dict = {}
         self._used: dict = {}  # model call signature → the stage programs its last step ran
 
-    def stage_programs(self, args: tuple, kwargs: dict | None = None) -> list[StageProgram]:
-        """Every stage's program for one microbatch's model inputs (built and cached on first use)."""
+    def stage_programs(self, args: tuple, kwargs: dict | None = None, *, scaled: bool = False) -> list[StageProgram]:
+        """Every stage's program for one microbatch's model inputs (built and cached on first use;
+        ``scaled``: the loss multiplied by a loss scale that comes with the batch)."""
         kwargs = kwargs or {}
-        used = self._used.get(call_signature(args, kwargs))  # the last step's, the loss planned or not
+        used = self._used.get((call_signature(args, kwargs), scaled))  # the last step's, planned or not
         if used is not None:
             return used
-        _, programs = self.stages.training(args, kwargs, self.loss_fn, remat=self.options.remat,
+        _, programs = self.stages.training(args, kwargs, self._loss_fn(scaled), remat=self.options.remat,
                                            call=self.call)  # fmt: skip
         return programs
 
+    def _loss_fn(self, scaled: bool) -> Callable:
+        return self._scaled if scaled else self.loss_fn
+
     # --- one step ---------------------------------------------------------------
-    def __call__(self, params, batch, rngs=None) -> tuple[Any, Any]:
+    def __call__(self, params, batch, rngs=None, *, loss_scale=None) -> tuple[Any, Any]:
         placed, m, opts = self.placed, self.options.microbatches, self.options
-        microbatch = batch_slices(batch, m, placed.grid)
+        microbatch = loss_microbatch = batch_slices(batch, m, placed.grid)
+        if loss_scale is not None:  # the loss's batch: (microbatch, scale); the scale replicated
+            scale = place(loss_scale, NamedSharding(placed.meshes[-1], P()))
+            loss_microbatch = _with_scale(microbatch, scale)
 
         def model_call(mb):  # RNG keys: one stream per microbatch, the same on every stage
             return self.call.of_inputs(self.inputs(microbatch(mb)), rngs, mb, m)
 
-        programs, call, planned = self._stages(model_call, microbatch)
+        programs, call, planned = self._stages(model_call, loss_microbatch, scaled=loss_scale is not None)
         leaves = placed.param_leaves(params)
         inputs = StageInputs(programs, placed, leaves, call)
         last_mesh, last = programs[-1].mesh, len(programs) - 1
 
         def loss_batch(mb):  # planned: the batch is an argument of the last stage's program
             return None if planned else jax.tree.map(
-                lambda x: place(x, batch_sharding(last_mesh, placed.grid, np.shape(x))), microbatch(mb))
+                lambda x: place(x, batch_sharding(last_mesh, placed.grid, np.shape(x))), loss_microbatch(mb))
 
         split = splits_weights(opts.schedule)
         compile_stages(programs, placed, lambda st: st.split_compiled if split else st.compiled,
@@ -135,9 +148,11 @@ class PipelinedValueAndGrad:
         _, state = self.call.split(jax.tree.unflatten(placed.plan.param_tree, new_state))
         return (loss, state), self.call.split(grads)[0]
 
-    def _stages(self, model_call: Callable, microbatch: Callable) -> tuple[list[StageProgram], Callable, bool]:
+    def _stages(self, model_call: Callable, microbatch: Callable, *,
+                scaled: bool) -> tuple[list[StageProgram], Callable, bool]:  # fmt: skip
         """Every stage's program, each microbatch's call, and whether the loss is planned with the
-        last stage (its batch then one more keyword of the call); a loss that cannot be planned
+        last stage (``microbatch(mb)``, the batch the loss reads, then one more keyword of the
+        call); a loss that cannot be planned
         runs after the model's outputs, with a note in :attr:`loss_notes`."""
 
         def planned_call(mb):
@@ -146,16 +161,16 @@ class PipelinedValueAndGrad:
 
         first = model_call(0)  # one microbatch's call: its signature and shapes build the programs
         first_planned = (first[0], {**first[1], BATCH_KEYWORD: microbatch(0)})
-        key = call_signature(*first)
+        key = (call_signature(*first), scaled)
         try:
-            _, programs = self.stages.planned_training(*first_planned, self.loss_fn, remat=self.options.remat,
-                                                       call=self.call)  # fmt: skip
+            _, programs = self.stages.planned_training(*first_planned, self._loss_fn(scaled),
+                                                       remat=self.options.remat, call=self.call)  # fmt: skip
             self._used[key] = programs
             return programs, planned_call, True
         except Exception as err:  # noqa: BLE001 - any failure keeps the exact old path
             self.loss_notes[call_signature(*first_planned)] = not_planned_note(err)
             self._used.pop(key, None)
-            return self.stage_programs(*first), model_call, False
+            return self.stage_programs(*first, scaled=scaled), model_call, False
 
     def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
         """The last step's tasks of every rank (on rank 0; ``None`` elsewhere).
@@ -196,6 +211,11 @@ class PipelinedValueAndGrad:
         local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
         last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)
         return np.float32(self.placed.host.broadcast(local, root=last_owner))
+
+
+def _with_scale(microbatch: Callable, scale) -> Callable:
+    """``mb → (microbatch(mb), scale)``: the batch a scaled loss reads (:func:`scaled_loss`)."""
+    return lambda mb: (microbatch(mb), scale)
 
 
 def _divided(grads: list, m: int) -> list:
