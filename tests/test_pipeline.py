@@ -273,7 +273,10 @@ def saved_references(tmp_path_factory):
     (4, [("gpt", "pipeline=2,data=2", [])], "gloo"),  # data parallel across processes in a stage
     (4, [("hf_gpt2", "pipeline=4", ["--schedules=message,gpipe"]),  # a published model
          # zero bubble, one stage per process
-         ("gpt", "pipeline=4", ["--schedules=zb,zb-h1", "--trajectory-schedule=zb"])], "local"),
+         ("gpt", "pipeline=4", ["--schedules=zb,zb-h1", "--trajectory-schedule=zb"]),
+         # ZB-V on the V-shaped placement over 4 processes (stages 0,7 | 1,6 | 2,5 | 3,4)
+         ("gpt", "pipeline=4,virtual=2,placement=v", ["--schedules=zb-v", "--trajectory-schedule=zb-v"])],
+     "local"),
 ], ids=lambda v: "+".join(f"{m}-{g}" for m, g, _ in v) if isinstance(v, list) else None)  # fmt: skip
 def test_pipelined_equals_unpartitioned_under_mpiexec(n, cases, collectives, saved_references):
     """The CPU collectives follow the grid: in-process ("local") where every stage fits in

@@ -110,7 +110,9 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
     ``(min(m, 2p + 1) + min(m, p + 1))/2``.
 
     Zero bubble: ``"zb"`` also keeps up to ``p`` deferred W's per stage (its W
-    budget, :func:`deferred_w`), counted here as whole microbatches; :func:`memory`
+    budget, :func:`deferred_w`; on the V ``p + 3/2`` microbatches of a rank's layers, as
+    simulated: its W's wait for ``2p`` deferred before going ahead of forwards), counted
+    here as whole microbatches; :func:`memory`
     charges each at :func:`w_residual_share` of one (stage 0's W holds all its residuals
     and the output gradient: its B is empty); ``"zb-h1"``
     keeps 1F1B's ``min(m, p)`` (stage 0 defers no W); ``"zb-v"`` (V only) too: a
@@ -124,7 +126,7 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
         >>> in_flight(16, 4, schedule="zb"), in_flight(16, 4, schedule="zb-h1")
         (9.0, 4.0)
         >>> in_flight(16, 4, 2, "zb-v", placement="v"), in_flight(16, 4, 2, "zb", placement="v")
-        (4.0, 8.5)
+        (4.0, 10.0)
         >>> in_flight(16, 4, virtual=2, placement="v"), in_flight(3, 4, virtual=2, placement="v")
         (4.5, 3.0)
     """
@@ -137,13 +139,17 @@ def in_flight(microbatches: int, pipeline: int, virtual: int = 1, schedule: str 
         full = min(virtual * microbatches, limit) / virtual
     else:
         full = sum(min(microbatches, limit - c * pipeline) for c in range(virtual)) / virtual
-    return full + (min(microbatches, pipeline) if schedule == "zb" else 0)
+    return full + deferred_w(microbatches, pipeline, virtual, schedule, placement)
 
 
 def deferred_w(microbatches: int, pipeline: int, virtual: int = 1, schedule: str = "message",
                placement: str = "interleaved") -> float:  # fmt: skip
-    """How many of :func:`in_flight`'s microbatches are deferred W's (``"zb"`` only: its W budget ``p``)."""
-    return float(min(microbatches, pipeline)) if schedule == "zb" and pipeline > 1 else 0.0
+    """How many of :func:`in_flight`'s microbatches are deferred W's (``"zb"`` only: its W budget
+    ``p``; on the V ``p + 3/2``, the most a rank held beyond its full residuals in
+    ``tests/schedule_sim.py``, p = 2…8)."""
+    if schedule != "zb" or pipeline == 1:
+        return 0.0
+    return float(min(microbatches, pipeline + 1.5 if placement == "v" else pipeline))
 
 
 def output_gradient_elements(spec: ModelSpec, grid: Grid) -> float:

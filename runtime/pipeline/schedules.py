@@ -296,12 +296,15 @@ class ZeroBubble(MessageDriven):
     :class:`MessageDriven` picks between them (B first, deepest stage first;
     right after a B, a forward whose input has arrived), and the oldest
     deferred W only when neither is ready. The *W budget* bounds what the
-    deferral adds: once a stage holds ``budget`` deferred W's, its oldest W
-    runs before any forward of the rank (never before a B: a B turns a
-    microbatch's full residuals into the smaller W residuals). Stage ``s``
-    thus holds at most ``limit - s`` microbatches between forward and B
-    (:class:`MessageDriven`'s bound: 1F1B's memory at ``limit`` = stages) and
-    ``limit - s + budget`` microbatches of residuals of either kind.
+    deferral adds: a forward is held while the stage's forwards in flight plus
+    deferred W's reach ``limit - s + budget``, and once a stage holds
+    :attr:`w_first` deferred W's (``budget``; ``2·budget`` on the V-shaped
+    placement) its oldest W runs before any forward of the rank (never before
+    a B: a B turns a microbatch's full residuals into the smaller W
+    residuals). Stage ``s`` thus holds at most ``limit - s`` microbatches
+    between forward and B (:class:`MessageDriven`'s bound: 1F1B's memory at
+    ``limit`` = stages) and ``limit - s + budget`` microbatches of residuals
+    of either kind (the last stage, deferred W's only: ``w_first + 1``).
 
     Args:
         limit: as :class:`MessageDriven`.
@@ -310,26 +313,44 @@ class ZeroBubble(MessageDriven):
             default: the pipeline ranks ``p`` (ZB-H1 defers ``s < p`` on stage
             ``s``; in the simulator a larger budget idles no less, a smaller
             one more: p=4, m=16, budget 2: 0.111 against 0.086).
+        w_first: deferred W's of a stage that put W ahead of the rank's forwards;
+            default ``budget``, on the V ``2·budget`` (:meth:`default_w_first`).
     """
 
     name = "zb"
     splits_weights = True
 
     def __init__(self, limit: int | None, pipeline: int | None = None, budget: int | None = None,
-                 placement: Sequence[int] | None = None):  # fmt: skip
+                 placement: Sequence[int] | None = None, w_first: int | None = None):  # fmt: skip
         super().__init__(limit, pipeline, placement)
         if budget is not None and budget < 1:
             raise ValueError(f"budget must be >= 1 deferred W per stage, got {budget}")
-        self._budget = budget
+        if w_first is not None and w_first < 1:
+            raise ValueError(f"w_first must be >= 1 deferred W per stage, got {w_first}")
+        self._budget, self._w_first = budget, w_first
 
     @property
     def budget(self) -> int:
         return self._budget if self._budget is not None else (self.pipeline or self._stages)
 
+    @property
+    def w_first(self) -> int:
+        """Deferred W's of one stage that put the rank's oldest W ahead of its forwards."""
+        return self._w_first if self._w_first is not None else self.default_w_first()
+
+    def default_w_first(self) -> int:
+        """``budget``; on the V ``2·budget``: there a forward of either stage heads on to the
+        loss (the up stage directly, the down stage through the turn), so a W put ahead of it
+        delays the cool-down's critical path, and a rank's wait in the cool-down runs down and
+        back up the V. Simulated at the benchmark's task shares (p = 4, m = 8: ``budget`` idles
+        0.149, 0.192 with a message latency of 1% of a task; ``2·budget`` the floor, 0.086; the
+        memory bound ``limit − s + budget`` holds either way): docs/pipeline.md."""
+        return 2 * self.budget if self._deep_first else self.budget
+
     def _admits(self, s: int, st: StageView) -> bool:
         if not super()._admits(s, st):
             return False
-        if self.limit is None or s == self._stages - 1:  # the last stage: pick's budget rule bounds it
+        if self.limit is None or s == self._stages - 1:  # the last stage: pick's w_first rule bounds it
             return True
         return st.forwards - st.backwards + len(st.deferred) < self.in_flight_bound(s) + self.budget
 
@@ -337,7 +358,7 @@ class ZeroBubble(MessageDriven):
         task = super().pick(states, has_input, microbatches)  # a B or a forward
         if task is not None:
             rank = self.rank(task.stage)
-            if task.kind is B or all(len(st.deferred) < self.budget
+            if task.kind is B or all(len(st.deferred) < self.w_first
                                      for s, st in states.items() if self.rank(s) == rank):  # fmt: skip
                 return task
             mine = {s: st for s, st in states.items() if self.rank(s) == rank}  # W ahead of the forward
