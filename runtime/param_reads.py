@@ -69,7 +69,7 @@ def read_params(shards: Sequence[jax.Array], storages: Sequence[Layout], grid: G
         members = [ids[k] for k in ks] if bucket is not None else []
         grad_to = None
         if bucket is not None and bucket.covers(members):
-            grad_to = bucket.columns(members, [shards[k].size for k in ks])
+            grad_to = bucket.columns(members)
         elif len(ks) == 1:
             out[ks[0]] = read_param(shards[ks[0]], storages[ks[0]], grid)
             continue
