@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="activation checkpointing policy")
     p.add_argument("--overlap", default="all",
                    help="communication overlap: all, none, or a comma list of oag, ors, oar; "
-                        "add layer-gathers for one weight gather per layer instead of per block")
+                        "add layer-gathers for one weight gather per layer instead of per block, "
+                        "bucket=N for N blocks per weight-gradient reduce-scatter (default 4)")
     p.add_argument("--eval-every", type=int, default=50,
                    help="validation loss every N steps and at the last (0: only at the last)")
     p.add_argument("--log-every", type=int, default=0,

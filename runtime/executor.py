@@ -31,7 +31,7 @@ from jax import lax
 
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner import control_flow as CF
-from axonn_jax.partitioner.blocks import block_of
+from axonn_jax.partitioner.blocks import block_of, bucket_runs
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, dependents
 from axonn_jax.partitioner.layout import Layout, common_prefix, factor, live, local_shape, use_layout, used_axes
@@ -40,7 +40,8 @@ from axonn_jax.partitioner.stages import is_layer_range, param_like_producers, p
 from axonn_jax.partitioner.trace import source_context
 from axonn_jax.runtime import loops
 from axonn_jax.runtime.overlap import Overlap, contraction, is_float, tie
-from axonn_jax.runtime.param_reads import needs_gather, read_param, read_params, reduce_scatter_together
+from axonn_jax.runtime.param_reads import (needs_gather, open_buckets, read_param, read_params,
+                                          reduce_scatter_together)
 from axonn_jax.runtime.pointwise import bind_custom_jvp
 from axonn_jax.runtime.shard_index import shard_index
 from axonn_jax.runtime.local_ops import KERNELS
@@ -110,8 +111,8 @@ def _gather(x: jax.Array, axis: str, dim: int, partial: bool = False) -> jax.Arr
     return jnp.concatenate([x] * size, axis=dim) if size > 1 else x
 
 
-def gather_points(jaxpr, num_params: int, made_by: dict,
-                  blocks: Sequence[str | None] = ()) -> tuple[dict, dict, dict, dict]:  # fmt: skip
+def gather_points(jaxpr, num_params: int, made_by: dict, blocks: Sequence[str | None] = (),
+                  bucket_blocks: int = 1) -> tuple[dict, dict, dict, dict, list]:  # fmt: skip
     """Where each parameter is needed, and where it is gathered (pure, per jaxpr).
 
     ``made_by`` is :func:`~axonn_jax.partitioner.stages.param_like_producers`
@@ -135,6 +136,11 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
     or with OAG while the block before computes). The first group is read at
     the first equation that reads a parameter, so the parameters read before
     the first layer (an embedding table) are gathered with it.
+
+    The fifth result lists the gradient buckets: the parameters of each run of
+    ``bucket_blocks`` consecutive block groups (group order, a group's in its
+    read order), whose weight gradients are reduce-scattered in one call
+    (:mod:`~axonn_jax.runtime.grad_buckets`); runs of one group are no bucket.
     """
     origin = param_origins(jaxpr, num_params)
     needs: dict = {}
@@ -162,7 +168,7 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
                 siblings[id(layers[-1])].append(eqn)
         for i in read:
             layer_of.setdefault(i, max(len(layers) - 1, 0))
-    heads, group_of = _block_groups(layers, origin, blocks)
+    heads, group_of, group_blocks = _block_groups(layers, origin, blocks)
     # the first group, which nothing prefetches, is read at the first read of a parameter
     # (an embedding lookup: the table joins the first block's gather)
     reads_at = [first, *heads[1:]]
@@ -173,26 +179,33 @@ def gather_points(jaxpr, num_params: int, made_by: dict,
             prefetch.setdefault(id(heads[group_of[layer] - 1]), []).append(i)
         if layers:
             starts.setdefault(id(reads_at[group_of[layer]]), []).append(i)
-    return needs, prefetch, starts, {k: eqns for k, eqns in siblings.items() if len(eqns) > 1}
+    members = [starts.get(id(eqn), []) for eqn in reads_at[: len(heads)]]
+    buckets = [[i for g in run for i in members[g]] for run in bucket_runs(group_blocks, bucket_blocks)
+               if len(run) > 1]  # fmt: skip
+    return needs, prefetch, starts, {k: eqns for k, eqns in siblings.items() if len(eqns) > 1}, buckets
 
 
-def _block_groups(layers: list, origin: dict, blocks: Sequence[str | None]) -> tuple[list, list[int]]:
-    """Layers gathered together: ``(first layer of each group, group of each layer)``.
+def _block_groups(layers: list, origin: dict,
+                  blocks: Sequence[str | None]) -> tuple[list, list[int], list]:  # fmt: skip
+    """Layers gathered together: ``(first layer of each group, group of each layer, block of
+    each group)``.
 
     A layer joins the group before it when its first weight lies in the same
     block (``blocks[parameter]``, not None); without ``blocks`` each layer is a group.
     """
     heads: list = []
     group_of: list[int] = []
+    group_blocks: list = []
     last = None
     for eqn in layers:
         read = [origin[v] for v in eqn.invars if not R.is_literal(v) and v in origin]
         block = blocks[read[0]] if blocks and read else None
         if block is None or block != last:
             heads.append(eqn)
+            group_blocks.append(block)
         group_of.append(len(heads) - 1)
         last = block
-    return heads, group_of
+    return heads, group_of, group_blocks
 
 
 class Executor:
@@ -210,8 +223,11 @@ class Executor:
         self._made_by = param_like_producers(jaxpr, n)
         paths = program.traced.param_paths
         blocks = [block_of(p) for p in paths] if overlap.gather_blocks and len(paths) == n else []
-        self._needs, self._prefetch, self._starts, self._siblings = gather_points(
-            jaxpr, n, self._made_by, blocks)
+        self._needs, self._prefetch, self._starts, self._siblings, buckets = gather_points(
+            jaxpr, n, self._made_by, blocks, overlap.buckets() if self.grid.z > 1 else 1)
+        gathered = [needs_gather(s, self.grid) for s in self.param_storage]
+        self._buckets = [[i for i in b if gathered[i]] for b in buckets]
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
         self._param_dependent = dependents(jaxpr, jaxpr.invars[:n])
 
     def __call__(self, params: Sequence[jax.Array], args: Sequence[jax.Array]) -> list:
@@ -312,11 +328,25 @@ class Executor:
                 env[params[i]].shard = shard
         # the layer ahead (tied) in one read, then this layer's and this equation's own
         for ids in (tied, layer + due):
-            ids = stored(dict.fromkeys(ids))
-            reads = read_params([env[params[i]].shard for i in ids],
-                                [env[params[i]].storage for i in ids], self.grid)  # fmt: skip
-            for i, value in zip(ids, reads):
-                env[params[i]] = value
+            by_bucket: dict = {}
+            for i in stored(dict.fromkeys(ids)):
+                by_bucket.setdefault(self._bucket_of.get(i), []).append(i)
+            for b, ids in by_bucket.items():
+                reads = read_params([env[params[i]].shard for i in ids],
+                                    [env[params[i]].storage for i in ids], self.grid,
+                                    None if b is None else self._open_bucket(b, env), ids)  # fmt: skip
+                for i, value in zip(ids, reads):
+                    env[params[i]] = value
+
+    def _open_bucket(self, b: int, env: dict) -> dict:
+        """Gradient bucket ``b``'s sinks (:func:`~axonn_jax.runtime.param_reads.open_buckets`),
+        opened at its first read over its members not read yet (a pipeline stage's)."""
+        key = ("grad bucket", b)
+        if key not in env:
+            params = self.jaxpr.invars
+            members = [i for i in self._buckets[b] if isinstance(env.get(params[i]), _Stored)]
+            env[key] = open_buckets({i: env[params[i]].shard for i in members}, self.grid)
+        return env[key]
 
     def value(self, var, env: dict, lay: dict):
         """``env[var]``, running a deferred parameter chain (or read) first."""

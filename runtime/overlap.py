@@ -46,10 +46,12 @@ from jax.extend.core import Primitive
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import batching, mlir
 
+from axonn_jax.partitioner.blocks import BUCKET_BLOCKS
 from axonn_jax.runtime.varying import vary
 
 _NAMES = {"oag": "gather", "ors": "reduce_scatter", "oar": "all_reduce"}
 _PER_LAYER = "layer-gathers"
+_BUCKET = "bucket="
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,35 +63,63 @@ class Overlap:
     reduce-scattered in one call (``runtime/executor.py: gather_points``); off,
     one gather per layer, which holds one layer's weights at a time instead of
     a block's. Written ``layer-gathers`` in :meth:`parse` and ``str``.
+
+    ``bucket_blocks``: with block gathers and ORS, this many consecutive blocks
+    (per pipeline stage) reduce-scatter their weight gradients over z in one
+    call, once the bucket's first block is through its backward
+    (``runtime/grad_buckets.py``); 1: one call per block. The bucket's
+    unreduced (z times larger) gradients are held until then. Written
+    ``bucket=N`` in :meth:`parse` and ``str``.
     """
 
     gather: bool = True
     reduce_scatter: bool = True
     all_reduce: bool = True
     gather_blocks: bool = True
+    bucket_blocks: int = BUCKET_BLOCKS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bucket_blocks, int) or self.bucket_blocks < 1:
+            raise ValueError(f"Overlap: bucket_blocks must be an int >= 1, got {self.bucket_blocks!r}")
+
+    def buckets(self) -> int:
+        """Blocks per weight-gradient reduce-scatter the executor issues (1: no buckets)."""
+        return self.bucket_blocks if self.gather_blocks and self.reduce_scatter else 1
 
     @classmethod
     def parse(cls, text: str) -> Overlap:
         """``"all"``, ``"none"`` or a comma list of ``oag``, ``ors``, ``oar``; each may add
-        ``layer-gathers`` (one weight gather per layer, not per block)."""
+        ``layer-gathers`` (one weight gather per layer, not per block) and ``bucket=N``
+        (N blocks per weight-gradient reduce-scatter)."""
         chosen = {t.strip() for t in text.strip().lower().split(",") if t.strip()}
         blocks = _PER_LAYER not in chosen
         chosen.discard(_PER_LAYER)
+        bucket = BUCKET_BLOCKS
+        for token in [t for t in chosen if t.startswith(_BUCKET)]:
+            chosen.discard(token)
+            try:
+                bucket = int(token[len(_BUCKET):])
+            except ValueError:
+                raise ValueError(f"overlap option {token!r}: write bucket=N with N blocks per "
+                                 "weight-gradient reduce-scatter (e.g. bucket=1)") from None
         if chosen == {"all"}:
-            return cls(gather_blocks=blocks)
+            return cls(gather_blocks=blocks, bucket_blocks=bucket)
         if chosen == {"none"}:
-            return cls(False, False, False, blocks)
+            return cls(False, False, False, blocks, bucket)
         unknown = chosen - set(_NAMES)
         if unknown:
             raise ValueError(
                 f"unknown overlap option(s) {sorted(unknown)} in {text!r}; use 'all', 'none' "
-                "or a comma list of oag, ors, oar, layer-gathers (e.g. --overlap oag,ors)."
+                "or a comma list of oag, ors, oar, layer-gathers, bucket=N (e.g. --overlap oag,ors)."
             )
-        return cls(**{field: name in chosen for name, field in _NAMES.items()}, gather_blocks=blocks)
+        return cls(**{field: name in chosen for name, field in _NAMES.items()}, gather_blocks=blocks,
+                   bucket_blocks=bucket)  # fmt: skip
 
     def __str__(self) -> str:
         on = [name for name, field in _NAMES.items() if getattr(self, field)]
-        return ",".join((on or ["none"]) + ([] if self.gather_blocks else [_PER_LAYER]))
+        extra = [] if self.gather_blocks else [_PER_LAYER]
+        extra += [] if self.bucket_blocks == BUCKET_BLOCKS else [f"{_BUCKET}{self.bucket_blocks}"]
+        return ",".join((on or ["none"]) + extra)
 
 
 # --- a barrier that keeps each operand's type -------------------------------

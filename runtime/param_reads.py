@@ -19,7 +19,7 @@ Example (inside ``shard_map`` over a mesh with ``z``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,7 @@ from jax import lax
 
 from axonn_jax.partitioner.grid import BATCH_AXES, DATA, Z, Grid
 from axonn_jax.partitioner.layout import Layout
+from axonn_jax.runtime.grad_buckets import GradBucket, routed_gather
 from axonn_jax.runtime.varying import vma
 
 
@@ -48,44 +49,77 @@ def read_param(x: jax.Array, storage: Layout, grid: Grid) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def read_params(shards: Sequence[jax.Array], storages: Sequence[Layout], grid: Grid) -> list:
-    """:func:`read_param` of each shard, the depth gathers of one dtype in one all-gather."""
+def read_params(shards: Sequence[jax.Array], storages: Sequence[Layout], grid: Grid,
+                buckets: Mapping | None = None, ids: Sequence = ()) -> list:  # fmt: skip
+    """:func:`read_param` of each shard, the depth gathers of one dtype in one all-gather.
+
+    ``buckets``: the open :class:`~axonn_jax.runtime.grad_buckets.GradBucket` per
+    :func:`bucket_key`, ``ids``: each shard's member id in them. The gradients of a
+    gather whose shards a bucket covers go to the bucket's one reduce-scatter.
+    """
     out: list = [None] * len(shards)
     together: dict = {}
     for k, (x, storage) in enumerate(zip(shards, storages)):
         if needs_gather(storage, grid):
-            together.setdefault((jnp.result_type(x), vma(x)), []).append(k)
+            together.setdefault(bucket_key(x), []).append(k)
         else:
             out[k] = read_param(x, storage, grid)
-    for ks in together.values():
-        if len(ks) == 1:
+    for key, ks in together.items():
+        bucket = (buckets or {}).get(key)
+        members = [ids[k] for k in ks] if bucket is not None else []
+        grad_to = None
+        if bucket is not None and bucket.covers(members):
+            grad_to = bucket.columns(members)
+        elif len(ks) == 1:
             out[ks[0]] = read_param(shards[ks[0]], storages[ks[0]], grid)
             continue
         vary = _data_to_vary(shards[ks[0]], grid)
         gathered = all_gather_together([shards[k] for k in ks], [depth_dims(storages[k])[0] for k in ks],
-                                       Z, vary=vary)  # fmt: skip
+                                       Z, vary=vary, grad_to=grad_to)  # fmt: skip
         for k, value in zip(ks, gathered):
             out[k] = value
     return out
 
 
 def all_gather_together(xs: Sequence[jax.Array], dims: Sequence[int], axis: str,
-                        vary: tuple[str, ...] = ()) -> list:  # fmt: skip
+                        vary: tuple[str, ...] = (), grad_to: jax.Array | None = None) -> list:  # fmt: skip
     """``[lax.all_gather(x, axis, axis=d, tiled=True) for x, d in zip(xs, dims)]`` as one
     all-gather (of the concatenated flattened arrays), so one reduce-scatter transposes it.
 
     ``xs`` share a dtype and their varying axes. ``vary``: axes the concatenation is
     first marked varying over (its gradient is then all-reduced over them in one piece).
+    ``grad_to``: a gradient bucket's sink columns of ``xs``
+    (:func:`~axonn_jax.runtime.grad_buckets.routed_gather`): the gathered gradients go
+    there, to the bucket's reduce-scatter, and not to ``xs``.
     """
     flat = jnp.concatenate([x.reshape(1, -1) for x in xs], axis=1)
     flat = lax.pcast(flat, vary, to="varying") if vary else flat
     # (axis size, total): one row per device; tiled, so its transpose keeps the (1, total) shape
-    rows = lax.all_gather(flat, axis, axis=0, tiled=True)
+    if grad_to is None:
+        rows = lax.all_gather(flat, axis, axis=0, tiled=True)
+    else:
+        rows = routed_gather(grad_to, flat, axis)
     out = []
     for x, d, piece in zip(xs, dims, lax.split(rows, [x.size for x in xs], axis=1)):
         piece = jnp.moveaxis(piece.reshape(rows.shape[0], *x.shape), 0, d)
         out.append(piece.reshape(*x.shape[:d], rows.shape[0] * x.shape[d], *x.shape[d + 1 :]))
     return out
+
+
+def bucket_key(shard: jax.Array) -> tuple:
+    """The shards gathered in one call, and bucketed in one sink: one dtype and varying axes."""
+    return jnp.result_type(shard), vma(shard)
+
+
+def open_buckets(shards: Mapping, grid: Grid) -> dict:
+    """:class:`~axonn_jax.runtime.grad_buckets.GradBucket` per :func:`bucket_key` of
+    ``shards`` (member id → depth-split shard, in bucket order), marked varying over
+    ``data`` as :func:`read_params` marks each gather."""
+    flats: dict = {}
+    for k, x in shards.items():
+        flats.setdefault(bucket_key(x), {})[k] = x.reshape(1, -1)
+    return {key: GradBucket.open(members, Z, _data_to_vary(next(iter(members.values())), grid))
+            for key, members in flats.items()}  # fmt: skip
 
 
 def _data_to_vary(x: jax.Array, grid: Grid) -> tuple[str, ...]:

@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from partition_cases import GRIDS, build
 
 import axonn_jax
+from axonn_jax.partitioner.blocks import BUCKET_BLOCKS
 from axonn_jax.partitioner.grid import BATCH_AXES, STAGE_AXES
 from axonn_jax.models import GPT, GPTConfig
 from axonn_jax.partitioner.report import ring_wire_bytes
@@ -287,7 +288,9 @@ def _mlp_step_from_layer_shapes(samples: int, widths: list[int], grid) -> dict:
       needs it), the
       bias gradient (n/out) is all-reduced over the input axis (its rows were a
       scattered share) and over z (another batch shard), the weight gradient is
-      reduce-scattered over z back to the stored shard (k·n/(in·out·z));
+      reduce-scattered over z back to the stored shard (k·n/(in·out·z)), in one
+      call for each bucket of ``BUCKET_BLOCKS`` layers (each ``Dense_k`` is a block:
+      ``Overlap.bucket_blocks``);
     * the model's output leaves the last layer scattered over its input axis and
       split over its output axis: it is all-gathered over both (rows · n/out, then
       rows · n) to be returned whole.
@@ -297,6 +300,7 @@ def _mlp_step_from_layer_shapes(samples: int, widths: list[int], grid) -> dict:
     size = grid.axis_size
     rows = samples // (grid.data * grid.z)
     out: dict = {}
+    scattered: list[int] = []  # each layer's weight-gradient reduce-scatter over z
 
     def add(kind, axis, phase, elements):
         if size(axis) > 1:
@@ -316,7 +320,9 @@ def _mlp_step_from_layer_shapes(samples: int, widths: list[int], grid) -> dict:
             add("reduce-scatter", a_out, "backward", rows // g_out * k // g_in)
         add("all-reduce", a_in, "backward", n // g_out)
         add("all-reduce", "z", "backward", n // g_out)
-        add("reduce-scatter", "z", "backward", k * n // (g_in * g_out * grid.z))
+        scattered.append(k * n // (g_in * g_out * grid.z))
+    for b in range(0, len(scattered), BUCKET_BLOCKS):  # a bucket's weight gradients: one call
+        add("reduce-scatter", "z", "backward", sum(scattered[b : b + BUCKET_BLOCKS]))
     add("all-gather", a_in, "forward", rows * n // g_out)
     add("all-gather", a_out, "forward", rows * n)
     return out

@@ -15,6 +15,7 @@ two Dense layers each, every block's weights gathered in one all-gather of a
 distinct size.
 """
 
+import dataclasses
 import itertools
 
 import jax
@@ -43,6 +44,8 @@ def _program(overlap: Overlap, scatter_batch: bool = False) -> tuple[list, list]
     all-reduces are what OAR moves there.
     """
     x = jnp.ones((16, 8), jnp.float32)
+    # each Dense_k is a block: one weight-gradient reduce-scatter per layer, not a bucket's
+    overlap = dataclasses.replace(overlap, bucket_blocks=1)
     pm = axonn_jax.partition(MLP(features=FEATURES), axonn_jax.Grid(x=2, y=2, z=2), x,
                              overlap=overlap, scatter_batch=scatter_batch)  # fmt: skip
     params = pm.init(jax.random.key(0), x)

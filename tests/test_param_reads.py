@@ -94,8 +94,9 @@ def _gpt_step(grid: str, overlap: Overlap):
 def test_block_gathers_equal_layer_gathers(grid, devices):
     """A block's weights in one z all-gather (its gradients in one reduce-scatter): loss and
     every gradient leaf bitwise those of one gather per layer, 3 calls fewer per block each way
-    (q/k/v, out, fc_in, fc_out: 4 layers, one gather)."""
-    loss, grads, text = _gpt_step(grid, Overlap())
+    (q/k/v, out, fc_in, fc_out: 4 layers, one gather). One reduce-scatter per block
+    (``bucket_blocks=1``; buckets: tests/test_grad_buckets.py)."""
+    loss, grads, text = _gpt_step(grid, Overlap(bucket_blocks=1))
     loss1, grads1, text1 = _gpt_step(grid, Overlap(gather_blocks=False))
     assert np.array_equal(loss, loss1)
     leaves, leaves1 = jax.tree.leaves(grads), jax.tree.leaves(grads1)

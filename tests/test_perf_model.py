@@ -398,7 +398,7 @@ def test_gpt_spec_equals_the_traced_plan(tied):
     def params(spec):
         out = collections.Counter()
         for p in spec.params:
-            out[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused)] += p.count
+            out[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket)] += p.count
         return out
 
     def matmuls(spec):

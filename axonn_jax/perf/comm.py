@@ -64,11 +64,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from fractions import Fraction
 
 from axonn_jax.partitioner.grid import DATA, PIPELINE, X, Y, Z, Grid
 from axonn_jax.partitioner.report import ring_wire_bytes
-from axonn_jax.perf.spec import ModelSpec
+from axonn_jax.perf.spec import ModelSpec, Param
 
 #: Axis nesting, innermost first (the 4D algorithm's hierarchy); groups of later axes contain earlier ones.
 NESTING = ("x", "y", "z", "data", "pipeline")
@@ -190,11 +191,12 @@ class _Step:
                 if self.recompute and p.per_block:
                     self.add("weight re-gather", "all-gather", (Z,), "backward", wire, calls,
                              repeats=True)  # fmt: skip
-                self.add("weight-gradient scatter", "reduce-scatter", (Z,), "backward", wire, calls,
-                         repeats=True)  # fmt: skip
+                shared = self._bucket_share(p)  # a bucket of blocks: one reduce-scatter
+                self.add("weight-gradient scatter", "reduce-scatter", (Z,), "backward", wire,
+                         calls * shared, repeats=True)  # fmt: skip
                 self.add("weight-gradient shard", "all-reduce", (DATA,), "step",
-                         _ring("all-reduce", grid.data) * full / grid.z * copies, copies / p.fused,
-                         False)  # fmt: skip
+                         _ring("all-reduce", grid.data) * full / grid.z * copies,
+                         copies / p.fused * shared, False)  # fmt: skip
                 continue
             local = p.local_elements(grid) * copies
             self.add("other parameter gradients", "all-reduce", (DATA, Z), "step",
@@ -203,6 +205,12 @@ class _Step:
                 g = grid.axis_size(p.scatter_axis)
                 self.add("scattered-row parameter gradients", "all-reduce", (p.scatter_axis,), "step",
                          _ring("all-reduce", g) * local, copies, False)  # fmt: skip
+
+    def _bucket_share(self, p: Param) -> Fraction:
+        """Weight-gradient reductions per gather group of ``p``: a pipeline stage's blocks
+        reduce ``p.bucket`` at a time (``Overlap.bucket_blocks``), the last bucket maybe fewer."""
+        blocks = max(1, self.spec.layers // self.grid.stages)
+        return Fraction(1) if p.bucket <= 1 else Fraction(math.ceil(blocks / p.bucket), blocks)
 
     def matmuls(self) -> None:
         """Each layer's forward reduction and backward input-gradient all-reduce (§1), in the

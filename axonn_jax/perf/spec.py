@@ -23,8 +23,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+from axonn_jax.partitioner.blocks import BUCKET_BLOCKS
 from axonn_jax.partitioner.grid import X, Y, Grid
 
 #: Axis names a parameter or matmul dim can be split over in the spec.
@@ -56,6 +58,10 @@ class Param:
     #: block's, ``runtime/executor.py: gather_points``): one all-gather, one
     #: reduce-scatter and one data all-reduce per ``fused`` copies
     fused: int = 1
+    #: consecutive blocks of a pipeline stage whose gather groups share one weight-gradient
+    #: reduce-scatter and data all-reduce (``Overlap.bucket_blocks``; the depth weights of
+    #: a block's gather group, the table gathered with block 0's too); 1: one per group
+    bucket: int = 1
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -234,6 +240,11 @@ class ModelSpec:
         return out
 
 
+def _bucketed(bucket: int, *args, **kwargs) -> Param:
+    """A GPT parameter: its depth weights (a block's, the table) bucketed by ``bucket`` blocks."""
+    return Param(*args, **kwargs, bucket=bucket if kwargs.get("depth") else 1)
+
+
 def gpt_spec(
     *,
     layers: int,
@@ -247,6 +258,7 @@ def gpt_spec(
     bias: bool = True,
     name: str | None = None,
     block_gathers: bool = True,
+    bucket_blocks: int = BUCKET_BLOCKS,
 ) -> ModelSpec:
     """The spec of :class:`axonn_jax.models.GPT` (pre-norm LayerNorm blocks, learned positions).
 
@@ -256,6 +268,8 @@ def gpt_spec(
     ``block_gathers``: a block's six depth-split weights (q, k, v, out, fc_in,
     fc_out) share one all-gather (``Overlap.gather_blocks``), else q/k/v share one;
     the embedding table joins the first group (block 0's, or its q/k/v).
+    ``bucket_blocks``: with block gathers, the blocks whose weight gradients share one
+    reduce-scatter (``Overlap.bucket_blocks``; ``Param.bucket``).
     """
     for key, value in dict(layers=layers, hidden=hidden, heads=heads, seq=seq,
                            batch=batch, vocab=vocab).items():  # fmt: skip
@@ -270,7 +284,8 @@ def gpt_spec(
     h, hd, L, m = hidden, hidden // heads, layers, batch * seq
     # depth weights sharing a gather (block 0's with the embedding table, read before it)
     first, qkv, one = (7, 6, 6) if block_gathers else (4, 3, 1)
-    P = Param
+    bucket = bucket_blocks if block_gathers else 1
+    P = functools.partial(_bucketed, bucket)
 
     def kernels(name, shape, axes, per_block, fused0, fused):
         """A block weight's copies: block 0's (gathered with the table) and the others'."""
@@ -301,7 +316,7 @@ def gpt_spec(
             P("block/mlp/fc_out/bias", (h,), (Y,), count=L, scatter_axis=X),
         ]
     if not tied:
-        params.append(P("head/kernel", (h, vocab), (Y, X), depth=True, per_block=False))
+        params.append(Param("head/kernel", (h, vocab), (Y, X), depth=True, per_block=False))
     M = MatMul
     matmuls = [
         M("attn/qkv", m, h, h, Y, X, count=3 * L, fused=3, whole_inputs=3),  # block 0: embeddings

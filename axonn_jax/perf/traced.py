@@ -41,7 +41,7 @@ import math
 
 from axonn_jax.partitioner.grid import X, Y, Grid
 from axonn_jax.partitioner import rules as R
-from axonn_jax.partitioner.blocks import NUMBERED, block_of
+from axonn_jax.partitioner.blocks import BUCKET_BLOCKS, NUMBERED, block_of, bucket_runs
 from axonn_jax.partitioner.flows import variable_layouts
 from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
@@ -235,11 +235,11 @@ def _blocks(paths) -> int:
 def _merge_params(params) -> tuple[Param, ...]:
     groups: dict[tuple, list[Param]] = collections.defaultdict(list)
     for p in params:
-        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused)].append(p)
+        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket)].append(p)
     return tuple(
         Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
               ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
-              scatter_axis=ps[0].scatter_axis, fused=ps[0].fused)  # fmt: skip
+              scatter_axis=ps[0].scatter_axis, fused=ps[0].fused, bucket=ps[0].bucket)  # fmt: skip
         for ps in groups.values()
     )
 
@@ -253,19 +253,24 @@ def _gathered_together(params: list[Param], weight_of: list[tuple]) -> list[Para
     ``runtime.executor.gather_points`` groups them by default; parameters read before
     the first matmul (input variable None: an embedding table) join the first group.
     """
-    group_of, members = {}, [set()]
+    group_of, members, blocks = {}, [set()], [None]
     layer_var, block, layers = None, None, 0
     for var, p in weight_of:
         if var is not None and var is not layer_var:  # a new layer: a new group unless it continues the block
             start = block_of(params[p].name)
             if layers and (start is None or start != block):
                 members.append(set())
+                blocks.append(None)
             layer_var, block, layers = var, start, layers + 1
+            blocks[-1] = start
         if params[p].depth:
             members[-1].add(p)
         group_of.setdefault(p, len(members) - 1)
-    return [dataclasses.replace(q, fused=len(members[group_of[i]]) if i in group_of and q.depth else 1)
-            for i, q in enumerate(params)]  # fmt: skip
+    # the groups of a bucket of blocks share their weight-gradient reduce-scatter
+    bucketed = {g for run in bucket_runs(blocks, BUCKET_BLOCKS) if len(run) > 1 for g in run}
+    return [dataclasses.replace(q, fused=len(members[group_of[i]]), bucket=BUCKET_BLOCKS
+                                if group_of[i] in bucketed else 1) if i in group_of and q.depth
+            else dataclasses.replace(q, fused=1) for i, q in enumerate(params)]  # fmt: skip
 
 
 def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
