@@ -150,16 +150,17 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
 
 @functools.lru_cache(maxsize=4096)
 def _collectives(spec: ModelSpec, grid: Grid, recompute: bool, microbatches: int,
-                 scatter_batch: bool) -> tuple[CollectiveCost, ...]:
+                 scatter_batch: bool, loss_rows: int) -> tuple[CollectiveCost, ...]:
     """:func:`collectives`, remembered: the search prices several offload and schedule
     choices of each (grid, recompute, microbatches), which send the same."""
-    return collectives(spec, grid, recompute=recompute, microbatches=microbatches, scatter_batch=scatter_batch)
+    return collectives(spec, grid, recompute=recompute, microbatches=microbatches, scatter_batch=scatter_batch,
+                       loss_rows=loss_rows)  # fmt: skip
 
 
 def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Options()) -> Prediction:
     """Time and memory of one training step of ``spec`` on ``grid`` (see module docstring)."""
     mb, p, v = options.microbatches, grid.pipeline, grid.virtual
-    cs = _collectives(spec, grid, options.recompute, mb, options.scatter_batch)
+    cs = _collectives(spec, grid, options.recompute, mb, options.scatter_batch, options.loss_rows)
     itemsize = options.itemsize
     seconds, once, fixed, linear = [], 0.0, 0.0, 0.0
     for c in cs:
