@@ -29,6 +29,7 @@ import optax
 import pytest
 
 from axonn_jax import Grid
+from axonn_jax.partitioner.grid import X, Y
 from axonn_jax.cli import main
 from axonn_jax.perf import machines
 from axonn_jax.perf.comm import collectives, elements_by
@@ -671,6 +672,48 @@ def test_convolutions_are_priced_as_their_implicit_gemm():
     grid = Grid(x=2, y=2, data=2)
     assert flops_per_device(spec, grid, recompute=False) == pytest.approx(
         3 * sum(m.flops * m.count for m in spec.matmuls) / 8)
+
+
+def test_a_cnns_activations_are_its_channels_and_its_convolutions_outputs():
+    """A CNN block's input is its input channels per position, not the convolution's k
+    (channels × window, never materialised); each convolution's output, which relu and the
+    pooling read, is kept, all-reduced whole over the input-channel axis (replicated there)."""
+    from axonn_jax.models import CNN
+    from axonn_jax.perf.step import elementwise_bytes
+    from axonn_jax.perf.traced import spec_from_model
+
+    spec = spec_from_model(CNN(channels=(16, 32)), jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32))
+    assert spec.hidden == 3 and spec.tokens == 16 * 16 * 16
+    kept = {(a.name, a.per_token, a.axis, a.kind, a.rows_axis) for a in spec.activations}
+    assert kept == {
+        ("block input (a layer's input)", 3, Y, "checkpoint", None),    # the images: conv_0's input
+        ("block input (a layer's input)", 16 / 4, X, "checkpoint", None),  # pooled, conv_1's input
+        ("matmul input", 32 / 4 / 4, Y, "block", None),                 # pooled again, the head's
+        ("layer output", 16, X, "block", None),                         # conv_0's, before relu
+        ("layer output", 32 / 4, Y, "block", None),                     # conv_1's (8×8 positions)
+        ("layer output", 10 / 256, X, "block", Y),                      # the head's logits
+    }
+    # on y the first convolution's output is whole on every device of the group: its
+    # elementwise traffic is not split (that of its input is)
+    tokens = spec.tokens / 2
+    base = elementwise_bytes(spec, Grid(data=2), recompute=False, itemsize=4)
+    on_y = elementwise_bytes(spec, Grid(y=2, data=2), recompute=False, itemsize=4)
+    assert base - on_y == pytest.approx(4 * 4 * tokens * (3 / 2 + 8 / 2 + 2 / 2 + 10 / 256 / 2))
+
+
+def test_a_dense_block_input_is_its_first_layers_input_kept_once():
+    """An MLP's blocks begin with their layer: the block inputs are the layers' inputs (their
+    own widths, kept under checkpointing), not another activation of the first layer's width
+    besides them; each layer's output is reduce-scattered onto the batch over its in axis."""
+    from axonn_jax.models import MLP
+    from axonn_jax.perf.traced import spec_from_model
+
+    spec = spec_from_model(MLP(features=(64, 128, 16)), jax.ShapeDtypeStruct((8, 32), jnp.float32))
+    checkpoints = sorted((a.per_token, a.axis, a.count) for a in spec.activations if a.kind == "checkpoint")
+    assert checkpoints == [(32, Y, 1), (64, X, 1), (128, Y, 1)]  # dense_0, dense_1, dense_2's inputs
+    outputs = sorted((a.per_token, a.axis, a.rows_axis) for a in spec.activations if a.name == "layer output")
+    assert outputs == [(16, X, Y), (64, X, Y), (128, Y, X)]
+    assert {a.name for a in spec.activations} == {"block input (a layer's input)", "layer output"}
 
 
 def test_deferred_w_residuals_are_priced_per_stage():

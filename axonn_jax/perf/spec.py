@@ -154,6 +154,8 @@ class Activation:
     """Activation elements kept per token for backward, split over ``axis`` (batch over data·z).
 
     ``itemsize`` overrides the activation dtype (e.g. 4 for float32 logits).
+    ``rows_axis``: the default program holds its rows reduce-scattered onto the
+    batch over this tensor axis (a dense layer's output: ``scatter_batch``).
     """
 
     name: str
@@ -162,10 +164,17 @@ class Activation:
     count: int = 1
     kind: str = "block"
     itemsize: int | None = None
+    rows_axis: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"activation {self.name!r}: kind {self.kind!r} not in {ACTIVATION_KINDS}")
+
+    def local_per_token(self, grid: Grid) -> float:
+        """Elements of all ``count`` copies one device holds per token of its batch shard."""
+        split = (grid.axis_size(self.axis) if self.axis else 1) * (
+            grid.axis_size(self.rows_axis) if self.rows_axis else 1)
+        return self.per_token * self.count / split
 
 
 @dataclasses.dataclass(frozen=True)

@@ -139,7 +139,7 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
     tokens = spec.tokens / grid.batch_shards
     total = 0.0
     for a in spec.activations:
-        elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
+        elements = a.local_per_token(grid)
         passes = ELEMENTWISE_PASSES
         if a.kind != "other":
             elements /= grid.pipeline

@@ -15,10 +15,15 @@ transposed layers are known without devices). From the plan and the jaxpr:
   (``partitioner.blocks``), are gathered in one all-gather (``Param.fused``);
 * matmuls between two activations (attention) count as FLOPs split over
   data·z·x;
-* activations kept for backward: the activation operands of those matmuls
-  (a lower bound: elementwise intermediates are not counted);
+* activations kept for backward: the activation operands of those matmuls,
+  and each weight matmul's output, which the elementwise work after it reads
+  (an activation's input, a pooling's: a convolution's output is all-reduced
+  whole over its input-channel axis, a dense layer's reduce-scattered onto the
+  batch over it, ``rows_axis``); a lower bound: other intermediates are not
+  counted;
 * blocks (for pipeline stages): the most repeated numbered path component
-  (``block_3``, ``blocks/3``); boundary width: k of the first weight matmul.
+  (``block_3``, ``blocks/3``); boundary width: the input per token of the first
+  weight matmul (k for a dense layer, the input channels for a convolution).
 
 * the default program's scattered batch (:class:`_ScatterFlow`): which
   matmul inputs come whole (no all-gather), the rows each parameter is
@@ -59,7 +64,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
                                scatter_batch=program.scatter_batch)  # fmt: skip
     lookups = 0
 
-    matmuls, saved, looked_up, weight_of = [], {}, set(), []
+    matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
     casts = param_like_producers(jaxpr, n_params)
@@ -78,6 +83,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             matmuls.append((None, conv))
             weight_of.append((eqn.invars[0], origin[eqn.invars[1]]))  # a layer of the gather groups
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
+            outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
         if name_ != "dot_general":
             continue
@@ -107,6 +113,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
                                         whole_inputs=int(act_var not in flow.axis))))  # fmt: skip
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
+        outputs.append((math.prod(R.shape_of(eqn.outvars[0])), out_axis, in_axis))  # scattered over in_axis
     readers = collections.Counter(var for var, _ in matmuls if var is not None)
     matmuls = [mm if var is None else dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
 
@@ -123,12 +130,21 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         for i, p in enumerate(plan.params)
     ]
     params = _gathered_together(params, weight_of)
-    activations = [Activation("matmul input", size / tokens, axis) for size, axis in saved.values()]
+    entries = _block_entry_inputs(jaxpr, origin, plan.params)
+    activations = [Activation("block input (a layer's input)", size / tokens, axis, kind="checkpoint")
+                   if var in entries else Activation("matmul input", size / tokens, axis)
+                   for var, (size, axis) in saved.items()]  # fmt: skip
+    activations += [Activation("layer output", size / tokens, axis, rows_axis=rows)
+                    for size, axis, rows in outputs]  # fmt: skip
     activations += [Activation("attention operand", size / tokens, X)
                     for size in attention_saved.values()]  # fmt: skip
     layers = _blocks(traced.param_paths)
-    hidden = matmuls[0].k
-    activations.append(Activation("block input", hidden, Y, count=layers, kind="checkpoint"))
+    # the width of what crosses a block boundary: the first layer's input per token (a
+    # convolution's input channels, not its k = channels × window, which is never materialised)
+    width = matmuls[0].input_per_row * matmuls[0].m / tokens
+    hidden = int(width) if width == int(width) else width
+    if layers > len(entries):  # blocks entered otherwise (a norm first): their input besides
+        activations.append(Activation("block input", hidden, Y, count=layers - len(entries), kind="checkpoint"))
     arg0 = traced.arg_avals[0].shape if traced.arg_avals else ()
     return ModelSpec(
         name=name or type(model).__name__,
@@ -147,6 +163,23 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         split_outputs=sum(math.prod(R.shape_of(v)) // tokens for v in jaxpr.outvars
                           if not R.is_literal(v) and any(X in axes for axes in layouts[v][1:])),
     )
+
+
+def _block_entry_inputs(jaxpr, origin: dict, params) -> set:
+    """The layer inputs that are a block's input: the activation read by a block's first
+    parameter use where that use is a layer (a dense block, a convolution), so it is the
+    block input kept under checkpointing, not an activation besides it."""
+    began, entries = set(), set()
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not R.is_literal(v)]
+        weights = [origin[v] for v in ins if v in origin]
+        acts = [v for v in ins if v not in origin]
+        layer = eqn.primitive.name in ("dot_general", "conv_general_dilated") and len(weights) == 1
+        blocks = {block_of(params[p].path) for p in weights} - {None}
+        if layer and len(acts) == 1 and blocks and not blocks & began:
+            entries.add(acts[0])
+        began |= blocks
+    return entries
 
 
 class _ScatterFlow:
@@ -287,7 +320,7 @@ def _merge_activations(activations) -> tuple[Activation, ...]:
     counts: collections.Counter = collections.Counter()
     first: dict[tuple, Activation] = {}
     for a in activations:
-        key = (a.name, a.per_token, a.axis, a.kind)
+        key = (a.name, a.per_token, a.axis, a.kind, a.rows_axis)
         counts[key] += a.count
         first.setdefault(key, a)
     return tuple(dataclasses.replace(first[key], count=n) for key, n in counts.items())
