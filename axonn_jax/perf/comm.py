@@ -23,7 +23,8 @@ layer output gradient (default)     all-gather   in axis      backward (its tran
 layer input (default)               all-gather   out axis     forward (×2 recompute),
                                                               unless the input is whole
 input gradient                      all-reduce   out axis     backward (default: whole
-                                                              inputs only)
+                                                              inputs only; none for the
+                                                              model's data: input_grad)
 input gradient (default)            reduce-scat  out axis     backward: the gathered
                                                               input's transpose (OAR)
 norm statistics                     all-reduce   y            forward (×2 recompute), bwd
@@ -240,7 +241,7 @@ class _Step:
                 # reduce-scattered back onto the batch (OAR, runtime.executor._partial_gathers)
                 self.add("input gradient", "reduce-scatter", (m.out_axis,), "backward",
                          _ring("reduce-scatter", g_out) * layer_input * gathered, gathered * self.mb)  # fmt: skip
-            if m.out_axis:
+            if m.out_axis and m.input_grad:  # none for the model's data
                 self.add("input gradient", "all-reduce", (m.out_axis,), "backward",
                          _ring("all-reduce", g_out) * layer_input * whole, whole * self.mb / m.fused,
                          transfers=whole * self.mb)  # fmt: skip

@@ -116,7 +116,10 @@ class MatMul:
     (a convolution's output is all-reduced). ``input_width``: input elements
     per output row when they are not ``k`` (a convolution, priced as the
     implicit GEMM of its ``m`` output positions: its input is read once, not
-    once per kernel tap); 0 means ``k``.
+    once per kernel tap); 0 means ``k``. ``input_grad``: the backward computes
+    the input's gradient (False where the input depends on no parameter, the
+    model's data: nothing reads that gradient, so the compiled step has neither
+    its matmul nor its all-reduce).
     """
 
     name: str
@@ -131,6 +134,13 @@ class MatMul:
     whole_inputs: int = 0
     scatters: bool = True
     input_width: float = 0.0
+    input_grad: bool = True
+
+    @property
+    def passes(self) -> int:
+        """Matmuls of this shape per copy and step without recompute: forward, the weight
+        gradient and (``input_grad``) the input gradient."""
+        return 3 if self.input_grad else 2
 
     @property
     def input_per_row(self) -> float:
@@ -226,7 +236,7 @@ class ModelSpec:
         """FLOPs of one training step on the whole batch (forward + backward [+ recompute])."""
         total = 0.0
         for m in self.matmuls:
-            total += m.count * m.flops * (4 if recompute and m.recomputed else 3)
+            total += m.count * m.flops * (m.passes + (1 if recompute and m.recomputed else 0))
         return total + self.attention_flops * (4 if recompute else 3)
 
     def problems(self, grid: Grid) -> list[str]:

@@ -124,7 +124,7 @@ def flops_per_device(spec: ModelSpec, grid: Grid, *, recompute: bool) -> float:
     """
     total = 0.0
     for m in spec.matmuls:
-        passes = 4 if recompute and m.recomputed else 3
+        passes = m.passes + (1 if recompute and m.recomputed else 0)
         split = (grid.axis_size(m.in_axis) if m.in_axis else 1) * (
             grid.axis_size(m.out_axis) if m.out_axis else 1
         )

@@ -68,6 +68,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
     casts = param_like_producers(jaxpr, n_params)
+    trained = _from_params(jaxpr, n_params)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
@@ -79,7 +80,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             table = layouts[eqn.invars[0]]
             lookups += any(X in table[d] for d in dn.start_index_map)  # vocabulary-parallel
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
-            conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path)
+            conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path,
+                                input_grad=eqn.invars[0] in trained)  # fmt: skip
             matmuls.append((None, conv))
             weight_of.append((eqn.invars[0], origin[eqn.invars[1]]))  # a layer of the gather groups
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
@@ -110,7 +112,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         path = plan.params[p].path
         weight_of.append((act_var, p))
         matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
-                                        whole_inputs=int(act_var not in flow.axis))))  # fmt: skip
+                                        whole_inputs=int(act_var not in flow.axis),
+                                        input_grad=act_var in trained)))  # fmt: skip
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
         outputs.append((math.prod(R.shape_of(eqn.outvars[0])), out_axis, in_axis))  # scattered over in_axis
@@ -222,26 +225,39 @@ class _ScatterFlow:
             self.axis[eqn.outvars[0]] = in_axis
 
 
-def _conv_matmul(eqn, layouts, path: str) -> MatMul:
+def _from_params(jaxpr, n_params: int) -> set:
+    """The variables computed from some parameter: only their gradients are computed."""
+    out = set(jaxpr.invars[:n_params])
+    for eqn in jaxpr.eqns:
+        if any(not R.is_literal(v) and v in out for v in eqn.invars):
+            out.update(eqn.outvars)
+    return out
+
+
+def _conv_matmul(eqn, layouts, path: str, input_grad: bool = True) -> MatMul:
     """A convolution with a parameter kernel as the matmul it computes (implicit GEMM).
 
     m output positions (batch × spatial), k = input channels per group × kernel
     window, n output channels: ``2·m·k·n`` are its FLOPs. Its input is read
     whole (``input_width``: input elements per output position) and its partial
     sums are all-reduced over the input-channel axis (``rules.conv``: a
-    convolution's output is not reduce-scattered onto the batch).
+    convolution's output is not reduce-scattered onto the batch). That axis is
+    the one splitting the input's channels: ``rules.conv`` makes the kernel's
+    input channels follow the activation's (``w[ri] = act[lf]``), so a
+    convolution of whole channels (the model's images) contracts them whole,
+    with nothing to reduce, even where the kernel is stored split.
     """
     lhs, rhs = eqn.invars
     dn = eqn.params["dimension_numbers"]
-    out_ch_dim, in_ch_dim = dn.rhs_spec[:2]
+    out_ch_dim = dn.rhs_spec[0]
     kernel, out = R.shape_of(rhs), R.shape_of(eqn.outvars[0])
     n = kernel[out_ch_dim]
     k = math.prod(kernel) // n
     m = math.prod(out) // n
-    w_lay = layouts[rhs]
-    return MatMul(path, m, k, n, _tensor_axis(w_lay[in_ch_dim]), _tensor_axis(w_lay[out_ch_dim]),
+    in_axis = _tensor_axis(layouts[lhs][dn.lhs_spec[1]])
+    return MatMul(path, m, k, n, in_axis, _tensor_axis(layouts[rhs][out_ch_dim]),
                   recomputed=_in_block(path), whole_inputs=1, scatters=False,
-                  input_width=math.prod(R.shape_of(lhs)) / m)  # fmt: skip
+                  input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
 
 
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
@@ -305,12 +321,12 @@ def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
     groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
     for m in matmuls:
         groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused, m.scatters,
-                m.input_width)].append(m)
+                m.input_width, m.input_grad)].append(m)
     return tuple(
         MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
                ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
                recomputed=ms[0].recomputed, fused=ms[0].fused, scatters=ms[0].scatters,
-               input_width=ms[0].input_width,
+               input_width=ms[0].input_width, input_grad=ms[0].input_grad,
                whole_inputs=sum(m.whole_inputs for m in ms))  # fmt: skip
         for ms in groups.values()
     )
