@@ -718,9 +718,9 @@ def test_a_dense_block_input_is_its_first_layers_input_kept_once():
     assert {a.name for a in spec.activations} == {"block input (a layer's input)", "layer output"}
 
 
-def _compiled_all_reduces(model, inputs, grid: Grid) -> list[float]:
-    """Wire bytes of each all-reduce of a ``pm.apply``-based jitted train step of ``model``
-    (``benchmarks/grid_prediction.py``'s), the scalar loss's aside."""
+def _compiled_collectives_of(model, inputs, grid: Grid, kind: str) -> list[float]:
+    """Wire bytes of each ``kind`` collective of a ``pm.apply``-based jitted train step of
+    ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside."""
     from axonn_jax.memory_check import squares_loss
     from axonn_jax.partitioned import partition
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
@@ -736,33 +736,43 @@ def _compiled_all_reduces(model, inputs, grid: Grid) -> list[float]:
         return optax.apply_updates(p, updates), s, loss
 
     text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), inputs).compile().as_text()
-    found = [c for c in hlo_collectives(text, num_devices=8) if not c.trivial and c.kind == "all-reduce"]
+    found = [c for c in hlo_collectives(text, num_devices=8) if not c.trivial and c.kind == kind]
     return sorted(c.wire_bytes * (1 - sum(4 for _, dims in c.shapes if dims == ()) / c.result_bytes)
                   for c in found)  # fmt: skip
 
 
-@pytest.mark.parametrize("name, grid", [("mlp", "x=8"), ("cnn", "x=8"), ("cnn", "y=8")])
-def test_traced_all_reduces_are_the_compiled_steps(name, grid):
+@pytest.mark.parametrize("name, grid", [("mlp", "x=8"), ("mlp", "x=4,y=2"), ("cnn", "x=8"), ("cnn", "y=8")])
+def test_traced_collectives_are_the_compiled_steps(name, grid):
     """The all-reduces the model prices for a traced MLP / CNN are the compiled step's: no
     input gradient for a layer reading the model's data (nothing asks for it), and a
     convolution of whole input channels (the images) reduces nothing, even though its kernel
     is stored split over y (``rules.conv``: the kernel's input channels follow the input's).
     On y=8 the compiled step also all-reduces the head's input gradient (the flatten's
-    gather of the channels, a replicated fallback the model does not price): that one aside."""
+    gather of the channels, a replicated fallback the model does not price): that one aside.
+    The MLP's and the CNN's (x=8) all-gathers and reduce-scatters are the compiled ones too,
+    the gathers of the outputs included: the MLP's features split over y and its batch
+    reduce-scattered over x, the CNN's 16 logits per image (less than one per position)."""
     from axonn_jax.models import CNN, MLP
     from axonn_jax.perf.traced import spec_from_model
 
-    model, inputs = ((MLP(features=(256, 256, 64)), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    model, inputs = ((MLP(features=(256, 256, 256, 64)), jax.ShapeDtypeStruct((64, 64), jnp.float32))
                      if name == "mlp" else
                      (CNN(channels=(32, 64), num_classes=16), jax.ShapeDtypeStruct((32, 32, 32, 8), jnp.float32)))
     g = Grid.parse(grid)
     spec = spec_from_model(model, inputs)
     ours = [4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == "all-reduce"]
-    compiled = _compiled_all_reduces(model, inputs, g)
+    compiled = _compiled_collectives_of(model, inputs, g, "all-reduce")
     if grid == "y=8":
         compiled.remove(4 * 32 * 4096 * 2 * 7 / 8)  # the head's [32, 4096] input gradient
     # bytes in all (XLA combines the small bias-gradient all-reduces with others of the group)
     assert sum(ours) == pytest.approx(sum(compiled), rel=1e-12) and len(ours) >= len(compiled) > 0
+    if grid == "y=8":
+        return
+    for kind in ("all-gather", "reduce-scatter"):
+        mine = [(c.calls, 4 * c.elements) for c in collectives(spec, g, recompute=False) if c.kind == kind]
+        compiled = _compiled_collectives_of(model, inputs, g, kind)
+        assert sum(calls for calls, _ in mine) == len(compiled), kind
+        assert sum(b for _, b in mine) == pytest.approx(sum(compiled), rel=1e-12), kind
 
 
 def test_deferred_w_residuals_are_priced_per_stage():

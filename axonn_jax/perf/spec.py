@@ -204,9 +204,11 @@ class ModelSpec:
     norms: int = 0  # normalisations over the y-split hidden dim (each all-reduces statistics)
     norm_stats: int = 2  # per-token statistics one norm all-reduces (LayerNorm: 2, RMSNorm: 1)
     lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
-    #: per-token elements of model outputs split over x (vocabulary-parallel logits), which
-    #: the model's apply all-gathers to return them whole
-    split_outputs: int = 0
+    #: per-token elements of model outputs whose features are split over ``output_axis``
+    #: (vocabulary-parallel logits: x), which the model's apply all-gathers to return them
+    #: whole (and their batch, reduce-scattered over the other tensor axis by the last layer)
+    split_outputs: float = 0
+    output_axis: str = X
     #: the tensor axis the residual stream between blocks is reduce-scattered over in the
     #: default program (the axis of the blocks' last, transposed layers: x); norms on it
     #: all-reduce the statistics of 1/(its size) of the rows

@@ -163,8 +163,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         lookups=lookups,
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
-        split_outputs=sum(math.prod(R.shape_of(v)) // tokens for v in jaxpr.outvars
-                          if not R.is_literal(v) and any(X in axes for axes in layouts[v][1:])),
+        **_split_outputs(jaxpr, layouts, tokens),
     )
 
 
@@ -223,6 +222,16 @@ class _ScatterFlow:
         """A layer's output: scattered over its input axis."""
         if in_axis:
             self.axis[eqn.outvars[0]] = in_axis
+
+
+def _split_outputs(jaxpr, layouts, tokens: int) -> dict:
+    """``split_outputs`` (per token, as a fraction where an output has fewer elements than
+    the activations have rows: a classifier's logits) and ``output_axis`` of the model's
+    outputs whose features a tensor axis splits (the first such output's axis)."""
+    split = [(v, axis) for v in jaxpr.outvars if not R.is_literal(v)
+             for axis in [_tensor_axis(tuple(a for axes in layouts[v][1:] for a in axes))] if axis]  # fmt: skip
+    return {"split_outputs": sum(math.prod(R.shape_of(v)) / tokens for v, _ in split),
+            "output_axis": split[0][1] if split else X}
 
 
 def _from_params(jaxpr, n_params: int) -> set:
