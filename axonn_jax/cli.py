@@ -72,6 +72,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--no-scatter-batch", action="store_true",
                       help="price the all-reduce form (partition(..., scatter_batch=False)): each "
                            "layer's partial sums all-reduced, not reduce-scattered onto the batch")  # fmt: skip
+    plan.add_argument("--loss", choices=("planned", "gathered"), default="planned",
+                      help="planned (default): a softmax cross-entropy planned with the model, as "
+                           "pm.train_step runs it (its max and sums all-reduced over x, one row per "
+                           "output token); gathered: the loss of a jitted step after pm.apply's "
+                           "gathered outputs")  # fmt: skip
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
     plan.add_argument("--check-memory", type=int, nargs="?", const=3, default=0, metavar="K",
@@ -137,10 +142,11 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--no-recompute is --recompute off; it cannot be combined with --recompute {args.recompute}")
     recompute = "off" if args.no_recompute else args.recompute
     schedule = "message" if args.schedule == "auto" else args.schedule
-    options = Options(precision=args.precision, schedule=schedule, scatter_batch=not args.no_scatter_batch)
     if args.check_memory:
         _simulate_cpu_devices(args.gpus)
     spec = _spec(parser, args)
+    options = Options(precision=args.precision, schedule=schedule, scatter_batch=not args.no_scatter_batch,
+                      loss_rows=loss_rows(spec, args.loss))  # fmt: skip
     model = _model(parser, args) if args.check_memory else None
     t0 = time.perf_counter()
     result = search(spec, args.gpus, machine, options=options, top=args.top,
@@ -178,6 +184,14 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         )
         return 1
     return 0
+
+
+def loss_rows(spec, loss: str = "planned") -> int:
+    """``Options.loss_rows`` of the program the launch line runs: ``pm.train_step`` plans a
+    softmax cross-entropy with the model on every row of its vocabulary-split outputs (the
+    example's :func:`~axonn_jax.models.next_token_loss` on loader windows: batch·seq rows);
+    0 for ``"gathered"`` (a loss after ``pm.apply``) or a model without split outputs."""
+    return spec.tokens if loss == "planned" and spec.split_outputs else 0
 
 
 def _check(model, result, k: int, machine):
@@ -302,6 +316,7 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
         f"on {gpus} × {machine.name}\n"
         f"compute at {machine.peak_tflops:g} TFLOP/s × {machine.efficiency:g}; "
         f"{options.precision} precision; "
+        f"loss {'planned with the model' if options.loss_rows else 'after the gathered outputs'}; "
         f"activation checkpointing {'searched' if recompute == 'auto' else recompute}; "
         f"{result.summary()}; searched in {seconds:.2f} s"
     )

@@ -29,6 +29,7 @@ import optax
 import pytest
 
 from axonn_jax import Grid
+from axonn_jax.partitioner.grid import X, Y
 from axonn_jax.cli import main
 from axonn_jax.perf import machines
 from axonn_jax.perf.comm import collectives, elements_by
@@ -667,10 +668,111 @@ def test_convolutions_are_priced_as_their_implicit_gemm():
     jaxpr = inline_calls(trace_model(model, images).jaxpr).jaxpr
     counted = sum(equation_flops(e) for e in jaxpr.eqns if e.primitive.name == "conv_general_dilated")
     assert sum(m.flops * m.count for m in convs) == counted
-    # the compute is split like the layers': x·y and the batch shards
+    # the compute is split like the layers': x·y and the batch shards; the first convolution
+    # reads the images, whole channels (nothing to split over y) and no gradient (2 passes)
+    assert [(m.in_axis, m.out_axis, m.passes) for m in convs] == [(None, X, 2), (X, Y, 3)]
     grid = Grid(x=2, y=2, data=2)
     assert flops_per_device(spec, grid, recompute=False) == pytest.approx(
-        3 * sum(m.flops * m.count for m in spec.matmuls) / 8)
+        (2 * convs[0].flops / 2 + 3 * sum(m.flops * m.count for m in spec.matmuls[1:]) / 4) / 2)
+
+
+def test_a_cnns_activations_are_its_channels_and_its_convolutions_outputs():
+    """A CNN block's input is its input channels per position, not the convolution's k
+    (channels × window, never materialised); each convolution's output, which relu and the
+    pooling read, is kept, all-reduced whole over the input-channel axis (replicated there)."""
+    from axonn_jax.models import CNN
+    from axonn_jax.perf.step import elementwise_bytes
+    from axonn_jax.perf.traced import spec_from_model
+
+    spec = spec_from_model(CNN(channels=(16, 32)), jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32))
+    assert spec.hidden == 3 and spec.tokens == 16 * 16 * 16
+    kept = {(a.name, a.per_token, a.axis, a.kind, a.rows_axis) for a in spec.activations}
+    assert kept == {
+        ("block input (a layer's input)", 3, None, "checkpoint", None),  # the images: conv_0's input
+        ("block input (a layer's input)", 16 / 4, X, "checkpoint", None),  # pooled, conv_1's input
+        ("matmul input", 32 / 4 / 4, Y, "block", None),                 # pooled again, the head's
+        ("layer output", 16, X, "block", None),                         # conv_0's, before relu
+        ("layer output", 32 / 4, Y, "block", None),                     # conv_1's (8×8 positions)
+        ("layer output", 10 / 256, X, "block", Y),                      # the head's logits
+    }
+    # on y the first convolution's input and output are whole on every device of the group:
+    # their elementwise traffic is not split (that of the second's output is)
+    tokens = spec.tokens / 2
+    base = elementwise_bytes(spec, Grid(data=2), recompute=False, itemsize=4)
+    on_y = elementwise_bytes(spec, Grid(y=2, data=2), recompute=False, itemsize=4)
+    assert base - on_y == pytest.approx(4 * 4 * tokens * (8 / 2 + 2 / 2 + 10 / 256 / 2))
+
+
+def test_a_dense_block_input_is_its_first_layers_input_kept_once():
+    """An MLP's blocks begin with their layer: the block inputs are the layers' inputs (their
+    own widths, kept under checkpointing), not another activation of the first layer's width
+    besides them; each layer's output is reduce-scattered onto the batch over its in axis."""
+    from axonn_jax.models import MLP
+    from axonn_jax.perf.traced import spec_from_model
+
+    spec = spec_from_model(MLP(features=(64, 128, 16)), jax.ShapeDtypeStruct((8, 32), jnp.float32))
+    checkpoints = sorted((a.per_token, a.axis, a.count) for a in spec.activations if a.kind == "checkpoint")
+    assert checkpoints == [(32, Y, 1), (64, X, 1), (128, Y, 1)]  # dense_0, dense_1, dense_2's inputs
+    outputs = sorted((a.per_token, a.axis, a.rows_axis) for a in spec.activations if a.name == "layer output")
+    assert outputs == [(16, X, Y), (64, X, Y), (128, Y, X)]
+    assert {a.name for a in spec.activations} == {"block input (a layer's input)", "layer output"}
+
+
+def _compiled_collectives_of(model, inputs, grid: Grid, kind: str) -> list[float]:
+    """Wire bytes of each ``kind`` collective of a ``pm.apply``-based jitted train step of
+    ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside."""
+    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.partitioned import partition
+    from axonn_jax.runtime.hlo import collectives as hlo_collectives
+
+    pm = partition(model, grid, inputs)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(pm.init, jax.random.key(0)), pm.param_shardings)  # fmt: skip
+    opt = optax.adamw(1e-3)
+
+    def step(p, s, x):
+        loss, grads = jax.value_and_grad(lambda q: squares_loss(pm.apply(q, x), x))(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), inputs).compile().as_text()
+    found = [c for c in hlo_collectives(text, num_devices=8) if not c.trivial and c.kind == kind]
+    return sorted(c.wire_bytes * (1 - sum(4 for _, dims in c.shapes if dims == ()) / c.result_bytes)
+                  for c in found)  # fmt: skip
+
+
+@pytest.mark.parametrize("name, grid", [("mlp", "x=8"), ("mlp", "x=4,y=2"), ("cnn", "x=8"), ("cnn", "y=8")])
+def test_traced_collectives_are_the_compiled_steps(name, grid):
+    """The all-reduces the model prices for a traced MLP / CNN are the compiled step's: no
+    input gradient for a layer reading the model's data (nothing asks for it), and a
+    convolution of whole input channels (the images) reduces nothing, even though its kernel
+    is stored split over y (``rules.conv``: the kernel's input channels follow the input's).
+    On y=8 the compiled step also all-reduces the head's input gradient (the flatten's
+    gather of the channels, a replicated fallback the model does not price): that one aside.
+    The MLP's and the CNN's (x=8) all-gathers and reduce-scatters are the compiled ones too,
+    the gathers of the outputs included: the MLP's features split over y and its batch
+    reduce-scattered over x, the CNN's 16 logits per image (less than one per position)."""
+    from axonn_jax.models import CNN, MLP
+    from axonn_jax.perf.traced import spec_from_model
+
+    model, inputs = ((MLP(features=(256, 256, 256, 64)), jax.ShapeDtypeStruct((64, 64), jnp.float32))
+                     if name == "mlp" else
+                     (CNN(channels=(32, 64), num_classes=16), jax.ShapeDtypeStruct((32, 32, 32, 8), jnp.float32)))
+    g = Grid.parse(grid)
+    spec = spec_from_model(model, inputs)
+    ours = [4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == "all-reduce"]
+    compiled = _compiled_collectives_of(model, inputs, g, "all-reduce")
+    if grid == "y=8":
+        compiled.remove(4 * 32 * 4096 * 2 * 7 / 8)  # the head's [32, 4096] input gradient
+    # bytes in all (XLA combines the small bias-gradient all-reduces with others of the group)
+    assert sum(ours) == pytest.approx(sum(compiled), rel=1e-12) and len(ours) >= len(compiled) > 0
+    if grid == "y=8":
+        return
+    for kind in ("all-gather", "reduce-scatter"):
+        mine = [(c.calls, 4 * c.elements) for c in collectives(spec, g, recompute=False) if c.kind == kind]
+        compiled = _compiled_collectives_of(model, inputs, g, kind)
+        assert sum(calls for calls, _ in mine) == len(compiled), kind
+        assert sum(b for _, b in mine) == pytest.approx(sum(compiled), rel=1e-12), kind
 
 
 def test_deferred_w_residuals_are_priced_per_stage():

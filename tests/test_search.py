@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import re
 
 import pytest
@@ -110,3 +111,46 @@ def test_cli_table_shows_the_searched_dimensions(capsys):
     assert top[5] != "1" and top[9] in ("zb", "zb-h1")  # a pipeline wins here, zero-bubble
     launch = out.rstrip().splitlines()[-1]
     assert re.search(rf'schedule="{top[9]}"', launch) and f"--microbatches {top[6]}" in launch
+
+
+def test_the_planner_prices_the_loss_planned_with_the_model(capsys):
+    """`axonn-jax plan` ranks the program its launch line runs: `pm.train_step` plans the
+    softmax cross-entropy with the model, so the vocabulary-split logits are not gathered and
+    their max and sums are all-reduced over x, one row per token (`collectives(loss_rows=)`).
+    Every ranked configuration's comm is that program's; `--loss gathered` prices the gathers."""
+    shape = dict(layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512)
+    argv = ["plan", "--gpus", "8", "--machine", "frontier", "--top", "1000", "--json", "--no-pipeline",
+            *itertools.chain.from_iterable((f"--{k}", str(v)) for k, v in shape.items())]
+    spec, machine = gpt_spec(**shape), machines.get("frontier")
+    priced = {}
+    for loss, rows in (("planned", 16 * 32), ("gathered", 0)):
+        assert main([*argv, "--loss", loss]) == 0
+        configs = json.loads(capsys.readouterr().out)
+        assert {c["x"] for c in configs} >= {1, 2, 4}
+        for c in configs:
+            grid = Grid(x=c["x"], y=c["y"], z=c["z"], data=c["data"])
+            options = Options(recompute=c["recompute"], offload=c["offload"], microbatches=c["microbatches"],
+                              loss_rows=rows)  # fmt: skip
+            p = predict(spec, grid, machine, options)
+            assert c["comm_bytes_per_gpu"] == pytest.approx(p.comm_bytes, rel=1e-12), (loss, grid)
+            assert c["comm_seconds"] == pytest.approx(p.comm_seconds, rel=1e-12), (loss, grid)
+            assert any(q.what == "loss reductions" for q in p.collectives) == (loss == "planned" and grid.x > 1)
+            priced[loss, grid, c["microbatches"], c["recompute"]] = c["comm_bytes_per_gpu"]
+    # the same configuration sends less with the planned loss where x splits the logits (no
+    # gathers of the logits over x, nor of their batch over y)
+    both = [(g, k) for (loss, g, *k) in priced if loss == "planned" and ("gathered", g, *k) in priced]
+    assert any(g.x > 1 for g, _ in both)
+    for g, k in both:
+        planned, gathered = priced[("planned", g, *k)], priced[("gathered", g, *k)]
+        assert planned <= gathered and (planned < gathered or g.x == 1), g
+
+
+def test_search_ranks_with_the_options_loss_rows():
+    """`search(options=Options(loss_rows=...))` prices every configuration with the loss's
+    all-reduces (the search keeps the options' program form)."""
+    spec, machine = gpt_spec(layers=2, hidden=64, heads=4, seq=32, batch=16, vocab=512), machines.get("frontier")
+    ranked = search(spec, 8, machine, options=Options(loss_rows=spec.tokens), top=1000, pipeline=False).ranked
+    assert any(p.grid.x > 1 for p in ranked)
+    for p in ranked:
+        assert p.options.loss_rows == spec.tokens
+        assert any(c.what == "loss reductions" for c in p.collectives) == (p.grid.x > 1)

@@ -51,7 +51,7 @@ def plan_volumes(
     bytes use the precision of ``options``.
     """
     cs = collectives(spec, grid, recompute=options.recompute, microbatches=options.microbatches,
-                     scatter_batch=options.scatter_batch)
+                     scatter_batch=options.scatter_batch, loss_rows=options.loss_rows)
     out = {
         "elements": elements_by(cs, "kind"),
         "bytes": {k: v * options.itemsize for k, v in elements_by(cs, "kind").items()},

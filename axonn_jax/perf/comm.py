@@ -23,13 +23,15 @@ layer output gradient (default)     all-gather   in axis      backward (its tran
 layer input (default)               all-gather   out axis     forward (×2 recompute),
                                                               unless the input is whole
 input gradient                      all-reduce   out axis     backward (default: whole
-                                                              inputs only)
+                                                              inputs only; none for the
+                                                              model's data: input_grad)
 input gradient (default)            reduce-scat  out axis     backward: the gathered
                                                               input's transpose (OAR)
 norm statistics                     all-reduce   y            forward (×2 recompute), bwd
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
 output gather                       all-gather   x (and y)    forward (vocabulary-parallel
-                                                              logits; default: their batch)
+                                                              logits; default: their batch;
+                                                              output_axis: the split one)
 loss reductions (loss_rows=)        all-reduce   x            forward (max; sums and label
                                                               logits; instead of the gather)
 stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
@@ -248,7 +250,7 @@ class _Step:
                 # reduce-scattered back onto the batch (OAR, runtime.executor._partial_gathers)
                 self.add("input gradient", "reduce-scatter", (m.out_axis,), "backward",
                          _ring("reduce-scatter", g_out) * layer_input * gathered, gathered * self.mb)  # fmt: skip
-            if m.out_axis:
+            if m.out_axis and m.input_grad:  # none for the model's data
                 self.add("input gradient", "all-reduce", (m.out_axis,), "backward",
                          _ring("all-reduce", g_out) * layer_input * whole, whole * self.mb / m.fused,
                          transfers=whole * self.mb)  # fmt: skip
@@ -259,15 +261,16 @@ class _Step:
         if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
             looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
             self.add("embedding lookup", "all-reduce", (X,), "forward", looked_up, spec.lookups * mb)
+        split, batch = spec.output_axis, (Y if spec.output_axis == X else X)
         if spec.split_outputs and self.loss_rows:  # the loss planned with the model: reduced over x
             self._planned_loss()
-        elif spec.split_outputs:  # the head is a normal layer: its logits come scattered over y
-            logits = rows * spec.split_outputs
-            if Y in self.scattered:
-                self.add("output gather", "all-gather", (Y,), "forward",
-                         _ring("all-gather", grid.y) * logits / grid.x, mb)  # fmt: skip
-            self.add("output gather", "all-gather", (X,), "forward",
-                     _ring("all-gather", grid.x) * logits, mb)  # fmt: skip
+        elif spec.split_outputs:  # the last layer's outputs: features split, batch scattered
+            logits = rows * spec.split_outputs  # (the GPT's head: over x and y)
+            if batch in self.scattered:
+                self.add("output gather", "all-gather", (batch,), "forward",
+                         _ring("all-gather", grid.axis_size(batch)) * logits / grid.axis_size(split), mb)  # fmt: skip
+            self.add("output gather", "all-gather", (split,), "forward",
+                     _ring("all-gather", grid.axis_size(split)) * logits, mb)  # fmt: skip
         stream = spec.stream_axis if spec.stream_axis in self.scattered else None
         if spec.norms:
             self._norms(stream)
@@ -279,10 +282,11 @@ class _Step:
     def _planned_loss(self) -> None:
         """Softmax cross-entropy over the x-split logits: the max (one all-reduce), then the
         exponential sums and the label's logit (one, combined), on the device's rows."""
-        grid = self.grid
-        rows = self.loss_rows / grid.batch_shards / (grid.y if Y in self.scattered else 1)
-        self.add("loss reductions", "all-reduce", (X,), "forward", _ring("all-reduce", grid.x) * 3 * rows,
-                 2 * self.mb, transfers=3 * self.mb)  # fmt: skip
+        grid, split = self.grid, self.spec.output_axis
+        batch = Y if split == X else X
+        rows = self.loss_rows / grid.batch_shards / (grid.axis_size(batch) if batch in self.scattered else 1)
+        self.add("loss reductions", "all-reduce", (split,), "forward",
+                 _ring("all-reduce", grid.axis_size(split)) * 3 * rows, 2 * self.mb, transfers=3 * self.mb)  # fmt: skip
 
     def _norms(self, stream: str | None) -> None:
         spec, grid = self.spec, self.grid

@@ -207,7 +207,7 @@ def _activation_bytes_per_token(spec: ModelSpec, grid: Grid, options: Options) -
     """Bytes per token (of the whole batch's rows on this device) of one stage's kept activations."""
     total = 0.0
     for a in spec.activations:
-        elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
+        elements = a.local_per_token(grid)
         if a.kind == "checkpoint":
             elements /= grid.pipeline
         elif a.kind == "block":

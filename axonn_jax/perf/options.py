@@ -121,7 +121,12 @@ class Options:
     :data:`SCHEDULES`; the zero-bubble ones, ``"zb"``, ``"zb-h1"`` and ``"zb-v"``
     (V-shaped placement only), shorten the bubble and keep deferred weight-gradient residuals).
     ``scatter_batch``: the program reduce-scatters layer outputs onto the batch
-    (``partition``'s default) instead of all-reducing them.
+    (``partition``'s default) instead of all-reducing them. ``loss_rows``: the
+    rows a softmax cross-entropy planned with the model reads (``pm.train_step``
+    / ``pm.value_and_grad``; ``batch·seq`` for :func:`~axonn_jax.models.next_token_loss`
+    on loader windows), whose all-reduces over x replace the logits' gathers
+    (:func:`~axonn_jax.perf.comm.collectives`); 0: the loss runs after
+    ``pm.apply``'s gathered outputs.
     """
 
     precision: str = "mixed"
@@ -131,6 +136,7 @@ class Options:
     bucket_bytes: int = 16 * 2**20
     scatter_batch: bool = True
     schedule: str = "message"
+    loss_rows: int = 0
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -139,6 +145,8 @@ class Options:
             raise ValueError(f"precision {self.precision!r} is unknown; choose one of {sorted(PRECISIONS)}")
         if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if isinstance(self.loss_rows, bool) or not isinstance(self.loss_rows, int) or self.loss_rows < 0:
+            raise ValueError(f"loss_rows must be an int >= 0 (0: no planned loss), got {self.loss_rows!r}")
 
     @property
     def bytes(self) -> PrecisionBytes:

@@ -122,7 +122,10 @@ class MatMul:
     (a convolution's output is all-reduced). ``input_width``: input elements
     per output row when they are not ``k`` (a convolution, priced as the
     implicit GEMM of its ``m`` output positions: its input is read once, not
-    once per kernel tap); 0 means ``k``.
+    once per kernel tap); 0 means ``k``. ``input_grad``: the backward computes
+    the input's gradient (False where the input depends on no parameter, the
+    model's data: nothing reads that gradient, so the compiled step has neither
+    its matmul nor its all-reduce).
     """
 
     name: str
@@ -137,6 +140,13 @@ class MatMul:
     whole_inputs: int = 0
     scatters: bool = True
     input_width: float = 0.0
+    input_grad: bool = True
+
+    @property
+    def passes(self) -> int:
+        """Matmuls of this shape per copy and step without recompute: forward, the weight
+        gradient and (``input_grad``) the input gradient."""
+        return 3 if self.input_grad else 2
 
     @property
     def input_per_row(self) -> float:
@@ -160,6 +170,8 @@ class Activation:
     """Activation elements kept per token for backward, split over ``axis`` (batch over data·z).
 
     ``itemsize`` overrides the activation dtype (e.g. 4 for float32 logits).
+    ``rows_axis``: the default program holds its rows reduce-scattered onto the
+    batch over this tensor axis (a dense layer's output: ``scatter_batch``).
     """
 
     name: str
@@ -168,10 +180,17 @@ class Activation:
     count: int = 1
     kind: str = "block"
     itemsize: int | None = None
+    rows_axis: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ACTIVATION_KINDS:
             raise ValueError(f"activation {self.name!r}: kind {self.kind!r} not in {ACTIVATION_KINDS}")
+
+    def local_per_token(self, grid: Grid) -> float:
+        """Elements of all ``count`` copies one device holds per token of its batch shard."""
+        split = (grid.axis_size(self.axis) if self.axis else 1) * (
+            grid.axis_size(self.rows_axis) if self.rows_axis else 1)
+        return self.per_token * self.count / split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +210,11 @@ class ModelSpec:
     norms: int = 0  # normalisations over the y-split hidden dim (each all-reduces statistics)
     norm_stats: int = 2  # per-token statistics one norm all-reduces (LayerNorm: 2, RMSNorm: 1)
     lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
-    #: per-token elements of model outputs split over x (vocabulary-parallel logits), which
-    #: the model's apply all-gathers to return them whole
-    split_outputs: int = 0
+    #: per-token elements of model outputs whose features are split over ``output_axis``
+    #: (vocabulary-parallel logits: x), which the model's apply all-gathers to return them
+    #: whole (and their batch, reduce-scattered over the other tensor axis by the last layer)
+    split_outputs: float = 0
+    output_axis: str = X
     #: the tensor axis the residual stream between blocks is reduce-scattered over in the
     #: default program (the axis of the blocks' last, transposed layers: x); norms on it
     #: all-reduce the statistics of 1/(its size) of the rows
@@ -223,7 +244,7 @@ class ModelSpec:
         """FLOPs of one training step on the whole batch (forward + backward [+ recompute])."""
         total = 0.0
         for m in self.matmuls:
-            total += m.count * m.flops * (4 if recompute and m.recomputed else 3)
+            total += m.count * m.flops * (m.passes + (1 if recompute and m.recomputed else 0))
         return total + self.attention_flops * (4 if recompute else 3)
 
     def problems(self, grid: Grid) -> list[str]:

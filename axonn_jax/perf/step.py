@@ -124,7 +124,7 @@ def flops_per_device(spec: ModelSpec, grid: Grid, *, recompute: bool) -> float:
     """
     total = 0.0
     for m in spec.matmuls:
-        passes = 4 if recompute and m.recomputed else 3
+        passes = m.passes + (1 if recompute and m.recomputed else 0)
         split = (grid.axis_size(m.in_axis) if m.in_axis else 1) * (
             grid.axis_size(m.out_axis) if m.out_axis else 1
         )
@@ -139,7 +139,7 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
     tokens = spec.tokens / grid.batch_shards
     total = 0.0
     for a in spec.activations:
-        elements = a.per_token * a.count / (grid.axis_size(a.axis) if a.axis else 1)
+        elements = a.local_per_token(grid)
         passes = ELEMENTWISE_PASSES
         if a.kind != "other":
             elements /= grid.pipeline
@@ -150,16 +150,17 @@ def elementwise_bytes(spec: ModelSpec, grid: Grid, *, recompute: bool, itemsize:
 
 @functools.lru_cache(maxsize=4096)
 def _collectives(spec: ModelSpec, grid: Grid, recompute: bool, microbatches: int,
-                 scatter_batch: bool) -> tuple[CollectiveCost, ...]:
+                 scatter_batch: bool, loss_rows: int) -> tuple[CollectiveCost, ...]:
     """:func:`collectives`, remembered: the search prices several offload and schedule
     choices of each (grid, recompute, microbatches), which send the same."""
-    return collectives(spec, grid, recompute=recompute, microbatches=microbatches, scatter_batch=scatter_batch)
+    return collectives(spec, grid, recompute=recompute, microbatches=microbatches, scatter_batch=scatter_batch,
+                       loss_rows=loss_rows)  # fmt: skip
 
 
 def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Options()) -> Prediction:
     """Time and memory of one training step of ``spec`` on ``grid`` (see module docstring)."""
     mb, p, v = options.microbatches, grid.pipeline, grid.virtual
-    cs = _collectives(spec, grid, options.recompute, mb, options.scatter_batch)
+    cs = _collectives(spec, grid, options.recompute, mb, options.scatter_batch, options.loss_rows)
     itemsize = options.itemsize
     seconds, once, fixed, linear = [], 0.0, 0.0, 0.0
     for c in cs:

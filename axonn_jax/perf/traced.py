@@ -15,10 +15,15 @@ transposed layers are known without devices). From the plan and the jaxpr:
   (``partitioner.blocks``), are gathered in one all-gather (``Param.fused``);
 * matmuls between two activations (attention) count as FLOPs split over
   data·z·x;
-* activations kept for backward: the activation operands of those matmuls
-  (a lower bound: elementwise intermediates are not counted);
+* activations kept for backward: the activation operands of those matmuls,
+  and each weight matmul's output, which the elementwise work after it reads
+  (an activation's input, a pooling's: a convolution's output is all-reduced
+  whole over its input-channel axis, a dense layer's reduce-scattered onto the
+  batch over it, ``rows_axis``); a lower bound: other intermediates are not
+  counted;
 * blocks (for pipeline stages): the most repeated numbered path component
-  (``block_3``, ``blocks/3``); boundary width: k of the first weight matmul.
+  (``block_3``, ``blocks/3``); boundary width: the input per token of the first
+  weight matmul (k for a dense layer, the input channels for a convolution).
 
 * the default program's scattered batch (:class:`_ScatterFlow`): which
   matmul inputs come whole (no all-gather), the rows each parameter is
@@ -59,10 +64,11 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
                                scatter_batch=program.scatter_batch)  # fmt: skip
     lookups = 0
 
-    matmuls, saved, looked_up, weight_of = [], {}, set(), []
+    matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
     casts = param_like_producers(jaxpr, n_params)
+    trained = _from_params(jaxpr, n_params)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
@@ -74,10 +80,12 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             table = layouts[eqn.invars[0]]
             lookups += any(X in table[d] for d in dn.start_index_map)  # vocabulary-parallel
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
-            conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path)
+            conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path,
+                                input_grad=eqn.invars[0] in trained)  # fmt: skip
             matmuls.append((None, conv))
             weight_of.append((eqn.invars[0], origin[eqn.invars[1]]))  # a layer of the gather groups
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
+            outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
         if name_ != "dot_general":
             continue
@@ -104,9 +112,11 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         path = plan.params[p].path
         weight_of.append((act_var, p))
         matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
-                                        whole_inputs=int(act_var not in flow.axis))))  # fmt: skip
+                                        whole_inputs=int(act_var not in flow.axis),
+                                        input_grad=act_var in trained)))  # fmt: skip
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
+        outputs.append((math.prod(R.shape_of(eqn.outvars[0])), out_axis, in_axis))  # scattered over in_axis
     readers = collections.Counter(var for var, _ in matmuls if var is not None)
     matmuls = [mm if var is None else dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
 
@@ -123,12 +133,21 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         for i, p in enumerate(plan.params)
     ]
     params = _gathered_together(params, weight_of)
-    activations = [Activation("matmul input", size / tokens, axis) for size, axis in saved.values()]
+    entries = _block_entry_inputs(jaxpr, origin, plan.params)
+    activations = [Activation("block input (a layer's input)", size / tokens, axis, kind="checkpoint")
+                   if var in entries else Activation("matmul input", size / tokens, axis)
+                   for var, (size, axis) in saved.items()]  # fmt: skip
+    activations += [Activation("layer output", size / tokens, axis, rows_axis=rows)
+                    for size, axis, rows in outputs]  # fmt: skip
     activations += [Activation("attention operand", size / tokens, X)
                     for size in attention_saved.values()]  # fmt: skip
     layers = _blocks(traced.param_paths)
-    hidden = matmuls[0].k
-    activations.append(Activation("block input", hidden, Y, count=layers, kind="checkpoint"))
+    # the width of what crosses a block boundary: the first layer's input per token (a
+    # convolution's input channels, not its k = channels × window, which is never materialised)
+    width = matmuls[0].input_per_row * matmuls[0].m / tokens
+    hidden = int(width) if width == int(width) else width
+    if layers > len(entries):  # blocks entered otherwise (a norm first): their input besides
+        activations.append(Activation("block input", hidden, Y, count=layers - len(entries), kind="checkpoint"))
     arg0 = traced.arg_avals[0].shape if traced.arg_avals else ()
     return ModelSpec(
         name=name or type(model).__name__,
@@ -144,9 +163,25 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         lookups=lookups,
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
-        split_outputs=sum(math.prod(R.shape_of(v)) // tokens for v in jaxpr.outvars
-                          if not R.is_literal(v) and any(X in axes for axes in layouts[v][1:])),
+        **_split_outputs(jaxpr, layouts, tokens),
     )
+
+
+def _block_entry_inputs(jaxpr, origin: dict, params) -> set:
+    """The layer inputs that are a block's input: the activation read by a block's first
+    parameter use where that use is a layer (a dense block, a convolution), so it is the
+    block input kept under checkpointing, not an activation besides it."""
+    began, entries = set(), set()
+    for eqn in jaxpr.eqns:
+        ins = [v for v in eqn.invars if not R.is_literal(v)]
+        weights = [origin[v] for v in ins if v in origin]
+        acts = [v for v in ins if v not in origin]
+        layer = eqn.primitive.name in ("dot_general", "conv_general_dilated") and len(weights) == 1
+        blocks = {block_of(params[p].path) for p in weights} - {None}
+        if layer and len(acts) == 1 and blocks and not blocks & began:
+            entries.add(acts[0])
+        began |= blocks
+    return entries
 
 
 class _ScatterFlow:
@@ -189,26 +224,49 @@ class _ScatterFlow:
             self.axis[eqn.outvars[0]] = in_axis
 
 
-def _conv_matmul(eqn, layouts, path: str) -> MatMul:
+def _split_outputs(jaxpr, layouts, tokens: int) -> dict:
+    """``split_outputs`` (per token, as a fraction where an output has fewer elements than
+    the activations have rows: a classifier's logits) and ``output_axis`` of the model's
+    outputs whose features a tensor axis splits (the first such output's axis)."""
+    split = [(v, axis) for v in jaxpr.outvars if not R.is_literal(v)
+             for axis in [_tensor_axis(tuple(a for axes in layouts[v][1:] for a in axes))] if axis]  # fmt: skip
+    return {"split_outputs": sum(math.prod(R.shape_of(v)) / tokens for v, _ in split),
+            "output_axis": split[0][1] if split else X}
+
+
+def _from_params(jaxpr, n_params: int) -> set:
+    """The variables computed from some parameter: only their gradients are computed."""
+    out = set(jaxpr.invars[:n_params])
+    for eqn in jaxpr.eqns:
+        if any(not R.is_literal(v) and v in out for v in eqn.invars):
+            out.update(eqn.outvars)
+    return out
+
+
+def _conv_matmul(eqn, layouts, path: str, input_grad: bool = True) -> MatMul:
     """A convolution with a parameter kernel as the matmul it computes (implicit GEMM).
 
     m output positions (batch × spatial), k = input channels per group × kernel
     window, n output channels: ``2·m·k·n`` are its FLOPs. Its input is read
     whole (``input_width``: input elements per output position) and its partial
     sums are all-reduced over the input-channel axis (``rules.conv``: a
-    convolution's output is not reduce-scattered onto the batch).
+    convolution's output is not reduce-scattered onto the batch). That axis is
+    the one splitting the input's channels: ``rules.conv`` makes the kernel's
+    input channels follow the activation's (``w[ri] = act[lf]``), so a
+    convolution of whole channels (the model's images) contracts them whole,
+    with nothing to reduce, even where the kernel is stored split.
     """
     lhs, rhs = eqn.invars
     dn = eqn.params["dimension_numbers"]
-    out_ch_dim, in_ch_dim = dn.rhs_spec[:2]
+    out_ch_dim = dn.rhs_spec[0]
     kernel, out = R.shape_of(rhs), R.shape_of(eqn.outvars[0])
     n = kernel[out_ch_dim]
     k = math.prod(kernel) // n
     m = math.prod(out) // n
-    w_lay = layouts[rhs]
-    return MatMul(path, m, k, n, _tensor_axis(w_lay[in_ch_dim]), _tensor_axis(w_lay[out_ch_dim]),
+    in_axis = _tensor_axis(layouts[lhs][dn.lhs_spec[1]])
+    return MatMul(path, m, k, n, in_axis, _tensor_axis(layouts[rhs][out_ch_dim]),
                   recomputed=_in_block(path), whole_inputs=1, scatters=False,
-                  input_width=math.prod(R.shape_of(lhs)) / m)  # fmt: skip
+                  input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
 
 
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
@@ -277,12 +335,12 @@ def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
     groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
     for m in matmuls:
         groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused, m.scatters,
-                m.input_width)].append(m)
+                m.input_width, m.input_grad)].append(m)
     return tuple(
         MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
                ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
                recomputed=ms[0].recomputed, fused=ms[0].fused, scatters=ms[0].scatters,
-               input_width=ms[0].input_width,
+               input_width=ms[0].input_width, input_grad=ms[0].input_grad,
                whole_inputs=sum(m.whole_inputs for m in ms))  # fmt: skip
         for ms in groups.values()
     )
@@ -292,7 +350,7 @@ def _merge_activations(activations) -> tuple[Activation, ...]:
     counts: collections.Counter = collections.Counter()
     first: dict[tuple, Activation] = {}
     for a in activations:
-        key = (a.name, a.per_token, a.axis, a.kind)
+        key = (a.name, a.per_token, a.axis, a.kind, a.rows_axis)
         counts[key] += a.count
         first.setdefault(key, a)
     return tuple(dataclasses.replace(first[key], count=n) for key, n in counts.items())
