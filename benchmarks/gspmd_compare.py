@@ -42,7 +42,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 DEVICES = 8
-GRIDS = ("data=8", "x=2,y=2,z=2", "x=2,z=2,data=2", "x=4,z=2", "z=8", "x=8")
+GRIDS = ("data=8", "x=2,y=2,z=2", "x=2,z=2,data=2", "x=4,z=2", "z=8", "x=8", "x=2,data=4", "x=4,data=2")  # the last two: Megatron tp=2,dp=4 and tp=4,dp=2 split alike
 #: (tp, dp) of the Megatron-style GSPMD runs; (1, 8) is the baseline and always runs.
 MEGATRON = ((8, 1), (4, 2), (2, 4))
 BASELINE = "GSPMD DP dp=8"
