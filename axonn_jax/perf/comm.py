@@ -261,7 +261,7 @@ class _Step:
         if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
             looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
             self.add("embedding lookup", "all-reduce", (X,), "forward", looked_up, spec.lookups * mb)
-        split, batch = spec.output_axis, (Y if spec.output_axis == X else X)
+        split, batch = spec.output_axis, spec.output_batch_axis
         if spec.split_outputs and self.loss_rows:  # the loss planned with the model: reduced over x
             self._planned_loss()
         elif spec.split_outputs:  # the last layer's outputs: features split, batch scattered
@@ -282,8 +282,7 @@ class _Step:
     def _planned_loss(self) -> None:
         """Softmax cross-entropy over the x-split logits: the max (one all-reduce), then the
         exponential sums and the label's logit (one, combined), on the device's rows."""
-        grid, split = self.grid, self.spec.output_axis
-        batch = Y if split == X else X
+        grid, split, batch = self.grid, self.spec.output_axis, self.spec.output_batch_axis
         rows = self.loss_rows / grid.batch_shards / (grid.axis_size(batch) if batch in self.scattered else 1)
         self.add("loss reductions", "all-reduce", (split,), "forward",
                  _ring("all-reduce", grid.axis_size(split)) * 3 * rows, 2 * self.mb, transfers=3 * self.mb)  # fmt: skip

@@ -247,6 +247,11 @@ class ModelSpec:
             total += m.count * m.flops * (m.passes + (1 if recompute and m.recomputed else 0))
         return total + self.attention_flops * (4 if recompute else 3)
 
+    @property
+    def output_batch_axis(self) -> str:
+        """The other tensor axis: the last layer reduce-scatters its output rows over it."""
+        return Y if self.output_axis == X else X
+
     def problems(self, grid: Grid) -> list[str]:
         """Why ``grid`` cannot split this model exactly (empty: it can)."""
         out = []

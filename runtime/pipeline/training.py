@@ -152,8 +152,8 @@ class PipelinedValueAndGrad:
                 scaled: bool) -> tuple[list[StageProgram], Callable, bool]:  # fmt: skip
         """Every stage's program, each microbatch's call, and whether the loss is planned with the
         last stage (``microbatch(mb)``, the batch the loss reads, then one more keyword of the
-        call); a loss that cannot be planned
-        runs after the model's outputs, with a note in :attr:`loss_notes`."""
+        call); a loss that cannot be planned runs after the model's outputs, with a note in
+        :attr:`loss_notes`."""
 
         def planned_call(mb):
             args, kwargs = model_call(mb)
