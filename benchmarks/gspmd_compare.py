@@ -270,6 +270,7 @@ def measure(args) -> dict:
         "model": f"GPT {args.layers}L/{args.hidden}H/{args.heads} heads, vocab {args.vocab}, "
                  f"seq {args.seq}, batch {args.batch}",
         "params": config.num_params(),
+        "hidden": args.hidden,
         "baseline": BASELINE,
         "reference_loss": reference,
         "rounds": args.rounds,

@@ -16,6 +16,7 @@ Run (8 simulated CPU devices)::
     .venv/bin/python benchmarks/redundancy.py --dropout 0.1     # train mode, dropout on
     .venv/bin/python benchmarks/redundancy.py --idioms          # tests/idiom_cases.py × 5 grids
     .venv/bin/python benchmarks/redundancy.py --pipeline-loss   # GPT on pipeline grids, loss planned or not
+    .venv/bin/python benchmarks/redundancy.py --planned-loss    # GPT on one mesh, loss planned or not
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ import numpy as np
 GRIDS = ("x=2,y=2,z=2", "z=4,data=2", "x=4,data=2", "y=2,z=2,data=2")
 #: pipeline grids of the planned-loss table (--pipeline-loss)
 PIPELINE_GRIDS = ("pipeline=2,x=2,z=2", "pipeline=2,x=4", "pipeline=2,x=2,y=2")
+#: one-mesh grids of the planned-loss table (--planned-loss; issue 27's target: ≤ 1.03 planned)
+LOSS_GRIDS = ("x=4,data=2", "x=2,y=2,z=2")
 #: the grids of the idiom models' table (tests/test_idioms.py)
 IDIOM_GRIDS = ("x=2,y=2,z=2", "x=4,data=2", "z=2,data=4", "x=2,z=2,data=2", "y=2,z=2,data=2")
 
@@ -122,19 +125,39 @@ def pipeline_loss_compute(model, args: tuple, loss, grid) -> tuple:
     return tuple(reports)
 
 
-def pipeline_loss_table(entries: dict, grids) -> str:
-    """Markdown: whole-step redundancy, loss included, on pipeline grids, before/after planning the loss."""
+def model_loss_compute(model, args: tuple, loss, grid) -> tuple:
+    """``(loss after the gathered outputs, loss planned with the model)``: ComputeReports of one
+    loss-and-gradient step on one mesh (``pipeline=1``), traced: ``loss(pm.apply(...))`` under
+    ``jax.value_and_grad`` against ``pm.value_and_grad(loss)``."""
+    import axonn_jax
+    from axonn_jax.partitioner.flops import ComputeReport, count
+
+    variables = model.init(jax.random.key(0), *args)
+    plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
+    pm = axonn_jax.partition(model, grid, *args)
+    gathered = count(jax.make_jaxpr(jax.value_and_grad(lambda p: loss(pm.apply(p, *args), *args)))(pm.param_structs))
+    planned, _ = traced_compute(model, args, loss, grid)
+    return ComputeReport(gathered, plain, grid.size), planned
+
+
+def loss_table(entries: dict, grids) -> tuple[str, list[dict]]:
+    """Markdown and rows: whole-step redundancy, loss included, before/after planning the loss
+    (with the last stage on pipeline grids, with the model on one mesh)."""
     from axonn_jax import Grid
 
-    lines = ["| model | grid | loss after gathered outputs | loss planned with the last stage | ratio |",
+    rows = []
+    lines = ["| model | grid | loss after gathered outputs | loss planned | ratio |",
              "|---|---|---|---|---|"]  # fmt: skip
     for name, (model, args, loss) in entries.items():
-        for grid in grids:
-            before, after = pipeline_loss_compute(model, args, loss, Grid.parse(grid))
-            lines.append(f"| {name} | `{grid}` | {before.redundancy:.3f} | {after.redundancy:.3f} | "
+        for text in grids:
+            grid = Grid.parse(text)
+            compute = pipeline_loss_compute if grid.pipeline > 1 else model_loss_compute
+            before, after = compute(model, args, loss, grid)
+            lines.append(f"| {name} | `{text}` | {before.redundancy:.3f} | {after.redundancy:.3f} | "
                          f"{after.redundancy / before.redundancy:.3f} |")  # fmt: skip
+            rows.append({"model": name, "grid": text, "gathered": before.redundancy, "planned": after.redundancy})
             print(lines[-1], flush=True)
-    return "\n".join(lines)
+    return "\n".join(lines), rows
 
 
 def measure(name: str, model, args: tuple, loss, grid_text: str, kwargs: dict | None = None) -> Row:
@@ -230,8 +253,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--pipeline-loss", action="store_true",
                         help="instead: the repo GPT's whole-step redundancy on pipeline grids, before/after "
                              "planning the loss with the last stage (--grids: pipeline grids)")
+    parser.add_argument("--planned-loss", action="store_true",
+                        help="instead: the same on one mesh (default grids x=4,data=2 and x=2,y=2,z=2)")
     ns = parser.parse_args(argv)
-    if ns.pipeline_loss:
+    if ns.pipeline_loss or ns.planned_loss:
         from axonn_jax.models import GPT, GPTConfig, next_token_loss
 
         entries = {}
@@ -239,10 +264,11 @@ def main(argv=None) -> dict:
             config = GPTConfig(vocab_size=vocab, num_layers=4, hidden=32, num_heads=4, max_seq_len=16)
             tokens = np.random.default_rng(0).integers(0, vocab, size=(8, 16)).astype(np.int32)
             entries[f"gpt vocab {vocab}"] = (GPT(config), (tokens,), next_token_loss)
-        grids = PIPELINE_GRIDS if ns.grids == ";".join(GRIDS) else ns.grids.split(";")
-        text = pipeline_loss_table(entries, grids)
+        default = PIPELINE_GRIDS if ns.pipeline_loss else LOSS_GRIDS
+        grids = default if ns.grids == ";".join(GRIDS) else ns.grids.split(";")
+        text, loss_rows = loss_table(entries, grids)
         print(text)
-        return {"rows": [], "table": text}
+        return {"rows": [], "loss_rows": loss_rows, "table": text}
     if ns.idioms:
         text = idiom_table()
         print(text)

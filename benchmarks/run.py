@@ -51,6 +51,8 @@ class Benchmark:
     CPU devices (``None``: the platform's own devices, GPUs included).
     ``markdown_flag``: a flag naming a file the benchmark writes its markdown
     report to; the runner points it at a temporary file and keeps the text.
+    ``script``: the script's name when one script runs under two names (two
+    sizes of one comparison), e.g. ``gspmd_compare_512`` runs ``gspmd_compare``.
     """
 
     name: str
@@ -60,6 +62,12 @@ class Benchmark:
     devices: int | None = 8
     timeout_s: int = 900
     markdown_flag: str | None = None
+    script: str | None = None
+
+    @property
+    def module(self) -> str:
+        """The script ``benchmarks/<module>.py`` this benchmark runs."""
+        return self.script or self.name
 
 
 BENCHMARKS: tuple[Benchmark, ...] = (
@@ -73,11 +81,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     # before: the last revision with the 25%-crossing filter and its own FLOP count
     Benchmark("stage_balance", "Pipeline stage balance by model kind", ("--baseline", "74591ed"),
               ("--models", "mlp,cnn,gpt"), devices=1, timeout_s=1800),  # fmt: skip
-    Benchmark("gspmd_compare", "axonn_jax 4D grids vs GSPMD (Megatron TP, FSDP)",
-              ("--layers", "2", "--hidden", "256", "--rounds", "8"),
+    Benchmark("gspmd_compare", "axonn_jax 4D grids vs GSPMD (Megatron TP, FSDP), hidden 256",
+              ("--layers", "4", "--hidden", "256", "--rounds", "8"),
               ("--layers", "2", "--hidden", "128", "--grids", "data=8;x=2,y=2,z=2;z=8",
                "--megatron", "8x1", "--rounds", "3", "--per-round", "1"),
               timeout_s=1500),  # fmt: skip
+    Benchmark("gspmd_compare_512", "axonn_jax 4D grids vs GSPMD (Megatron TP, FSDP), hidden 512",
+              ("--layers", "4", "--hidden", "512", "--rounds", "8"), None, timeout_s=2400,
+              script="gspmd_compare"),  # fmt: skip
     Benchmark("pipeline_bubble", "Pipeline bubble vs theory",
               ("--microbatches", "4,8,16", "--modes", "uniform,compute", "--task-ms", "100"),
               ("--microbatches", "4,8", "--modes", "uniform", "--virtual", "1"), devices=1,
@@ -94,7 +105,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               ("--rounds", "3", "--steps", "10"), ("--rounds", "1", "--steps", "4"),
               devices=1, timeout_s=1500),  # fmt: skip
     Benchmark("grid_prediction", "Predicted vs measured step time over 8-device grids",
-              ("--rounds", "2", "--per-round", "2"), None, timeout_s=1200,
+              ("--rounds", "16", "--per-round", "3"), None, timeout_s=1800,
               markdown_flag="--out"),  # fmt: skip
     Benchmark("checkpoint_save", "Checkpoint save and restore vs orbax",
               ("--repeats", "3"), ("--repeats", "2", "--hidden", "128", "--layers", "2"),
@@ -107,6 +118,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("redundancy", "Repeated work and parameter share per device (HF models × grids)",
               (), ("--models", "hf_gpt2,hf_wav2vec2", "--grids", "x=2,y=2,z=2;x=4,data=2"),
               timeout_s=1500),  # fmt: skip
+    Benchmark("redundancy_loss", "Repeated work of the whole step, the loss planned with the model (GPT)",
+              ("--planned-loss", "--grids", "x=4,data=2;x=2,y=2,z=2;pipeline=2,x=2,z=2;pipeline=2,x=4"),
+              ("--planned-loss", "--grids", "x=4,data=2"), timeout_s=900, script="redundancy"),  # fmt: skip
 )
 
 
@@ -122,7 +136,7 @@ class Outcome:
 
     @property
     def command(self) -> str:
-        return shlex.join([".venv/bin/python", f"benchmarks/{self.bench.name}.py", *self.argv])
+        return shlex.join([".venv/bin/python", f"benchmarks/{self.bench.module}.py", *self.argv])
 
 
 # ----------------------------------------------------------------------- child side
@@ -212,14 +226,14 @@ def _failure(tail: list[str]) -> str:
 def run_benchmark(bench: Benchmark, argv: list[str], workdir: Path) -> Outcome:
     """Runs one benchmark in a child process; never raises for the benchmark's own failures."""
     outcome = Outcome(bench, list(argv))
-    if not (HERE / f"{bench.name}.py").exists():
-        outcome.reason = f"benchmarks/{bench.name}.py is absent"
+    if not (HERE / f"{bench.module}.py").exists():
+        outcome.reason = f"benchmarks/{bench.module}.py is absent"
         return outcome
     json_path = workdir / f"{bench.name}.json"
     markdown_path = workdir / f"{bench.name}.md" if bench.markdown_flag else None
     if markdown_path:
         argv = [*argv, bench.markdown_flag, str(markdown_path)]
-    command = [sys.executable, str(Path(__file__).resolve()), CHILD, bench.name, str(json_path),
+    command = [sys.executable, str(Path(__file__).resolve()), CHILD, bench.module, str(json_path),
                str(markdown_path or ""), *argv]  # fmt: skip
     t0 = time.perf_counter()
     code, tail = run_child(command, child_env(bench.devices), bench.timeout_s, bench.name)
@@ -245,7 +259,7 @@ def _summary_rows(outcome: Outcome) -> list[tuple[str, str]]:
 
     if outcome.result is None:
         return [(outcome.bench.title, f"not run: {outcome.reason}")]
-    summary, _ = FORMATTERS.get(outcome.bench.name, (None, None))
+    summary, _ = FORMATTERS.get(outcome.bench.module, (None, None))
     if summary is None:
         return [(outcome.bench.title, "see section")]
     try:
@@ -260,7 +274,7 @@ def _section(outcome: Outcome) -> str:
     if outcome.result is None:
         body = f"not run: {outcome.reason}"
     else:
-        _, section = FORMATTERS.get(outcome.bench.name, (None, None))
+        _, section = FORMATTERS.get(outcome.bench.module, (None, None))
         try:
             body = section(outcome.result) if section else f"```\n{json.dumps(outcome.result, indent=1)}\n```"
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:

@@ -88,7 +88,8 @@ def gspmd_summary(r: dict) -> Rows:
             parts.append(fmt.format(ours / 2**20) + " for ours")
         else:
             parts.append(f"{ours:.2f}× {r['baseline']}")
-        out.append((f"{label}: best axonn_jax grid ({best['axonn']['name'].split()[-1]}) vs GSPMD",
+        size = f", hidden {r['hidden']}" if "hidden" in r else ""
+        out.append((f"{label}{size}: best axonn_jax grid ({best['axonn']['name'].split()[-1]}) vs GSPMD",
                     "; ".join(parts)))  # fmt: skip
     return out
 
@@ -106,7 +107,9 @@ def prediction_summary(r: dict) -> Rows:
                  f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
     models = r["models"]
     return [(f"grid choice, {name}: Spearman ρ, predicted vs measured step time over {m['grids']} grids",
-             f"{m['spearman']:.2f} (predicted best is measured #{m['best_rank']})")
+             f"{m['spearman']:.2f} (predicted best is measured #{m['best_rank']}"
+             + (f", fastest in {m['predicted_best_share']:.0%} of resampled rounds" if "tied" in m else "")
+             + ")")
             for name, m in models.items()]  # fmt: skip
 
 
@@ -257,6 +260,12 @@ def mfu_section(r: dict) -> str:
 
 
 def redundancy_summary(r: dict) -> Rows:
+    if r.get("loss_rows"):
+        models = dict.fromkeys(row["model"] for row in r["loss_rows"])
+        return [(f"whole-step redundancy (loss included), {model}: loss planned (after gathered outputs)",
+                 "; ".join(f"{row['planned']:.3f} ({row['gathered']:.3f}) {row['grid']}"
+                           for row in r["loss_rows"] if row["model"] == model))
+                for model in models]  # fmt: skip
     rows = r.get("rows") or []
     if not rows:
         return []
@@ -269,6 +278,11 @@ def redundancy_summary(r: dict) -> Rows:
 
 
 def redundancy_section(r: dict) -> str:
+    if r.get("loss_rows"):
+        return ("Devices × per-device FLOPs / plain FLOPs of one loss-and-gradient step, counted on the "
+                "traced programs (no compilation; pipelines: the stage programs the dispatch queue runs, "
+                "one microbatch), with the loss after the model's gathered outputs and planned with the "
+                "model (`pm.value_and_grad(loss)`; pipelines: with the last stage):\n\n" + r.get("table", ""))
     head = ("Compiled per-device program of `jax.jit(pm.value_and_grad(loss))` (loss included) "
             "vs the plain `jax.value_and_grad`, XLA's `cost_analysis()` FLOPs, same process; "
             "parameter bytes per device / total; loss and gradients vs the plain model:")

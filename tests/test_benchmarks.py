@@ -286,3 +286,28 @@ def test_pipeline_bubble_reports_the_v_placement_apart():
     text = pipeline_bubble.table(results + [zb_v], 4)
     assert "| uniform | 2 | 16 | 0.100 | 0.110 | — |" in text
     assert "| uniform | 2 V | 16 | 0.200 | 0.210 | 0.050 |" in text and "| ZB-V |" in text
+
+
+def test_a_benchmark_runs_its_script_under_its_own_name():
+    """Two sizes of one comparison: ``gspmd_compare_512`` runs ``gspmd_compare.py`` and reads with
+    its formatters; the summary names the size."""
+    bench = next(b for b in run.BENCHMARKS if b.name == "gspmd_compare_512")
+    assert bench.module == "gspmd_compare" and (BENCH / f"{bench.module}.py").exists()
+    assert run.Outcome(bench, list(bench.args)).command.startswith(".venv/bin/python benchmarks/gspmd_compare.py ")
+    assert all((BENCH / f"{b.module}.py").exists() for b in run.BENCHMARKS)
+
+
+def test_the_planned_loss_table_counts_the_whole_step_before_and_after():
+    """``redundancy.py --planned-loss`` on one mesh: the loss planned with the model repeats less
+    work than the loss after the gathered logits (the vocabulary-sized softmax is split), and
+    the summary reports both."""
+    import redundancy
+
+    result = redundancy.main(["--planned-loss", "--grids", "x=4,data=2"])
+    rows = result["loss_rows"]
+    assert [(r["model"], r["grid"]) for r in rows] == [("gpt vocab 96", "x=4,data=2"),
+                                                      ("gpt vocab 1024", "x=4,data=2")]  # fmt: skip
+    assert all(1.0 <= r["planned"] < r["gathered"] for r in rows), rows
+    assert rows[1]["planned"] <= 1.03, rows  # issue 27's bound, loss included
+    (label, value), _ = FORMATTERS["redundancy"][0](result)
+    assert "gpt vocab 96" in label and f"{rows[0]['planned']:.3f} ({rows[0]['gathered']:.3f}) x=4,data=2" == value

@@ -213,27 +213,35 @@ class _Pair(nn.Module):
         return nn.Dense(8, use_bias=False, name="down")(nn.relu(up))
 
 
-class _Blocks(nn.Module):
-    """Three numbered blocks (``block_0`` ...), gathered one block at a time."""
-
-    @nn.compact
-    def __call__(self, x):
-        for b, width in enumerate(BLOCK_WIDTHS):
-            x = _Pair(width, name=f"block_{b}")(x)
-        return x
-
-
 #: per block: its two weights' shards on x=y=z=2 (8·width·2 / 8 elements), gathered as one row each
 BLOCK_WIDTHS = (16, 32, 64)
 BLOCK_GATHERED = [(2, 2 * w) for w in BLOCK_WIDTHS]
 
 
-def _block_forward(overlap: Overlap) -> list:
+class _Blocks(nn.Module):
+    """Numbered blocks (``block_0`` ...), gathered one block at a time."""
+
+    widths: tuple[int, ...] = BLOCK_WIDTHS
+
+    @nn.compact
+    def __call__(self, x):
+        for b, width in enumerate(self.widths):
+            x = _Pair(width, name=f"block_{b}")(x)
+        return x
+
+
+def _block_program(overlap: Overlap, widths: tuple[int, ...] = BLOCK_WIDTHS) -> dict:
+    """The grad program of ``_Blocks(widths)`` on x=y=z=2 handed to XLA, by computation name."""
     x = jnp.ones((16, 8), jnp.float32)
-    pm = axonn_jax.partition(_Blocks(), axonn_jax.Grid(x=2, y=2, z=2), x, overlap=overlap, scatter_batch=False)
+    pm = axonn_jax.partition(_Blocks(widths), axonn_jax.Grid(x=2, y=2, z=2), x, overlap=overlap,
+                             scatter_batch=False)  # fmt: skip
     params = pm.init(jax.random.key(0), x)
     text = jax.jit(jax.grad(lambda p: jnp.mean(pm.apply(p, x) ** 2))).lower(params).as_text(dialect="hlo")
-    return next(c for c in computations(text).values()
+    return computations(text)
+
+
+def _block_forward(overlap: Overlap) -> list:
+    return next(c for c in _block_program(overlap).values()
                 if any(i.opcode == "all-gather" and i.dims == BLOCK_GATHERED[0] for i in c))  # fmt: skip
 
 
@@ -252,3 +260,31 @@ def test_block_gathers_keep_the_oag_window(oag, devices):
     assert waits == ([False, False] if oag else [True, True])
     if oag:
         assert any(d in deps[gathers[2]] for d in own[0]), "prefetch is one block ahead, not earlier"
+
+
+#: four blocks with distinct local weight shapes on x=y=z=2: (4, w/2) up, (w/2, 4) down
+BUCKET_WIDTHS = (24, 40, 56, 72)
+
+
+def test_a_bucket_reduces_after_its_first_block_and_the_blocks_below_do_not_wait(devices):
+    """Buckets of 2 of 4 blocks, [0, 1] and [2, 3] (the default program's form with 4 blocks
+    a bucket): one weight-gradient reduce-scatter per bucket, of both blocks' shards. The
+    backward reaches block 3 first: bucket [2, 3]'s reduce-scatter takes blocks 2 and 3's
+    weight-gradient matmuls and no matmul of blocks 0 and 1, and none of blocks 0 and 1's
+    matmuls waits for it (ORS's window: on GPU it runs beside their backward)."""
+    backward = next(c for c in _block_program(Overlap(bucket_blocks=2), BUCKET_WIDTHS).values()
+                    if any(i.opcode == "reduce-scatter" for i in c))  # fmt: skip
+    deps = ancestors(backward)
+    bucket_of = lambda blocks: (1, sum(2 * BUCKET_WIDTHS[b] for b in blocks))  # noqa: E731
+    scatters = [i for i in backward if i.opcode == "reduce-scatter"]
+    assert sorted(i.dims for i in scatters) == sorted([bucket_of([0, 1]), bucket_of([2, 3])]), scatters
+    low, high = (_one(backward, "reduce-scatter", bucket_of(blocks)) for blocks in ([0, 1], [2, 3]))
+    weight_grads = {b: _dots(backward, dims=(4, w // 2)) + _dots(backward, dims=(w // 2, 4))
+                    for b, w in enumerate(BUCKET_WIDTHS)}  # fmt: skip
+    assert all(len(dw) == 2 for dw in weight_grads.values()), weight_grads
+    assert all(d in deps[high] for b in (2, 3) for d in weight_grads[b]), "the bucket reduces blocks 2 and 3"
+    assert not any(d in deps[high] for b in (0, 1) for d in weight_grads[b]), (
+        "bucket [2, 3] is issued after block 2's backward, not after the blocks below")
+    below = [d for d in _dots(backward) if d not in deps[high]]  # blocks 0 and 1's, dI of block 2's input
+    assert below and not any(high in deps[d] for d in below), "no matmul waits for bucket [2, 3]"
+    assert all(d in deps[low] for b in (0, 1) for d in weight_grads[b])
