@@ -96,7 +96,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("pipeline_async", "Pipeline stages overlapping in one process",
               ("--rounds", "20"), ("--rounds", "4"), devices=2, timeout_s=600),  # fmt: skip
     Benchmark("pipeline_zero_bubble", "Zero-bubble schedules in one process: W filling the idle time",
-              ("--rounds", "10"), ("--rounds", "2", "--layers", "4", "--rows", "64"), devices=2,
+              ("--rounds", "40"), ("--rounds", "2", "--layers", "4", "--rows", "64"), devices=2,
               timeout_s=600),  # fmt: skip
     Benchmark("pipeline_hop", "One pipeline hop: MpiTransport vs raw mpi4py",
               ("--rounds", "6", "--trips", "20"), ("--rounds", "2", "--trips", "10"),
