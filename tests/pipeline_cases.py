@@ -125,17 +125,39 @@ def reference(case: Case, batch, steps: int = STEPS) -> Reference:
 
 
 @functools.cache
+def _reference(name: str, m: int) -> Reference:
+    """The reference of ``m`` microbatches, all ``STEPS`` AdamW steps (once per process)."""
+    case = build(name)
+    return reference(case, case.batch(m), STEPS)
+
+
 def references(name: str, microbatches: tuple[int, ...] = MICROBATCHES,
                trajectory_microbatches: int = TRAJECTORY_MICROBATCHES) -> dict[int, Reference]:
-    """Per microbatch count, the reference on that batch (computed once per process).
+    """Per microbatch count, the reference on that batch.
 
-    The trajectory's count gets all ``STEPS`` AdamW steps; the others one step
-    (only their gradients are compared).
+    Each count's reference is computed once per process, with all ``STEPS`` AdamW
+    steps (one compiled step; only the trajectory's count compares the steps, the
+    others their gradients), so that every table of counts shares them.
     """
-    case = build(name)
     counts = sorted({*microbatches, trajectory_microbatches})
-    return {m: reference(case, case.batch(m), STEPS if m == trajectory_microbatches else 1)
-            for m in counts}  # fmt: skip
+    return {m: _reference(name, m) for m in counts}
+
+
+def partitioned(name: str, grid: axonn_jax.Grid | str) -> tuple[Case, object]:
+    """``(case, pm)``: :func:`build`'s model partitioned on ``grid`` (a Grid or its text), once
+    per process (the 8 last ones kept).
+
+    Tests of one model and grid share it, so they share its compiled stage programs (the
+    engine caches them per input signature and loss function: the case's loss is one
+    object); each test still builds its own steps, parameters and optimizer state.
+    """
+    return _partitioned(name, axonn_jax.Grid.parse(grid) if isinstance(grid, str) else grid)
+
+
+@functools.lru_cache(maxsize=8)
+def _partitioned(name: str, grid: axonn_jax.Grid) -> tuple[Case, object]:
+    case = build(name)
+    return case, axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
 
 
 def save_references(name: str, path: str | os.PathLike) -> None:
@@ -209,10 +231,8 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
     them. ``refs`` (from
     :func:`load_references`) saves recomputing the reference in each process.
     """
-    case = build(name)
+    case, pm = partitioned(name, grid)
     refs = refs or references(name, tuple(microbatches), trajectory_microbatches)
-    example = case.batch(1)
-    pm = axonn_jax.partition(case.model, grid, *case.inputs(example))
     failures: list[str] = []
     for m in microbatches:
         batch, ref = case.batch(m), refs[m]

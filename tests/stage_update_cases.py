@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
-from pipeline_cases import build, compare_params
+from pipeline_cases import compare_params, partitioned
 
 import axonn_jax
 
@@ -80,11 +80,10 @@ def plain(case, optimizer, batch, steps: int = STEPS):
 
 def run(grid: axonn_jax.Grid, name: str, precision: str = "fp32") -> list[str]:
     """Failure messages of ``OPTIMIZERS[name]`` on ``grid`` against :func:`plain`."""
-    case = build("gpt")
+    case, pm = partitioned("gpt", grid)
     batch = case.batch(MICROBATCHES)
     init, first, losses, trajectory, norms, logged = plain(case, OPTIMIZERS[name](), batch)
     failures = [] if min(norms) > CLIP else [f"the clip never triggers: norms {norms}"]
-    pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
     step = pm.train_step(case.loss, OPTIMIZERS[name](), inputs=case.inputs, microbatches=MICROBATCHES,
                          precision=precision)  # fmt: skip
     params, opt_state = step.init(pm.shard(init))

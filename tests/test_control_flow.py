@@ -18,7 +18,7 @@ import pytest
 from jax.extend.core import subjaxprs
 from conftest import grid_id, spread
 from control_flow_cases import HIDDEN, MODELS, ScanGPT, build
-from partition_cases import GRIDS, adamw_trajectory, assert_matches_reference, reference_apply, trajectories
+from partition_cases import GRIDS, assert_matches_reference, reference_apply, trajectories
 
 import axonn_jax
 from axonn_jax import Grid
@@ -263,14 +263,15 @@ PIPELINES = [("scan_gpt", "pipeline=2,x=2,z=2"), ("scan_gpt", "pipeline=4,z=2"),
 def test_pipeline_stages_cut_the_scanned_stack(model, grid, devices):
     """Each stage runs its range of the stacked layers; gradients (2 microbatches) and 5 AdamW
     steps equal the plain model; stages within 10% of an even share of the FLOPs."""
+    import partition_cases
     from pipeline_cases import LR, STEPS, compare_grads, compare_params
 
     grid = Grid.parse(grid)
     case = build(model)
-    params, apply = reference_apply(case)
     (tokens,) = case.args
-    losses, grads, final = adamw_trajectory(lambda p: case.loss(apply(p, tokens), tokens), params,
-                                            STEPS, LR)  # fmt: skip
+    # the plain model's 5 AdamW steps, as test_control_flow_trains_like_the_plain_model's (once per process)
+    assert (partition_cases.LR, partition_cases.STEPS) == (LR, STEPS)
+    params, (losses, grads, final) = partition_cases.reference_trajectory(model)
     pm = axonn_jax.partition(case.model, grid, tokens[: len(tokens) // 2])
     assert pm.plan.scan_cuts and pm.plan.fallbacks == ()
     shares = np.array([s.flops for s in pm.plan.stages]) / sum(s.flops for s in pm.plan.stages)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_flags import codegen_flags
 
 from axonn_jax.corpus import batch_at, load_corpus
 from axonn_jax.loader import Loader
@@ -26,9 +27,19 @@ SMALL = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--sa
 HAS_TOKENIZERS = any(importlib.util.find_spec(m) for m in ("transformers", "tokenizers"))
 
 
+def example_env() -> dict:
+    """The environment of an example process: this one's, with the test processes' code
+    generation level (tests/xla_flags.py) as its only XLA flag; the example adds the device
+    count its grid needs. (tests/test_example.py's mpiexec and bf16 runs keep XLA's default.)"""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if codegen_flags():
+        env["XLA_FLAGS"] = codegen_flags()
+    return env
+
+
 def run_example(out: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """The example in a fresh process (8 simulated devices); asserts it exits 0."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = example_env()
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), *args, "--out", str(out)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

@@ -19,6 +19,7 @@ ARGS = ["--steps", "6", "--layers", "1", "--hidden", "64", "--sample-tokens", "8
 
 
 def _run(prefix, out, timeout=300):
+    # XLA's default flags, as a user runs it (the other example runs compile at the tests' level)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     command = [*prefix, sys.executable, str(ROOT / "examples" / "train_gpt.py"), *ARGS, "--out", str(out)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
@@ -118,7 +119,9 @@ def test_indivisible_batch_fails_at_parsing():
 @pytest.mark.slow
 def test_docstring_command_without_pipeline_runs(tmp_path):
     """`python examples/train_gpt.py --grid z=4,data=2 --steps 100`, for 2 steps."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    from test_data import example_env
+
+    env = example_env()
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--grid", "z=4,data=2",
                "--steps", "2", "--sample-tokens", "8", "--out", str(tmp_path)]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -153,7 +156,7 @@ def test_bf16_computes_in_bf16(devices):
 @pytest.mark.slow
 def test_bf16_on_cpu_computes_in_bf16_and_trains(tmp_path):
     """``--precision bf16`` computes in bf16 on CPU too (x/y grids aborted XLA:CPU before
-    tests/test_bf16_compute.py's fix), without a notice, and the loss falls."""
+    tests/test_bf16_compute.py's fix), without a notice, and the loss falls. At XLA's default flags."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--precision", "bf16",
                "--grid", "x=2,z=2,data=2", *ARGS[2:], "--steps", "3", "--out", str(tmp_path)]  # fmt: skip
@@ -250,7 +253,7 @@ def test_readme_lists_every_flag_of_the_example():
 def test_resume_extends_a_run_on_its_schedule_and_refuses_another_model(tmp_path):
     """2 steps, then --resume --steps 4: the same losses as 4 steps on a 2-step schedule;
     --resume with another --hidden is an error line naming the flag, not a traceback."""
-    from test_data import run_example
+    from test_data import example_env, run_example
 
     small = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--sample-tokens", "1",
              "--grid", "z=4,data=2", "--ckpt-every", "0", "--eval-every", "0"]  # fmt: skip
@@ -261,7 +264,7 @@ def test_resume_extends_a_run_on_its_schedule_and_refuses_another_model(tmp_path
     np.testing.assert_array_equal(_losses(tmp_path / "cut"), _losses(tmp_path / "straight"))
     assert [int(r["step"]) for r in csv.DictReader((tmp_path / "cut" / "metrics.csv").open())] == [1, 2, 3, 4]
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = example_env()
     other = [a if a != "32" else "64" for a in small]
     refused = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--steps", "6",
                               "--resume", *other, "--out", str(tmp_path / "cut")],

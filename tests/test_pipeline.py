@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 from mpi_util import run_mpi
-from pipeline_cases import (assert_compiles_once, build, compare_grads, compare_params, reference, run_case,
+from pipeline_cases import (assert_compiles_once, compare_grads, compare_params, partitioned, reference, run_case,
                             save_references)
 
 import axonn_jax
@@ -40,17 +40,14 @@ NEW_CUTS = [("mlp", "pipeline=4,z=2"), ("cnn", "pipeline=2,x=2,z=2"), ("cnn", "p
 
 @pytest.mark.parametrize("model,grid", NEW_CUTS)
 def test_pipelined_equals_unpartitioned_on_automatic_cuts(model, grid, devices):
-    case = build(model)
-    plan = axonn_jax.partition(case.model, axonn_jax.Grid.parse(grid), *case.inputs(case.batch(1))).plan
+    plan = partitioned(model, grid)[1].plan  # the pm run_case then trains
     assert all(stage.params and stage.flops > 0 for stage in plan.stages), str(plan)
     failures = run_case(model, axonn_jax.Grid.parse(grid), microbatches=(4,))
     assert not failures, "\n".join(failures)
 
 
 def _pm(model="gpt", grid="pipeline=2,x=2,z=2"):
-    case = build(model)
-    return case, axonn_jax.partition(case.model, axonn_jax.Grid.parse(grid),
-                                     *case.inputs(case.batch(1)))  # fmt: skip
+    return partitioned(model, grid)  # the one run_case trains: its stage programs compiled once
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from pipeline_cases import LR, SEQ, STEPS, VOCAB, build, compare_grads, compare_params, references
+from pipeline_cases import LR, SEQ, STEPS, VOCAB, compare_grads, compare_params, partitioned, references
 
 import axonn_jax
 from axonn_jax.runtime.hlo import collectives
@@ -30,8 +30,7 @@ COUNTS, TRAJECTORY = (1, 4), 4
 
 @pytest.fixture(scope="module")
 def gpt(devices):
-    case = build("gpt")
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid.parse(GRID), *case.inputs(case.batch(1)))
+    case, pm = partitioned("gpt", GRID)
     return case, pm, references("gpt", COUNTS, TRAJECTORY)
 
 

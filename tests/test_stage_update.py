@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from mpi_util import run_mpi
-from pipeline_cases import build
+from pipeline_cases import partitioned
 from stage_update_cases import run
 
 import axonn_jax
@@ -25,8 +25,7 @@ def test_cross_stage_optimizer_equals_plain_optax(name, devices):
 
 @pytest.fixture(scope="module")
 def gpt_two_stages(devices):
-    case = build("gpt")
-    pm = axonn_jax.partition(case.model, GRID, *case.inputs(case.batch(1)))
+    case, pm = partitioned("gpt", GRID)
     return case, pm, pm.init(jax.random.key(0))
 
 

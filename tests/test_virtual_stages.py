@@ -11,7 +11,7 @@ pipeline=2, virtual=2) is in test_pipeline.py's mpiexec table.
 import jax
 import numpy as np
 import pytest
-from pipeline_cases import assert_compiles_once, build, run_case
+from pipeline_cases import assert_compiles_once, build, partitioned, run_case
 from schedule_sim import simulate
 
 import axonn_jax
@@ -93,10 +93,8 @@ def test_too_few_cut_points_names_model_grid_and_remedy():
 
 
 def test_plan_cuts_p_times_v_stages_balanced():
-    case = build("gpt")
-    example = case.inputs(case.batch(1))
-    plain = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=4, z=2, x=2), *example).plan
-    virtual = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2), *example).plan
+    plain = partitioned("gpt", axonn_jax.Grid(pipeline=4, z=2, x=2))[1].plan
+    virtual = partitioned("gpt", axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2))[1].plan
     # the same DP: p·v stages over the same equations as a pipeline of p·v ranks (stages of
     # the same size: a stage's devices split its FLOPs, not its kernels' least times)
     assert [(s.start, s.stop) for s in virtual.stages] == [(s.start, s.stop) for s in plain.stages]
@@ -106,7 +104,7 @@ def test_plan_cuts_p_times_v_stages_balanced():
     assert "; stage s runs on pipeline rank s mod 2):" in text
     for s in range(4):
         assert f"  stage {s} (rank {s % 2}): " in text
-    vee = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2, placement="v"), *example)
+    vee = partitioned("gpt", axonn_jax.Grid(pipeline=2, virtual=2, z=2, x=2, placement="v"))[1]
     text = str(vee.plan)
     assert [(s.start, s.stop) for s in vee.plan.stages] == [(s.start, s.stop) for s in plain.stages]
     assert "; V-shaped: stage s runs on rank s, or 2·2 − 1 − s from stage 2):" in text and " mod 2" not in text
@@ -117,9 +115,7 @@ def test_plan_cuts_p_times_v_stages_balanced():
 # --- placement and numerics (8 simulated devices) ----------------------------------------
 @pytest.fixture(scope="module")
 def virtual_gpt(devices):
-    case = build("gpt")
-    grid = axonn_jax.Grid.parse("pipeline=2,virtual=2,x=2,z=2")
-    pm = axonn_jax.partition(case.model, grid, *case.inputs(case.batch(1)))
+    case, pm = partitioned("gpt", "pipeline=2,virtual=2,x=2,z=2")  # run_case's, compiled once
     return case, pm, pm.init(jax.random.key(0))
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
-from pipeline_cases import build, run_case
+from pipeline_cases import partitioned, run_case
 
 import axonn_jax
 from axonn_jax.perf.memory import held_microbatches, matmul_w_elements, w_residual_share
@@ -138,8 +138,7 @@ def test_zero_bubble_pipeline_equals_unpartitioned_and_compiles_once(devices, ca
     failures = run_case("mlp", axonn_jax.Grid.parse("pipeline=4,z=2"), microbatches=(4,),
                         schedules=("zb", "zb-h1"), trajectory_schedule="zb")  # fmt: skip
     assert not failures, "\n".join(failures)
-    case = build("mlp")
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid.parse("pipeline=4,z=2"), *case.inputs(case.batch(1)))
+    case, pm = partitioned("mlp", "pipeline=4,z=2")  # run_case's: its programs are compiled
     step = pm.train_step(case.loss, optax.adamw(1e-3), inputs=case.inputs, microbatches=4, schedule="zb")
     params, opt_state = step.init(pm.init(jax.random.key(0)))
     params, opt_state, _ = step(params, opt_state, case.batch(4))
@@ -189,8 +188,7 @@ def test_held_residual_bytes_are_measured_per_stage(devices):
     outputs). With zb also what B leaves for a deferred W (the residuals and output gradient W
     reads, B's carried values): between one microbatch's residuals and the peak × all three.
     Both fail if a B or a W does not release what it held (6 microbatches, peak below 6)."""
-    case = build("gpt")
-    pm = axonn_jax.partition(case.model, axonn_jax.Grid(pipeline=2, x=2, z=2), *case.inputs(case.batch(1)))
+    case, pm = partitioned("gpt", "pipeline=2,x=2,z=2")
     params = pm.init(jax.random.key(0))
     runs = {}
     for schedule in ("message", "zb"):

@@ -11,9 +11,12 @@ the partitioned runs compile with the same flags. Set
 import os
 
 
+def codegen_flags() -> str:
+    """The flags of :func:`xla_flags` less the device count: for a process that sets its own
+    (examples/train_gpt.py counts the devices its grid needs); empty at XLA's default level."""
+    return "" if os.environ.get("AXONN_TEST_FULL_XLA_OPT") == "1" else "--xla_backend_optimization_level=0"
+
+
 def xla_flags(devices: int) -> str:
     """``XLA_FLAGS`` for a test process with ``devices`` simulated CPU devices."""
-    flags = f"--xla_force_host_platform_device_count={devices}"
-    if os.environ.get("AXONN_TEST_FULL_XLA_OPT") != "1":
-        flags += " --xla_backend_optimization_level=0"
-    return flags
+    return f"--xla_force_host_platform_device_count={devices} {codegen_flags()}".strip()
