@@ -129,15 +129,11 @@ def model_loss_compute(model, args: tuple, loss, grid) -> tuple:
     """``(loss after the gathered outputs, loss planned with the model)``: ComputeReports of one
     loss-and-gradient step on one mesh (``pipeline=1``), traced: ``loss(pm.apply(...))`` under
     ``jax.value_and_grad`` against ``pm.value_and_grad(loss)``."""
-    import axonn_jax
     from axonn_jax.partitioner.flops import ComputeReport, count
 
-    variables = model.init(jax.random.key(0), *args)
-    plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
-    pm = axonn_jax.partition(model, grid, *args)
+    planned, pm = traced_compute(model, args, loss, grid)  # its plain count and partition serve both
     gathered = count(jax.make_jaxpr(jax.value_and_grad(lambda p: loss(pm.apply(p, *args), *args)))(pm.param_structs))
-    planned, _ = traced_compute(model, args, loss, grid)
-    return ComputeReport(gathered, plain, grid.size), planned
+    return ComputeReport(gathered, planned.plain, grid.size), planned
 
 
 def loss_table(entries: dict, grids) -> tuple[str, list[dict]]:
