@@ -311,3 +311,16 @@ def test_the_planned_loss_table_counts_the_whole_step_before_and_after():
     assert rows[1]["planned"] <= 1.03, rows  # issue 27's bound, loss included
     (label, value), _ = FORMATTERS["redundancy"][0](result)
     assert "gpt vocab 96" in label and f"{rows[0]['planned']:.3f} ({rows[0]['gathered']:.3f}) x=4,data=2" == value
+
+
+def test_grid_prediction_ranks_by_the_median_round_best_and_reports_ties():
+    """A round's figure is its best step; the measurement the median of those; the fastest
+    share resamples whole rounds: a grid faster in every round wins all resamples, two grids
+    that trade places round by round split them."""
+    import grid_prediction
+
+    samples = {"a": [[1.0, 5.0], [1.2], [1.0]], "b": [[3.0], [1.3], [3.0]]}
+    assert grid_prediction.round_medians(samples) == {"a": 1.0, "b": 3.0}
+    assert grid_prediction.fastest_shares(samples, resamples=200) == {"a": 1.0, "b": 0.0}
+    tied = grid_prediction.fastest_shares({"a": [[1.0], [2.0]] * 4, "b": [[2.0], [1.0]] * 4}, resamples=400)
+    assert sum(tied.values()) == 1.0 and min(tied.values()) >= grid_prediction.TIE_SHARE, tied
