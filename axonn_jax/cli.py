@@ -90,8 +90,8 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                       help="devices to profile; on CPU this many are simulated (default 8)")  # fmt: skip
     prof.add_argument("--out", default="machine-profile.json", help="where to write the profile")
     prof.add_argument("--name", help="profile name (default measured-<platform>-<devices>)")
-    prof.add_argument("--repeats", type=int, default=7,
-                      help="timed runs per measurement, the best is kept (default 7)")  # fmt: skip
+    prof.add_argument("--repeats", type=int, default=21,
+                      help="timed runs per measurement, the best is kept (default 21)")  # fmt: skip
 
     machines = sub.add_parser("machines", help="list the built-in machine profiles")
     return ap, {"plan": plan, "profile": prof, "machines": machines}

@@ -18,11 +18,16 @@
    rounds for every grid: a round is one stretch of time), the share of
    resamples in which each grid is the fastest. Grids the measurement cannot
    tell apart from the fastest (a share of at least 5 %) are listed as tied.
+4. With ``--runs N`` the measurement is repeated in N processes, each
+   compiling every grid anew: which grid is fastest changes from one process
+   to the next here, by more than between the rounds of one process (where the
+   buffers and threads of a compiled step land). The rounds of all processes
+   are pooled, and the resampling draws processes first, then rounds in each.
 
 Writes markdown (``--out``) and the same numbers as JSON (``--out`` with
 ``.json``); the machine profile goes next to them.
 
-    .venv/bin/python benchmarks/grid_prediction.py [--models gpt,mlp,cnn] [--rounds 2] [--per-round 2]
+    .venv/bin/python benchmarks/grid_prediction.py [--models gpt,mlp,cnn] [--rounds 2] [--per-round 2] [--runs 3]
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -176,24 +183,36 @@ def measure(steps, rounds: int, per_round: int) -> dict:
     return samples
 
 
-def round_medians(samples: dict) -> dict:
-    """Per grid: the median over rounds of its best step in each round."""
-    return {g: statistics.median(min(times) for times in rounds) for g, rounds in samples.items()}
+def _runs(samples) -> list[dict]:
+    """``samples`` of one process (grid → rounds) or of several (a list of those)."""
+    return [samples] if isinstance(samples, dict) else list(samples)
 
 
-def fastest_shares(samples: dict, resamples: int = 2000, seed: int = 0) -> dict:
-    """Per grid: the share of resamples of the rounds (with replacement, the same rounds for every
-    grid) in which its :func:`round_medians` figure is the least.
+def round_medians(samples) -> dict:
+    """Per grid: the median over rounds (of every process) of its best step in each round."""
+    runs = _runs(samples)
+    return {g: statistics.median(min(times) for run in runs for times in run[g]) for g in runs[0]}
+
+
+def fastest_shares(samples, resamples: int = 2000, seed: int = 0) -> dict:
+    """Per grid: the share of resamples in which its :func:`round_medians` figure is the least.
+
+    A resample draws processes with replacement, then rounds with replacement
+    within each drawn process (the same rounds for every grid: a round is one
+    stretch of time). ``samples``: one process's grid → rounds, or a list of them.
 
     >>> fastest_shares({"a": [[1.0, 1.1], [1.2], [1.0]], "b": [[3.0], [1.3], [3.0]]}, resamples=200)
     {'a': 1.0, 'b': 0.0}
     """
-    grids = list(samples)
-    bests = np.array([[min(times) for times in samples[g]] for g in grids])  # grids × rounds
+    runs = _runs(samples)
+    grids = list(runs[0])
+    bests = [np.array([[min(times) for times in run[g]] for g in grids]) for run in runs]  # grids × rounds
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, bests.shape[1], size=(resamples, bests.shape[1]))
-    winners = np.argmin(np.median(bests[:, picks], axis=2), axis=0)  # per resample
-    counts = np.bincount(winners, minlength=len(grids))
+    counts = np.zeros(len(grids), int)
+    for _ in range(resamples):
+        drawn = [bests[i] for i in rng.integers(0, len(runs), size=len(runs))]
+        pooled = np.concatenate([b[:, rng.integers(0, b.shape[1], size=b.shape[1])] for b in drawn], axis=1)
+        counts[np.argmin(np.median(pooled, axis=1))] += 1
     return {g: float(c) / resamples for g, c in zip(grids, counts)}
 
 
@@ -216,8 +235,15 @@ def main(argv=None) -> dict:
                     help="compilations at a time (default half the cores)")  # fmt: skip
     ap.add_argument("--grids", help="only these grids, ';'-separated (e.g. 'x=2,y=2,z=2;data=8'; a smoke run)")
     ap.add_argument("--profile", help="use this machine profile JSON instead of measuring one")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="measure in this many processes, each compiling anew (default 1: this one)")  # fmt: skip
     ap.add_argument("--out", default="runs/grid_prediction.md")
+    ap.add_argument("--samples-out", help=argparse.SUPPRESS)  # a --runs child: measure only, write here
     a = ap.parse_args(argv)
+    if a.runs < 1:
+        ap.error(f"--runs must be >= 1, got {a.runs}")
+    if a.samples_out:
+        return measure_only(a)
 
     import jax
 
@@ -236,14 +262,18 @@ def main(argv=None) -> dict:
         machine = measure_machine(jax.devices())
         machines.save(machine, str(out.with_suffix(".machine.json")))
     names = [n.strip() for n in a.models.split(",") if n.strip()]
-    results = {name: run_model(make_case(name, a), machine, a) for name in names}
+    children = measure_in_processes(argv if argv is not None else sys.argv[1:], a.runs) if a.runs > 1 else None
+    results = {name: run_model(make_case(name, a), machine, a, children and [c[name] for c in children])
+               for name in names}  # fmt: skip
     total = time.perf_counter() - t_start
+    where = (f"in {a.runs} processes (each compiling every grid anew), " if a.runs > 1 else "")
     lines = [f"# Predicted vs measured step time over the grids of {DEVICES} devices", "",
-             f"Machine: {machine.name} ({machine.source}). Measured: {a.rounds} rounds × "
+             f"Machine: {machine.name} ({machine.source}). Measured {where}{a.rounds} rounds × "
              f"{a.per_round} steps per grid, grids in a new random order each round; a grid's figure is "
              "the median over rounds of its best step in each round (the best step and the median of "
-             "all steps are shown too); \"fastest in\": the share of 2,000 resamples of the rounds in "
-             f"which the grid's figure is the least (≥ {TIE_SHARE:.0%}: tied with the measured best). "
+             "all steps are shown too); \"fastest in\": the share of 2,000 resamples "
+             + ("(processes, then rounds in each) " if a.runs > 1 else "of the rounds ")
+             + f"in which the grid's figure is the least (≥ {TIE_SHARE:.0%}: tied with the measured best). "
              "Predicted: float32, AdamW, no recompute, one microbatch, as measured.", "",
              "| model | grids | Spearman ρ | ρ against medians | predicted best | its measured rank "
              "| fastest in | tied for the fastest |",
@@ -267,21 +297,20 @@ def main(argv=None) -> dict:
             "markdown": text}  # fmt: skip
 
 
-def run_model(case: Case, machine, a) -> dict:
-    """Profile-based predictions and measurements of every grid that divides ``case``'s model."""
+def runnable_grids(case: Case, a) -> list:
+    """The 8-device grids without a pipeline that divide ``case``'s model (``--grids``: only those)."""
     from axonn_jax.partitioner.grid import Grid
-    from axonn_jax.perf.options import Options
-    from axonn_jax.perf.step import predict
     from axonn_jax.search import grids as all_grids
 
-    spec = case.spec
     candidates = list(all_grids(DEVICES, pipeline=False))
     if a.grids:
         wanted = {Grid.parse(g) for g in a.grids.split(";")}
         candidates = [g for g in candidates if g in wanted]
-    grids = [g for g in candidates if not spec.problems(g)]
-    options = Options(precision="fp32", recompute=False)
-    predicted = {g: predict(spec, g, machine, options) for g in grids}
+    return candidates
+
+
+def measure_model(case: Case, grids, a) -> dict:
+    """Compile ``grids``' steps in this process and time them: samples and seconds spent."""
     print(f"{case.name}: compiling {len(grids)} grids ...", flush=True)
     t_compile = time.perf_counter()
     steps = build_steps(case, grids, a.threads)
@@ -289,12 +318,62 @@ def run_model(case: Case, machine, a) -> dict:
     print(f"{case.name}: measuring ({t_compile:.0f} s to compile) ...", flush=True)
     t_measure = time.perf_counter()
     samples = measure(steps, a.rounds, a.per_round)
-    t_measure = time.perf_counter() - t_measure
-    del steps
-    measured = round_medians(samples)
-    best = {g: min(min(times) for times in rounds) for g, rounds in samples.items()}
-    medians = {g: statistics.median(t for times in rounds for t in times) for g, rounds in samples.items()}
-    shares = fastest_shares(samples)
+    return {"samples": samples, "compile_seconds": t_compile, "measure_seconds": time.perf_counter() - t_measure}
+
+
+def measure_only(a) -> dict:
+    """A ``--runs`` child: measure every model's grids, write their samples to ``--samples-out``."""
+    out = {}
+    for name in (n.strip() for n in a.models.split(",") if n.strip()):
+        case = make_case(name, a)
+        grids = [g for g in runnable_grids(case, a) if not case.spec.problems(g)]
+        m = measure_model(case, grids, a)
+        out[name] = {**m, "samples": {_g(g): rounds for g, rounds in m["samples"].items()}}
+    Path(a.samples_out).write_text(json.dumps(out))
+    return out
+
+
+def measure_in_processes(argv: list[str], runs: int) -> list[dict]:
+    """Run this script ``runs`` times as a measuring child (one after the other); their samples."""
+    script = Path(__file__).resolve()
+    base = [x for i, x in enumerate(argv) if not x.startswith("--runs")
+            and not (i and argv[i - 1] == "--runs")]  # fmt: skip
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(runs):
+            path = Path(tmp) / f"run{r}.json"
+            print(f"measuring process {r + 1}/{runs} ...", flush=True)
+            subprocess.run([sys.executable, str(script), *base, "--samples-out", str(path)], check=True)
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dict:
+    """Profile-based predictions and measurements of every grid that divides ``case``'s model.
+
+    ``children``: the ``--runs`` processes' measurements of this model (else it is measured here).
+    """
+    from axonn_jax.perf.options import Options
+    from axonn_jax.perf.step import predict
+
+    spec = case.spec
+    candidates = runnable_grids(case, a)
+    grids = [g for g in candidates if not spec.problems(g)]
+    options = Options(precision="fp32", recompute=False)
+    predicted = {g: predict(spec, g, machine, options) for g in grids}
+    if children is None:
+        children = [measure_model(case, grids, a)]
+    else:
+        by_name = {_g(g): g for g in grids}
+        children = [{**c, "samples": {by_name[k]: v for k, v in c["samples"].items()}} for c in children]
+    runs = [c["samples"] for c in children]
+    t_compile = sum(c["compile_seconds"] for c in children)
+    t_measure = sum(c["measure_seconds"] for c in children)
+    measured = round_medians(runs)
+    best = {g: min(min(times) for run in runs for times in run[g]) for g in grids}
+    medians = {g: statistics.median(t for run in runs for times in run[g] for t in times) for g in grids}
+    shares = fastest_shares(runs)
+    per_run_best = [_g(min(grids, key=round_medians(run).__getitem__)) for run in runs]
     rho_median = spearman([predicted[g].step_seconds for g in grids], [medians[g] for g in grids])
     order = sorted(grids, key=lambda g: measured[g])
     rho = spearman([predicted[g].step_seconds for g in grids], [measured[g] for g in grids])
@@ -309,8 +388,9 @@ def run_model(case: Case, machine, a) -> dict:
         f"**Spearman rank correlation: {rho:.3f}** (against the medians of all steps: {rho_median:.3f}); "
         f"predicted best {_g(pred_order[0])} is measured #{rank_of_best}"
         f"{' (the measured best)' if rank_of_best == 1 else f'; measured best {_g(order[0])}'}; "
-        f"fastest in {shares[pred_order[0]]:.0%} of the resampled rounds (measured best: "
-        f"{shares[order[0]]:.0%}); tied for the fastest (≥ {TIE_SHARE:.0%}): {', '.join(map(_g, tied))}.",
+        f"fastest in {shares[pred_order[0]]:.0%} of the resamples (measured best: "
+        f"{shares[order[0]]:.0%}); tied for the fastest (≥ {TIE_SHARE:.0%}): {', '.join(map(_g, tied))}."
+        + (f" The fastest in each process: {', '.join(per_run_best)}." if len(runs) > 1 else ""),
         "",
         "| measured rank | grid (x,y,z,data) | measured ms | fastest in | best step ms | median step ms "
         "| predicted ms | predicted rank | predicted compute ms | predicted comm ms |",
@@ -330,6 +410,7 @@ def run_model(case: Case, machine, a) -> dict:
     return {"spearman": rho, "spearman_median": rho_median, "best_rank": rank_of_best,
             "predicted_best": _g(pred_order[0]), "measured_best": _g(order[0]), "grids": len(grids),
             "predicted_best_share": shares[pred_order[0]], "tied": [_g(g) for g in tied],
+            "runs": len(runs), "measured_best_per_run": per_run_best,
             "measured_ms": {_g(g): measured[g] * 1e3 for g in grids},
             "predicted_ms": {_g(g): predicted[g].step_seconds * 1e3 for g in grids},
             "compile_seconds": t_compile, "measure_seconds": t_measure,

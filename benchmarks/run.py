@@ -105,7 +105,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
               ("--rounds", "3", "--steps", "10"), ("--rounds", "1", "--steps", "4"),
               devices=1, timeout_s=1500),  # fmt: skip
     Benchmark("grid_prediction", "Predicted vs measured step time over 8-device grids",
-              ("--rounds", "16", "--per-round", "3"), None, timeout_s=1800,
+              ("--runs", "3", "--rounds", "8", "--per-round", "3"), None, timeout_s=2700,
               markdown_flag="--out"),  # fmt: skip
     Benchmark("checkpoint_save", "Checkpoint save and restore vs orbax",
               ("--repeats", "3"), ("--repeats", "2", "--hidden", "128", "--layers", "2"),

@@ -108,9 +108,16 @@ def prediction_summary(r: dict) -> Rows:
     models = r["models"]
     return [(f"grid choice, {name}: Spearman ρ, predicted vs measured step time over {m['grids']} grids",
              f"{m['spearman']:.2f} (predicted best is measured #{m['best_rank']}"
-             + (f", fastest in {m['predicted_best_share']:.0%} of resampled rounds" if "tied" in m else "")
+             + (f", {_slowdown(m):.2f}× the best's time" if "measured_ms" in m else "")
+             + (f", fastest in {m['predicted_best_share']:.0%} of resamples" if "tied" in m else "")
+             + (f", tied: {len(m['tied'])} grids" if m.get("runs", 1) > 1 else "")
              + ")")
             for name, m in models.items()]  # fmt: skip
+
+
+def _slowdown(m: dict) -> float:
+    """The predicted best grid's measured time over the measured best's."""
+    return m["measured_ms"][m["predicted_best"]] / min(m["measured_ms"].values())
 
 
 def prediction_section(r: dict) -> str:

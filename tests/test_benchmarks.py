@@ -324,3 +324,26 @@ def test_grid_prediction_ranks_by_the_median_round_best_and_reports_ties():
     assert grid_prediction.fastest_shares(samples, resamples=200) == {"a": 1.0, "b": 0.0}
     tied = grid_prediction.fastest_shares({"a": [[1.0], [2.0]] * 4, "b": [[2.0], [1.0]] * 4}, resamples=400)
     assert sum(tied.values()) == 1.0 and min(tied.values()) >= grid_prediction.TIE_SHARE, tied
+
+
+def test_grid_prediction_pools_processes_and_resamples_them_first():
+    """``--runs``: a grid fastest in every round of one process but slowest in every round of
+    another is not the sure winner the rounds of either process alone would make it."""
+    import grid_prediction
+
+    first = {"a": [[1.0]] * 6, "b": [[1.1]] * 6}
+    second = {"a": [[1.3]] * 6, "b": [[1.2]] * 6}
+    assert grid_prediction.fastest_shares(first, resamples=200) == {"a": 1.0, "b": 0.0}
+    assert grid_prediction.round_medians([first, second]) == {"a": 1.15, "b": 1.15}
+    shares = grid_prediction.fastest_shares([first, second], resamples=400)
+    assert min(shares.values()) >= grid_prediction.TIE_SHARE, shares
+    assert grid_prediction.fastest_shares([first, first], resamples=200) == {"a": 1.0, "b": 0.0}
+
+
+def test_grid_prediction_summary_gives_the_predicted_best_time_against_the_best():
+    m = {"grids": 3, "spearman": 0.5, "best_rank": 2, "predicted_best": "(8,1,1,1)", "predicted_best_share": 0.3,
+         "tied": ["(4,2,1,1)", "(8,1,1,1)"], "runs": 3,
+         "measured_ms": {"(4,2,1,1)": 20.0, "(8,1,1,1)": 21.0, "(1,1,1,8)": 40.0}}  # fmt: skip
+    ((label, value),) = FORMATTERS["grid_prediction"][0]({"models": {"mlp": m}})
+    assert label.startswith("grid choice, mlp") and value == (
+        "0.50 (predicted best is measured #2, 1.05× the best's time, fastest in 30% of resamples, tied: 2 grids)")

@@ -25,6 +25,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -792,3 +793,47 @@ def test_deferred_w_residuals_are_priced_per_stage():
     held = held_microbatches(spec, grid, options, 16)
     assert held == pytest.approx(5 + 4 * first)  # limit p + 1 full, budget p W's
     assert held_microbatches(spec, grid, dataclasses.replace(options, schedule="message"), 16) == 5
+
+
+@pytest.mark.parametrize("error", [1.1, 0.9])
+def test_profile_latency_is_fitted_in_relative_error(error):
+    """The largest message off by 10 % must not move the fitted latency, which the small
+    message measures (in absolute least squares it moves by 27 %)."""
+    from axonn_jax.perf.microbench import fit_latency_bandwidth
+
+    wire = np.array([4e3, 1.3e5, 1e6])
+    seconds = 50e-6 + wire / 0.5e9
+    seconds[-1] *= error
+    alpha, _ = fit_latency_bandwidth(wire, seconds)
+    assert alpha == pytest.approx(50e-6, rel=0.03)
+    assert abs(np.polyfit(wire, seconds, 1)[1] - 50e-6) > 0.25 * 50e-6  # what the relative fit avoids
+
+
+def test_profile_times_a_collective_without_its_program_launch():
+    """One collective's time is the difference of a long and a short program: a launch cost
+    common to both cancels, and a difference lost in noise is timed again, then refused."""
+    import time as time_
+
+    from axonn_jax.perf.microbench import _extra_time
+
+    class Program:
+        """A stand-in for a compiled program: ``seconds`` of launch plus work per call."""
+
+        def __init__(self, seconds: float):
+            self.seconds, self.calls = seconds, 0
+
+        def __call__(self, x):
+            self.calls += 1
+            time_.sleep(self.seconds)
+            return self
+
+        def block_until_ready(self):
+            return self
+
+    launch = 0.02
+    extra = _extra_time(Program(launch + 0.015), Program(launch), None, repeats=2)
+    assert 0.012 < extra < 0.03
+    long, short = Program(launch), Program(launch + 0.01)  # never longer: refused after 3 tries
+    with pytest.raises(ValueError, match="too busy"):
+        _extra_time(long, short, None, repeats=2)
+    assert long.calls == 3 * (2 + 1)  # each try: a warm-up and 2 timed runs

@@ -5,7 +5,11 @@ inside groups of product ``inner`` (x varies fastest, as in the grid's mesh)
 — it times ``psum`` over the group at a few message sizes (best of
 ``repeats`` runs, every group of that shape at once, as in a real step) and
 fits ``t = α + wire_bytes / β`` (the ring all-reduce's wire bytes,
-:func:`~axonn_jax.partitioner.report.ring_wire_bytes`).
+:func:`~axonn_jax.partitioner.report.ring_wire_bytes`). A collective is
+timed inside a program, as a step runs it: a program of :data:`CHAIN`
+dependent ``psum`` s against one of a single ``psum``, so that launching
+the program (on simulated CPU devices several times a small psum's own
+cost) is not charged to every collective of a step.
 Compute is a float32 GEMM, memory bandwidth a streaming ``a·s + b``, and
 activation work a softmax forward and backward, each run on every device at once (simulated CPU devices share the cores, as they do in
 a step). The result is a
@@ -32,6 +36,8 @@ from axonn_jax.perf.machines import Machine
 
 #: Per-device message sizes (float32 elements) timed for each group.
 MESSAGE_ELEMENTS = (2**10, 2**15, 2**18)
+#: Dependent collectives in the long program of :func:`measure_collectives`.
+CHAIN = 16
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -45,8 +51,23 @@ def _time(fn, *args, repeats: int) -> float:
     return min(times)
 
 
+def _extra_time(long, short, x, *, repeats: int, tries: int = 3) -> float:
+    """How much longer ``long(x)`` runs than ``short(x)``: timed again while noise makes it ≤ 0."""
+    for _ in range(tries):
+        extra = _time(long, x, repeats=repeats) - _time(short, x, repeats=repeats)
+        if extra > 0:
+            return extra
+    raise ValueError(
+        f"a program of more collectives did not take longer in {tries} tries: the machine was too "
+        "busy to time them. Remedy: profile again on a quiet machine, with more --repeats."
+    )
+
+
 def fit_latency_bandwidth(wire_bytes, seconds) -> tuple[float, float]:
-    """Least-squares ``t = α + bytes/β``; returns ``(α seconds, β GB/s)`` with α ≥ 0.
+    """Least-squares ``t = α + bytes/β`` in relative error; returns ``(α seconds, β GB/s)``, α ≥ 0.
+
+    Relative: the sizes span orders of magnitude, and in absolute error the
+    largest message alone would set α.
 
     Example:
         >>> a, b = fit_latency_bandwidth([1e3, 1e6, 1e7], [1e-5 + 1e-6, 1e-5 + 1e-3, 1e-5 + 1e-2])
@@ -54,19 +75,39 @@ def fit_latency_bandwidth(wire_bytes, seconds) -> tuple[float, float]:
         (10.0, 1.0)
     """
     x, y = np.asarray(wire_bytes, float), np.asarray(seconds, float)
-    slope, intercept = np.polyfit(x, y, 1)
+    if np.any(y <= 0):
+        raise ValueError(f"collective times {list(y)} s must be positive")
+    slope, intercept = np.polyfit(x, y, 1, w=1.0 / y)
     if intercept < 0 or slope <= 0:  # noisy small messages: force through the origin
         intercept = 0.0
-        slope = float(x @ y / (x @ x))
+        slope = float(np.sum(x / y) / np.sum(x * x / y**2))
+    if slope <= 0:
+        raise ValueError(
+            f"collective times {list(y)} s do not grow with the message ({list(x)} wire bytes): "
+            "the machine was too busy to time them. Remedy: profile again on a quiet machine, "
+            "with more --repeats."
+        )
     return float(intercept), float(1.0 / slope / 1e9)
 
 
-def measure_collectives(devices, *, repeats: int = 5, elements=MESSAGE_ELEMENTS):
-    """``{(inner, size): (α seconds, β GB/s)}`` for every group shape of ``devices``."""
+def measure_collectives(devices, *, repeats: int = 5, elements=MESSAGE_ELEMENTS, chain: int = CHAIN):
+    """``{(inner, size): (α seconds, β GB/s)}`` for every group shape of ``devices``.
+
+    One collective's time is ``(T(chain) − T(1)) / (chain − 1)``, ``T(k)`` the
+    best time of a program running ``k`` dependent ``psum`` s (each followed by
+    one elementwise pass that keeps the values distinct per device, as a
+    step's consumer would): the program's launch and its argument transfers
+    cancel out.
+    """
     import jax
     from jax import lax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    def psums(a, count):
+        for _ in range(count):
+            a = lax.psum(a, "group") * 0.5 + lax.axis_index("group").astype(a.dtype)
+        return a
 
     n = len(devices)
     out = {}
@@ -75,12 +116,13 @@ def measure_collectives(devices, *, repeats: int = 5, elements=MESSAGE_ELEMENTS)
             outer = n // (inner * size)
             mesh = Mesh(np.asarray(devices).reshape(outer, size, inner), ("outer", "group", "inner"))
             spec = P(("outer", "group", "inner"))
-            fn = jax.jit(jax.shard_map(lambda a: lax.psum(a, "group"), mesh=mesh,
-                                       in_specs=spec, out_specs=spec))  # fmt: skip
+            one, many = (jax.jit(jax.shard_map(lambda a, k=k: psums(a, k), mesh=mesh,
+                                               in_specs=spec, out_specs=spec))
+                         for k in (1, chain))  # fmt: skip
             wires, times = [], []
             for e in elements:
                 x = jax.device_put(np.ones(n * e, np.float32), NamedSharding(mesh, spec))
-                times.append(_time(fn, x, repeats=repeats))
+                times.append(_extra_time(many, one, x, repeats=repeats) / (chain - 1))
                 wires.append(ring_wire_bytes("all-reduce", size, e * 4))
             out[(inner, size)] = fit_latency_bandwidth(wires, times)
     return out
@@ -173,7 +215,7 @@ def _ram_gib() -> float:
 
 
 def measure_machine(
-    devices=None, *, name: str | None = None, repeats: int = 7, gemm_size: int = 512
+    devices=None, *, name: str | None = None, repeats: int = 21, gemm_size: int = 512
 ) -> Machine:
     """Profile ``devices`` (default: all of this process) as a :class:`Machine`."""
     import jax
@@ -212,7 +254,8 @@ def measure_machine(
         source=(
             f"measured by `axonn-jax profile` on {n} {platform} devices ({kind}) at {stamp}: "
             f"psum over every (inner, size) group at {list(MESSAGE_ELEMENTS)} float32 elements "
-            f"per device, best of {repeats}, fit t = latency + wire bytes / bandwidth; "
+            f"per device, one psum's share of a program of {CHAIN} against one of 1 (best of "
+            f"{repeats} each), fit t = latency + wire bytes / bandwidth; "
             f"float32 GEMM {gemm_size}^3, a streaming a*s+b and softmax forward+backward "
             "(elementwise) on all devices at once; "
             "memory = host RAM / devices"
