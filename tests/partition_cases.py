@@ -208,10 +208,12 @@ def reference_apply(case: Case):
     return jax.tree.map(np.asarray, params), lambda p, *a: model.apply({"params": p}, *a)
 
 
-def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR):
+def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR, pm=None):
     """``steps`` jitted AdamW steps of ``loss_fn``: (losses, step-1 grads, final params).
 
     Shared with ``pipeline_cases`` (one definition of the plain optax training).
+    With ``pm`` the state starts as ``pm.init_optimizer`` lays it out (the step
+    compiles once; with a plain ``optimizer.init`` it compiles again at step 2).
     """
     optimizer = optax.adamw(lr)
 
@@ -221,7 +223,8 @@ def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR):
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss, grads
 
-    p, state, losses, first_grads = params, optimizer.init(params), [], None
+    state = optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)
+    p, losses, first_grads = params, [], None
     for _ in range(steps):
         p, state, loss, grads = step(p, state)
         losses.append(float(loss))
@@ -229,8 +232,8 @@ def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR):
     return losses, first_grads, p
 
 
-def _train(case: Case, apply_fn, start_params):
-    return adamw_trajectory(lambda p: case.loss(apply_fn(p, *case.args), *case.args), start_params)
+def _train(case: Case, apply_fn, start_params, pm=None):
+    return adamw_trajectory(lambda p: case.loss(apply_fn(p, *case.args), *case.args), start_params, pm=pm)
 
 
 @functools.cache
@@ -253,7 +256,7 @@ def trajectories(name: str, grid: dict, *, train_step: bool = False, **partition
     params, ref = reference_trajectory(name)
     pm = axonn_jax.partition(case.model, axonn_jax.Grid(**grid), *case.args, **partition_options)
     if not train_step:
-        losses, grads, final = _train(case, pm.apply, pm.shard(params))
+        losses, grads, final = _train(case, pm.apply, pm.shard(params), pm)
         return {"pm": pm, "init": params, "ref": ref,
                 "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
     loss_fn, batch = (lambda out, b: case.loss(out, *b)), tuple(case.args)

@@ -30,7 +30,7 @@ def dropout_loss(out, tokens):
     return next_token_loss(out.logits, tokens)
 
 
-def dropout_trajectory(apply, params, args, keys, loss_fn=dropout_loss):
+def dropout_trajectory(apply, params, args, keys, loss_fn=dropout_loss, pm=None):
     """AdamW steps of ``apply(params, *args, rngs)`` with one dropout key per step.
 
     ``loss_fn(outputs, args[0])``: GPT-2's next-token loss by default.
@@ -43,7 +43,8 @@ def dropout_trajectory(apply, params, args, keys, loss_fn=dropout_loss):
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss, grads
 
-    p, s, losses, first = params, optimizer.init(params), [], None
+    s = optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)  # see adamw_trajectory
+    p, losses, first = params, [], None
     for key in keys:
         p, s, loss, grads = step(p, s, key)
         losses.append(float(loss))

@@ -51,7 +51,7 @@ def _plain_and_partitioned(name: str, case: Case, grid: str):
     ``name`` identifies the case (model, inputs and loss) for the cache of its plain trajectory."""
     params, ref = _plain_trajectory(name, case)
     pm = axonn_jax.partition(case.model, Grid.parse(grid), *case.args)
-    part = adamw_trajectory(lambda p: case.loss(pm.apply(p, *case.args), *case.args), pm.shard(params))
+    part = adamw_trajectory(lambda p: case.loss(pm.apply(p, *case.args), *case.args), pm.shard(params), pm=pm)
     result = {"init": params, "ref": (ref[0], jax.tree.map(np.asarray, ref[1]), jax.tree.map(np.asarray, ref[2])),
               "part": (part[0], pm.gather(part[1]), pm.gather(part[2]))}  # fmt: skip
     return pm, result
@@ -112,8 +112,9 @@ def _ce(logits):
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), LABELS[:, None], axis=-1))
 
 
-def _bn_trajectory(step_fn, variables, steps: int):
-    """AdamW steps of ``step_fn(params, state) -> ((loss, updates), grads)`` on a variables dict."""
+def _bn_trajectory(step_fn, variables, steps: int, pm=None):
+    """AdamW steps of ``step_fn(params, state) -> ((loss, updates), grads)`` on a variables dict
+    (``pm``: the state laid out by ``pm.init_optimizer``, see ``adamw_trajectory``)."""
     optimizer = optax.adamw(LR)
 
     @jax.jit
@@ -122,7 +123,9 @@ def _bn_trajectory(step_fn, variables, steps: int):
         delta, s = optimizer.update(grads, s, v["params"])
         return {**v, "params": optax.apply_updates(v["params"], delta), **updates}, s, loss, grads
 
-    v, s, losses, first = variables, optimizer.init(variables["params"]), [], None
+    params = variables["params"]
+    s = optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)
+    v, losses, first = variables, [], None
     for _ in range(steps):
         v, s, loss, grads = step(v, s)
         losses.append(float(loss))
@@ -168,7 +171,7 @@ def test_batchnorm_axis_name_gives_global_batch_statistics(grid, bn_reference, d
         return _ce(out), updates
 
     placed = pm.shard(variables)
-    losses, grads, final = _bn_trajectory(jax.value_and_grad(part, has_aux=True), placed, STEPS)
+    losses, grads, final = _bn_trajectory(jax.value_and_grad(part, has_aux=True), placed, STEPS, pm=pm)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     got = _leaves(pm.gather({**placed, "params": grads})["params"])
     want = _leaves(ref_grads)
@@ -248,7 +251,7 @@ def test_gpt_with_dropout_splits_its_masks(grid, gpt_dropout_reference, devices)
     def part(p, t, rngs):
         return pm.apply(p, t, deterministic=False, rngs=rngs)
 
-    losses, grads, final = dropout_trajectory(part, pm.shard(params), (tokens,), keys, next_token_loss)
+    losses, grads, final = dropout_trajectory(part, pm.shard(params), (tokens,), keys, next_token_loss, pm=pm)
     result = {"init": params, "ref": (ref[0], jax.tree.map(np.asarray, ref[1]), jax.tree.map(np.asarray, ref[2])),
               "part": (losses, pm.gather(grads), pm.gather(final))}  # fmt: skip
     assert_matches_reference(result, f"gpt+dropout {grid}")

@@ -42,7 +42,7 @@ def test_gpt2_dropout_trajectory_matches_plain(grid, gpt2_reference, devices):
         *a, rngs = a_rngs
         return pm.apply(p, *a, deterministic=False, rngs=rngs)
 
-    losses, grads, final = dropout_trajectory(part, pm.shard(params), args, keys)
+    losses, grads, final = dropout_trajectory(part, pm.shard(params), args, keys, pm=pm)
     result = {"init": params, "ref": ref, "part": (losses, pm.gather(grads), pm.gather(final))}
     assert_matches_reference(result, f"gpt2+dropout {grid}")
 
