@@ -21,14 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.trace import path_string
 from axonn_jax.runtime.collectives import HostCollectives, host_comm
 from axonn_jax.runtime.mesh import local_stages
 from axonn_jax.runtime.model_call import is_params_of_state, state_collections
-from axonn_jax.runtime.sharded import place
+from axonn_jax.runtime.sharded import place, replicate
 from axonn_jax.runtime.pipeline.transport import InProcessTransport, MpiTransport, Transport
 
 
@@ -149,9 +148,7 @@ class PlacedModel:
             if leaf is not None:
                 groups.setdefault(leaf.sharding.mesh, []).append(i)
         for mesh, idx in groups.items():
-            full = NamedSharding(mesh, P())
-            gathered = jax.jit(lambda p: p, out_shardings=[full] * len(idx))([leaves[i] for i in idx])
-            for i, a in zip(idx, gathered):
+            for i, a in zip(idx, replicate([leaves[i] for i in idx], mesh)):
                 out[i] = np.asarray(a.addressable_data(0))
         if self.spread:  # leaves held elsewhere: the same decision on every rank
             for part in self.host.allgather([(i, a) for i, a in enumerate(out) if a is not None]):

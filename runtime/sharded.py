@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -114,6 +115,25 @@ def place(value: Any, sharding: NamedSharding) -> jax.Array:
         return jax.device_put(value, sharding)
     array = np.asarray(value)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def replicate(values: Sequence[jax.Array], mesh) -> list[jax.Array]:
+    """``values`` (arrays on ``mesh``) replicated over it: a collective, so it also gathers
+    shards of other processes, where ``device_put`` cannot.
+
+    One compiled program per (mesh, count, layouts): a ``jax.jit`` of a new lambda
+    on every call would trace and compile again each time.
+    """
+    return _replicator(mesh, len(values))(list(values))
+
+
+@functools.lru_cache(maxsize=64)
+def _replicator(mesh, count: int) -> Callable:
+    return jax.jit(_identity, out_shardings=[NamedSharding(mesh, P())] * count)
+
+
+def _identity(values):
+    return values
 
 
 def batch_sharding(mesh, grid: Grid, shape: Sequence[int]) -> NamedSharding:

@@ -93,6 +93,16 @@ def test_train_step_compiles_once(readme):
     assert compiles[0] == 0
 
 
+def test_gathering_again_compiles_nothing(readme):
+    """pm.gather replicates each mesh's leaves with one compiled program, which later calls reuse."""
+    pm, params, opt_state = readme["pm"], readme["params"], readme["opt_state"]
+    first = pm.gather(params, opt_state)
+    with count_compiles() as compiles:
+        again = pm.gather(params, opt_state)
+    assert compiles[0] == 0
+    jax.tree.map(np.testing.assert_array_equal, first, again)
+
+
 @pytest.mark.slow
 def test_readme_convenient_form_runs(readme):
     """The pipelined bf16 + offload + remat step of the README, as written, one step."""

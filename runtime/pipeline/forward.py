@@ -24,8 +24,6 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.program import Program
 from axonn_jax.runtime.microbatches import call_slices, check_microbatches
@@ -35,6 +33,7 @@ from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.placement import PlacedModel
+from axonn_jax.runtime.sharded import replicate
 
 
 def pipelined_forward(stages: StagePrograms, placed: PlacedModel, params, args: tuple, kwargs: dict, *,
@@ -60,9 +59,7 @@ def _outputs(placed: PlacedModel, last: StageProgram, per_microbatch: list, prog
     """Every model output leaf as a host array, on every process (state outputs: ``None``)."""
     host = None
     if per_microbatch:  # this process runs the last stage: gather each output to one copy
-        replicated = NamedSharding(last.mesh, P())
-        parts = [jax.jit(lambda xs: xs, out_shardings=[replicated] * len(xs))(list(xs))
-                 for xs in per_microbatch]  # fmt: skip
+        parts = [replicate(list(xs), last.mesh) for xs in per_microbatch]
         host = [np.concatenate([np.asarray(p[k].addressable_data(0)) for p in parts])
                 if np.ndim(parts[0][k]) else np.asarray(parts[0][k].addressable_data(0))
                 for k in range(len(parts[0]))]  # fmt: skip

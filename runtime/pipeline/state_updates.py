@@ -20,12 +20,10 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.placement import PlacedModel
-from axonn_jax.runtime.sharded import place
+from axonn_jax.runtime.sharded import place, replicate
 
 
 def deliver_updates(placed: PlacedModel, programs: Sequence[StageProgram],
@@ -84,6 +82,6 @@ def _crossing(placed: PlacedModel, programs: Sequence[StageProgram]) -> set[tupl
 def _host(value: jax.Array) -> np.ndarray:
     """The whole value on this host (replicated over its stage mesh first if it spans processes)."""
     if not value.is_fully_addressable:
-        value = jax.jit(lambda x: x, out_shardings=NamedSharding(value.sharding.mesh, P()))(value)
+        (value,) = replicate([value], value.sharding.mesh)
         return np.asarray(value.addressable_data(0))
     return np.asarray(value)
