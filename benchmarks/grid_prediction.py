@@ -297,8 +297,9 @@ def main(argv=None) -> dict:
             "markdown": text}  # fmt: skip
 
 
-def runnable_grids(case: Case, a) -> list:
-    """The 8-device grids without a pipeline that divide ``case``'s model (``--grids``: only those)."""
+def runnable_grids(a) -> list:
+    """The 8-device grids without a pipeline (``--grids``: only those); ``case.spec.problems`` tells
+    which do not divide the model."""
     from axonn_jax.partitioner.grid import Grid
     from axonn_jax.search import grids as all_grids
 
@@ -326,7 +327,7 @@ def measure_only(a) -> dict:
     out = {}
     for name in (n.strip() for n in a.models.split(",") if n.strip()):
         case = make_case(name, a)
-        grids = [g for g in runnable_grids(case, a) if not case.spec.problems(g)]
+        grids = [g for g in runnable_grids(a) if not case.spec.problems(g)]
         m = measure_model(case, grids, a)
         out[name] = {**m, "samples": {_g(g): rounds for g, rounds in m["samples"].items()}}
     Path(a.samples_out).write_text(json.dumps(out))
@@ -357,7 +358,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     from axonn_jax.perf.step import predict
 
     spec = case.spec
-    candidates = runnable_grids(case, a)
+    candidates = runnable_grids(a)
     grids = [g for g in candidates if not spec.problems(g)]
     options = Options(precision="fp32", recompute=False)
     predicted = {g: predict(spec, g, machine, options) for g in grids}
