@@ -9,19 +9,21 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One XLA compilation cache for the run's processes (pytest-xdist workers, mpiexec ranks,
 # example subprocesses): many files compile the same plain reference and example programs.
 # The key is the program, the flags and JAX's version, so a stale entry is never used.
-# Opt-in (AXONN_TEST_COMPILATION_CACHE=1): with it on, a pipelined scan_gpt_nnx case aborted
-# inside XLA in a loaded 2-worker run (twice; never without it). Alone, in one process, it
-# aborts on every run whose cache already holds all its programs (3 of 3; it passed with the
-# stage programs, or the optimizer's to_device/update programs, removed from the cache): a
-# thread of XLA's CPU pool waits in an in-process ReduceScatter for peers that never come,
-# and XLA's stuck-rendezvous check aborts (gdb: AwaitAndLogIfStuck <- InProcessCommunicator::
-# ReduceScatter). Programs that start without compiling first change how the stages' collectives
-# interleave; the cause (XLA or the pipeline's dispatch) is not found yet.
-if os.environ.get("AXONN_TEST_COMPILATION_CACHE", "0") == "1":
+# AXONN_TEST_COMPILATION_CACHE=0 turns it off. XLA:CPU reloads a program whose collectives sit
+# in more than one computation (a scan body that communicates next to a collective outside it)
+# without their order: each nested thunk sequence gets its own communicator resource
+# (ThunkSequenceSerDesProtobuf::FromProto), so devices of one program may enter different
+# collectives first and wait forever (gdb on the aborting scan_gpt_nnx pipeline stage: two
+# devices in the top-level ReduceScatter, two in an AllGather of the WhileThunk's body).
+# runtime/compilation_cache.py keeps such programs out of the cache (installed with the runtime,
+# so in every process that runs axonn_jax, and here for the plain JAX programs).
+if os.environ.get("AXONN_TEST_COMPILATION_CACHE", "1") == "1":
     _CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "xla")
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+
+    import axonn_jax.runtime  # noqa: E402, F401  (installs the cache guard)
 
 import itertools  # noqa: E402
 
