@@ -64,6 +64,8 @@ def install() -> None:
     (neither written nor, when an older run wrote one, loaded). Idempotent."""
     from jax._src import compiler
 
+    if not (hasattr(compiler, "_cache_write") and hasattr(compiler, "_cache_read")):
+        return  # another JAX: the guard does not know its cache (pyproject pins jax < 0.11)
     if getattr(compiler._cache_write, "_axonn_guard", False):
         return
     write, read = compiler._cache_write, compiler._cache_read
