@@ -208,12 +208,17 @@ def reference_apply(case: Case):
     return jax.tree.map(np.asarray, params), lambda p, *a: model.apply({"params": p}, *a)
 
 
+def optimizer_state(optimizer, params, pm=None):
+    """``optimizer.init(params)``, or with ``pm`` as ``pm.init_optimizer`` lays it out: then a
+    jitted step compiles once (from a plain ``optimizer.init`` it compiles again at step 2)."""
+    return optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)
+
+
 def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR, pm=None):
     """``steps`` jitted AdamW steps of ``loss_fn``: (losses, step-1 grads, final params).
 
     Shared with ``pipeline_cases`` (one definition of the plain optax training).
-    With ``pm`` the state starts as ``pm.init_optimizer`` lays it out (the step
-    compiles once; with a plain ``optimizer.init`` it compiles again at step 2).
+    ``pm``: the state starts as :func:`optimizer_state` lays it out.
     """
     optimizer = optax.adamw(lr)
 
@@ -223,8 +228,7 @@ def adamw_trajectory(loss_fn, params, steps: int = STEPS, lr: float = LR, pm=Non
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss, grads
 
-    state = optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)
-    p, losses, first_grads = params, [], None
+    p, state, losses, first_grads = params, optimizer_state(optimizer, params, pm), [], None
     for _ in range(steps):
         p, state, loss, grads = step(p, state)
         losses.append(float(loss))

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 from flax import nnx
-from partition_cases import BATCH, LR, SEQ, VOCAB, _padding_mask, _positions, _tokens
+from partition_cases import BATCH, LR, SEQ, VOCAB, _padding_mask, _positions, _tokens, optimizer_state
 
 from axonn_jax.models import next_token_loss
 
@@ -43,8 +43,7 @@ def dropout_trajectory(apply, params, args, keys, loss_fn=dropout_loss, pm=None)
         updates, s = optimizer.update(grads, s, p)
         return optax.apply_updates(p, updates), s, loss, grads
 
-    s = optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)  # see adamw_trajectory
-    p, losses, first = params, [], None
+    p, s, losses, first = params, optimizer_state(optimizer, params, pm), [], None
     for key in keys:
         p, s, loss, grads = step(p, s, key)
         losses.append(float(loss))

@@ -21,7 +21,7 @@ from flax import linen as nn
 from flax import nnx
 from idiom_cases import IMAGES, GemmaBlock, GraphNet, ResNetBN, gemma_inputs, gpt_with_dropout, graph_batch
 from partition_cases import (LR, STEPS, Case, _leaves, adamw_param_failures, adamw_trajectory,
-                             assert_matches_reference, reference_apply)  # fmt: skip
+                             assert_matches_reference, optimizer_state, reference_apply)  # fmt: skip
 
 import axonn_jax
 from axonn_jax import Grid
@@ -114,7 +114,7 @@ def _ce(logits):
 
 def _bn_trajectory(step_fn, variables, steps: int, pm=None):
     """AdamW steps of ``step_fn(params, state) -> ((loss, updates), grads)`` on a variables dict
-    (``pm``: the state laid out by ``pm.init_optimizer``, see ``adamw_trajectory``)."""
+    (``pm``: the state laid out by ``partition_cases.optimizer_state``)."""
     optimizer = optax.adamw(LR)
 
     @jax.jit
@@ -123,9 +123,7 @@ def _bn_trajectory(step_fn, variables, steps: int, pm=None):
         delta, s = optimizer.update(grads, s, v["params"])
         return {**v, "params": optax.apply_updates(v["params"], delta), **updates}, s, loss, grads
 
-    params = variables["params"]
-    s = optimizer.init(params) if pm is None else pm.init_optimizer(optimizer, params)
-    v, losses, first = variables, [], None
+    v, s, losses, first = variables, optimizer_state(optimizer, variables["params"], pm), [], None
     for _ in range(steps):
         v, s, loss, grads = step(v, s)
         losses.append(float(loss))
