@@ -15,6 +15,9 @@ what                                collective   axes         when
 weight gather                       all-gather   z            forward, per microbatch
                                                               (one per layer: q/k/v together)
 weight re-gather                    all-gather   z            backward, under recompute
+whole-read weight gather            all-gather   its axis     forward, per microbatch (a
+                                                              kernel stored split, read
+                                                              whole: ``Param.read_whole``)
 weight-gradient scatter             reduce-scat  z            backward, per microbatch
 layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
 layer output (default)              reduce-scat  in axis      forward (×2 recompute;
@@ -36,6 +39,9 @@ loss reductions (loss_rows=)        all-reduce   x            forward (max; sums
                                                               logits; instead of the gather)
 stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
                                                               added to a scattered one)
+reshape gather                      all-gather   its axis     forward (a split activation
+                                                              gathered whole: ``Regather``)
+reshape gather gradient             all-reduce   its axis     backward (its gradient)
 weight-gradient shard               all-reduce   data         once per step
 other parameter gradients           all-reduce   data·z       once per step
 scattered-row parameter gradients   all-reduce   its rows'    once per step (biases, norm
@@ -52,7 +58,8 @@ lists them, one per value.
 Without recompute the compiled program keeps the gathered weights for the
 backward pass (checked in ``tests/test_perf_model.py`` against the compiled
 HLO), so there is no re-gather. Not counted: scalar reductions (the loss),
-and anything a replicated fallback moves.
+and what the partitioner's replicated fallbacks (``plan.fallbacks``) move besides
+the two above.
 
 Example:
     >>> from axonn_jax import Grid
@@ -184,6 +191,13 @@ class _Step:
         grid, mb = self.grid, self.mb
         for p in self.spec.params:
             copies = p.count * (self.share if p.per_block else 1.0)
+            if p.read_whole and grid.axis_size(p.read_whole) > 1:
+                g = grid.axis_size(p.read_whole)
+                wire = _ring("all-gather", g) * p.use_elements(grid) * g * copies * mb
+                calls = Fraction(p.count * mb) / (grid.pipeline if p.per_block else 1)
+                for phase in ("forward", "backward") if self.recompute and p.per_block else ("forward",):
+                    self.add("whole-read weight gather", "all-gather", (p.read_whole,), phase, wire, calls,
+                             repeats=True)  # fmt: skip
             if p.depth and grid.z > 1:
                 full = p.use_elements(grid)
                 wire = _ring("all-gather", grid.z) * full * copies * mb
@@ -256,7 +270,8 @@ class _Step:
                          transfers=whole * self.mb)  # fmt: skip
 
     def model_edges(self) -> None:
-        """Lookups, the outputs' gathers, norm statistics and the stream's joins."""
+        """Lookups, the outputs' gathers, activations gathered whole, norm statistics and the
+        stream's joins."""
         spec, grid, rows, mb = self.spec, self.grid, self.rows, self.mb
         if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
             looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
@@ -271,6 +286,12 @@ class _Step:
                          _ring("all-gather", grid.axis_size(batch)) * logits / grid.axis_size(split), mb)  # fmt: skip
             self.add("output gather", "all-gather", (split,), "forward",
                      _ring("all-gather", grid.axis_size(split)) * logits, mb)  # fmt: skip
+        for r in spec.regathers:  # a split activation gathered whole (a replicated fallback)
+            g, whole = grid.axis_size(r.axis), rows * r.per_token * r.count
+            self.add("reshape gather", "all-gather", (r.axis,), "forward", _ring("all-gather", g) * whole, r.count * mb)
+            if r.grad:
+                self.add("reshape gather gradient", "all-reduce", (r.axis,), "backward",
+                         _ring("all-reduce", g) * whole, r.count * mb)  # fmt: skip
         stream = spec.stream_axis if spec.stream_axis in self.scattered else None
         if spec.norms:
             self._norms(stream)

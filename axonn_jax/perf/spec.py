@@ -62,6 +62,10 @@ class Param:
     #: reduce-scatter and data all-reduce (``Overlap.bucket_blocks``; the depth weights of
     #: a block's gather group, the table gathered with block 0's too); 1: one per group
     bucket: int = 1
+    #: the tensor axis it is stored split over but read whole (a convolution kernel's input
+    #: channels, split like the activations' but meeting whole images, ``rules.conv``):
+    #: all-gathered over it at every use; its gradient is computed whole and sliced
+    read_whole: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -71,6 +75,9 @@ class Param:
                 raise ValueError(f"parameter {self.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
         if self.scatter_axis not in (None, *TENSOR_SPLITS):
             raise ValueError(f"parameter {self.name!r}: scatter_axis {self.scatter_axis!r} is not "
+                             f"one of {TENSOR_SPLITS}")  # fmt: skip
+        if self.read_whole not in (None, *TENSOR_SPLITS):
+            raise ValueError(f"parameter {self.name!r}: read_whole {self.read_whole!r} is not "
                              f"one of {TENSOR_SPLITS}")  # fmt: skip
         object.__setattr__(self, "_size", math.prod(self.shape))
 
@@ -194,6 +201,28 @@ class Activation:
 
 
 @dataclasses.dataclass(frozen=True)
+class Regather:
+    """An activation split over ``axis`` that the program gathers whole for an operation
+    that cannot keep the split: a reshape merging a split minor dim into a major one
+    (``rules.reshape``), as a CNN's flatten of its y-split channels before the head.
+
+    Forward: an all-gather over ``axis`` of ``per_token`` elements per token (the whole
+    value); backward (``grad``: the value depends on a parameter): its gradient, partial on
+    each device of the axis, all-reduced over it.
+    """
+
+    name: str
+    per_token: float
+    axis: str
+    count: int = 1
+    grad: bool = True
+
+    def __post_init__(self) -> None:
+        if self.axis not in TENSOR_SPLITS:
+            raise ValueError(f"regather {self.name!r}: axis {self.axis!r} is not one of {TENSOR_SPLITS}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Everything the performance model reads about a model (see module docstring)."""
 
@@ -224,6 +253,8 @@ class ModelSpec:
     #: whole activations (hidden/y per token) added to a scattered stream: the backward
     #: all-reduces their gradient over ``stream_axis`` (the embeddings meeting block 1's output)
     stream_joins: int = 0
+    #: activations gathered whole over a tensor axis (replicated fallbacks of the partitioner)
+    regathers: tuple[Regather, ...] = ()
 
     def __post_init__(self) -> None:
         for m in self.matmuls:

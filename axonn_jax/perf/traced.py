@@ -52,7 +52,7 @@ from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
-from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param
+from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param, Regather
 
 def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
     """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices."""
@@ -65,6 +65,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     lookups = 0
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
+    read_whole, regathers = {}, []  # parameter index → axis; Regather
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
     casts = param_like_producers(jaxpr, n_params)
@@ -82,11 +83,16 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
             conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path,
                                 input_grad=eqn.invars[0] in trained)  # fmt: skip
+            kernel_in = _tensor_axis(layouts[eqn.invars[1]][eqn.params["dimension_numbers"].rhs_spec[1]])
+            if kernel_in and kernel_in != conv.in_axis:  # stored split, gathered to meet whole channels
+                read_whole[origin[eqn.invars[1]]] = kernel_in
             matmuls.append((None, conv))
             weight_of.append((eqn.invars[0], origin[eqn.invars[1]]))  # a layer of the gather groups
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
             outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
+        if name_ == "reshape":
+            regathers += _reshape_gathers(eqn, layouts, trained)
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -129,7 +135,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     params = [
         Param(p.path, p.shape, tuple(_tensor_axis(d) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
-              per_block=_in_block(p.path), scatter_axis=flow.params.get(i))  # fmt: skip
+              per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i))  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
     params = _gathered_together(params, weight_of)
@@ -163,6 +169,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         lookups=lookups,
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
+        regathers=tuple(Regather("reshape input", size / tokens, axis, grad=grad) for size, axis, grad in regathers),
         **_split_outputs(jaxpr, layouts, tokens),
     )
 
@@ -269,6 +276,23 @@ def _conv_matmul(eqn, layouts, path: str, input_grad: bool = True) -> MatMul:
                   input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
 
 
+def _reshape_gathers(eqn, layouts, trained: set) -> list[tuple[int, str, bool]]:
+    """(elements, axis, has a gradient) for each tensor axis a reshape gathers its input over.
+
+    Only the major dim of a group of merged dims keeps its split (``rules.reshape``):
+    a split minor dim (a CNN's y-split channels, flattened before its head) is gathered
+    whole first. A reshape that permutes dims runs replicated (a fallback not priced).
+    """
+    operand = eqn.invars[0]
+    shape = R.shape_of(operand)
+    groups = R.reshape_groups(shape, tuple(eqn.params["new_sizes"]))
+    if groups is None or eqn.params.get("dimensions") is not None or operand not in layouts:
+        return []
+    lay = layouts[operand]
+    axes = {_tensor_axis(lay[d]) for gi, go in groups if gi and go for d in gi[1:]} - {None}
+    return [(math.prod(shape), axis, operand in trained) for axis in sorted(axes)]
+
+
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
     return next((a for a in axes if a in (X, Y)), None)
 
@@ -293,11 +317,12 @@ def _blocks(paths) -> int:
 def _merge_params(params) -> tuple[Param, ...]:
     groups: dict[tuple, list[Param]] = collections.defaultdict(list)
     for p in params:
-        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket)].append(p)
+        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket, p.read_whole)].append(p)
     return tuple(
         Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
               ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
-              scatter_axis=ps[0].scatter_axis, fused=ps[0].fused, bucket=ps[0].bucket)  # fmt: skip
+              scatter_axis=ps[0].scatter_axis, fused=ps[0].fused, bucket=ps[0].bucket,
+              read_whole=ps[0].read_whole)  # fmt: skip
         for ps in groups.values()
     )
 
