@@ -297,9 +297,9 @@ def main(argv=None) -> dict:
             "markdown": text}  # fmt: skip
 
 
-def runnable_grids(a) -> list:
-    """The 8-device grids without a pipeline (``--grids``: only those); ``case.spec.problems`` tells
-    which do not divide the model."""
+def runnable_grids(case: Case, a) -> tuple[list, list]:
+    """The 8-device grids without a pipeline (``--grids``: only those) that divide ``case``'s
+    model, and those that do not (``case.spec.problems``)."""
     from axonn_jax.partitioner.grid import Grid
     from axonn_jax.search import grids as all_grids
 
@@ -307,7 +307,8 @@ def runnable_grids(a) -> list:
     if a.grids:
         wanted = {Grid.parse(g) for g in a.grids.split(";")}
         candidates = [g for g in candidates if g in wanted]
-    return candidates
+    runnable = [g for g in candidates if not case.spec.problems(g)]
+    return runnable, [g for g in candidates if g not in runnable]
 
 
 def measure_model(case: Case, grids, a) -> dict:
@@ -327,7 +328,7 @@ def measure_only(a) -> dict:
     out = {}
     for name in (n.strip() for n in a.models.split(",") if n.strip()):
         case = make_case(name, a)
-        grids = [g for g in runnable_grids(a) if not case.spec.problems(g)]
+        grids, _ = runnable_grids(case, a)
         m = measure_model(case, grids, a)
         out[name] = {**m, "samples": {_g(g): rounds for g, rounds in m["samples"].items()}}
     Path(a.samples_out).write_text(json.dumps(out))
@@ -358,8 +359,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     from axonn_jax.perf.step import predict
 
     spec = case.spec
-    candidates = runnable_grids(a)
-    grids = [g for g in candidates if not spec.problems(g)]
+    grids, skipped = runnable_grids(case, a)
     options = Options(precision="fp32", recompute=False)
     predicted = {g: predict(spec, g, machine, options) for g in grids}
     if children is None:
@@ -404,7 +404,6 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
             f"{medians[g] * 1e3:.1f} | {p.step_seconds * 1e3:.1f} | "
             f"{pred_order.index(g) + 1} | {p.compute_seconds * 1e3:.1f} | {p.comm_seconds * 1e3:.1f} |"
         )
-    skipped = [g for g in candidates if g not in grids]
     if skipped:
         lines += ["", f"Not run (do not divide the model): {', '.join(_g(g) for g in skipped)}."]
     lines += ["", f"Compile {t_compile:.0f} s, measure {t_measure:.0f} s."]
