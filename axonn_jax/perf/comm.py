@@ -39,9 +39,10 @@ loss reductions (loss_rows=)        all-reduce   x            forward (max; sums
                                                               logits; instead of the gather)
 stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
                                                               added to a scattered one)
-reshape gather                      all-gather   its axis     forward (a split activation
-                                                              gathered whole: ``Regather``)
-reshape gather gradient             all-reduce   its axis     backward (its gradient)
+activation regather                 all-gather   its axis     forward (a split activation
+                                                              gathered whole for a reshape
+                                                              or split: ``Regather``)
+activation regather gradient        all-reduce   its axis     backward (its gradient)
 weight-gradient shard               all-reduce   data         once per step
 other parameter gradients           all-reduce   data·z       once per step
 scattered-row parameter gradients   all-reduce   its rows'    once per step (biases, norm
@@ -287,10 +288,13 @@ class _Step:
             self.add("output gather", "all-gather", (split,), "forward",
                      _ring("all-gather", grid.axis_size(split)) * logits, mb)  # fmt: skip
         for r in spec.regathers:  # a split activation gathered whole (a replicated fallback)
-            g, whole = grid.axis_size(r.axis), rows * r.per_token * r.count
-            self.add("reshape gather", "all-gather", (r.axis,), "forward", _ring("all-gather", g) * whole, r.count * mb)
+            g = grid.axis_size(r.axis)
+            split = math.prod(grid.axis_size(a) for a in r.split_over)
+            split *= grid.axis_size(r.rows_axis) if r.rows_axis in self.scattered else 1
+            whole = rows * r.per_token * r.count / split
+            self.add("activation regather", "all-gather", (r.axis,), "forward", _ring("all-gather", g) * whole, r.count * mb)
             if r.grad:
-                self.add("reshape gather gradient", "all-reduce", (r.axis,), "backward",
+                self.add("activation regather gradient", "all-reduce", (r.axis,), "backward",
                          _ring("all-reduce", g) * whole, r.count * mb)  # fmt: skip
         stream = spec.stream_axis if spec.stream_axis in self.scattered else None
         if spec.norms:

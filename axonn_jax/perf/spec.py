@@ -204,11 +204,14 @@ class Activation:
 class Regather:
     """An activation split over ``axis`` that the program gathers whole for an operation
     that cannot keep the split: a reshape merging a split minor dim into a major one
-    (``rules.reshape``), as a CNN's flatten of its y-split channels before the head.
+    (``rules.reshape``: a CNN's flatten of its y-split channels before the head), a
+    split along the split dim (``rules.split``: a fused qkv product, HF GPT-2's).
 
     Forward: an all-gather over ``axis`` of ``per_token`` elements per token (the whole
-    value); backward (``grad``: the value depends on a parameter): its gradient, partial on
-    each device of the axis, all-reduced over it.
+    value, less the share of the tensor axes in ``split_over``, which still split other
+    dims, and of ``rows_axis`` where the default program holds its rows reduce-scattered
+    onto the batch over it); backward (``grad``: the value depends on a parameter): its
+    gradient, partial on each device of the axis, all-reduced over it.
     """
 
     name: str
@@ -216,10 +219,13 @@ class Regather:
     axis: str
     count: int = 1
     grad: bool = True
+    split_over: tuple[str, ...] = ()
+    rows_axis: str | None = None
 
     def __post_init__(self) -> None:
-        if self.axis not in TENSOR_SPLITS:
-            raise ValueError(f"regather {self.name!r}: axis {self.axis!r} is not one of {TENSOR_SPLITS}")
+        for axis in (self.axis, *self.split_over, *((self.rows_axis,) if self.rows_axis else ())):
+            if axis not in TENSOR_SPLITS:
+                raise ValueError(f"regather {self.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
 
 
 @dataclasses.dataclass(frozen=True)

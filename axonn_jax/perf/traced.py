@@ -91,8 +91,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
             outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
-        if name_ == "reshape":
-            regathers += _reshape_gathers(eqn, layouts, trained)
+        if name_ in ("reshape", "split"):
+            regathers += _whole_gathers(eqn, layouts, trained, flow.axis)
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -169,7 +169,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         lookups=lookups,
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
-        regathers=tuple(Regather("reshape input", size / tokens, axis, grad=grad) for size, axis, grad in regathers),
+        regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows)
+                        for op, size, axis, others, rows, grad in regathers),  # fmt: skip
         **_split_outputs(jaxpr, layouts, tokens),
     )
 
@@ -276,21 +277,37 @@ def _conv_matmul(eqn, layouts, path: str, input_grad: bool = True) -> MatMul:
                   input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
 
 
-def _reshape_gathers(eqn, layouts, trained: set) -> list[tuple[int, str, bool]]:
-    """(elements, axis, has a gradient) for each tensor axis a reshape gathers its input over.
+def _whole_gathers(eqn, layouts, trained: set, scattered: dict) -> list[tuple]:
+    """(op, elements, axis, other tensor axes, rows axis, has a gradient) for each tensor axis
+    a reshape or split gathers its input over.
 
-    Only the major dim of a group of merged dims keeps its split (``rules.reshape``):
-    a split minor dim (a CNN's y-split channels, flattened before its head) is gathered
-    whole first. A reshape that permutes dims runs replicated (a fallback not priced).
+    A reshape keeps only the major dim of a group of merged dims split
+    (``rules.reshape``): a split minor dim (a CNN's y-split channels, flattened before
+    its head) is gathered whole first. A split along a split dim (a fused qkv
+    product: HF GPT-2's ``c_attn``) gathers that dim and keeps each device's block of
+    every piece (``rules.split``). The other tensor axes still split the gathered value,
+    and so does the axis its rows are reduce-scattered over onto the batch (``scattered``:
+    :class:`_ScatterFlow`'s). A reshape that permutes dims runs replicated (a fallback not
+    priced).
     """
     operand = eqn.invars[0]
-    shape = R.shape_of(operand)
-    groups = R.reshape_groups(shape, tuple(eqn.params["new_sizes"]))
-    if groups is None or eqn.params.get("dimensions") is not None or operand not in layouts:
+    if R.is_literal(operand) or operand not in layouts:
         return []
-    lay = layouts[operand]
-    axes = {_tensor_axis(lay[d]) for gi, go in groups if gi and go for d in gi[1:]} - {None}
-    return [(math.prod(shape), axis, operand in trained) for axis in sorted(axes)]
+    shape, lay = R.shape_of(operand), layouts[operand]
+    if eqn.primitive.name == "split":
+        dims = {eqn.params["axis"] % len(shape)}
+    else:
+        groups = R.reshape_groups(shape, tuple(eqn.params["new_sizes"]))
+        if groups is None or eqn.params.get("dimensions") is not None:
+            return []
+        dims = {d for gi, go in groups if gi and go for d in gi[1:]}
+    gathered = {_tensor_axis(lay[d]) for d in dims} - {None}
+    out = []
+    for axis in sorted(gathered):
+        others = tuple(sorted({a for axes in lay for a in axes if a in (X, Y)} - {axis}))
+        out.append((eqn.primitive.name, math.prod(shape), axis, others, scattered.get(operand),
+                    operand in trained))  # fmt: skip
+    return out
 
 
 def _tensor_axis(axes: tuple[str, ...]) -> str | None:
