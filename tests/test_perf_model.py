@@ -29,6 +29,7 @@ import numpy as np
 import optax
 import pytest
 
+import axonn_jax
 from axonn_jax import Grid
 from axonn_jax.partitioner.grid import X, Y
 from axonn_jax.cli import main
@@ -808,6 +809,42 @@ def test_a_split_fused_qkv_product_is_priced_as_the_compiled_step_gathers_it(gri
         ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
         compiled = _compiled_collectives_of(entry.model, entry.args, g, kind, loss=entry.loss, kwargs=entry.kwargs)
         assert ours == pytest.approx(sum(compiled), rel=1e-12), kind
+
+
+def test_a_kernel_dim_the_grid_does_not_divide_is_not_refused():
+    """HF ViT's patch embedding reads the images' 3 channels whole; its kernel's input
+    channels are stored split over y where y divides them (``Param.read_whole``). On y=2
+    it does not, and the partitioner splits the output channels over x·y instead: the spec
+    accepts the grid (it used to refuse it, so the search skipped ViT on every y > 1) and
+    prices no gather of the kernel, which the compiled step does not have either. The
+    CNN's 8 input channels still divide y=2: its kernel is gathered."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hf_zoo
+
+    from axonn_jax.models import CNN
+    from axonn_jax.perf.traced import spec_from_model
+    from axonn_jax.runtime.hlo import collectives as hlo_collectives
+
+    entry = hf_zoo.build("hf_vit")
+    spec, g = spec_from_model(entry.model, *entry.args, **entry.kwargs), Grid(y=2, data=4)
+    kernel = next(p for p in spec.params if p.name.endswith("patch_embeddings/projection/kernel"))
+    assert kernel.read_whole == Y and kernel.shape[2] == 3
+    assert spec.problems(g) == [] and kernel.read_whole_split(g) == 1
+    assert not [c for c in collectives(spec, g, recompute=False) if c.what == "whole-read weight gather"]
+    cnn = spec_from_model(CNN(channels=(32, 64), num_classes=16), jax.ShapeDtypeStruct((32, 32, 32, 8), jnp.float32))
+    assert [p.read_whole_split(g) for p in cnn.params if p.read_whole] == [2]
+    pm = axonn_jax.partition(entry.model, g, *entry.args, **entry.kwargs)
+    assert pm.plan.params[[p.path for p in pm.plan.params].index(kernel.name)].use[3] == (X, Y)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          jax.eval_shape(pm.init, jax.random.key(0)), pm.param_shardings)  # fmt: skip
+    grads = jax.jit(jax.grad(lambda p, *xs: entry.loss(pm.apply(p, *xs, **entry.kwargs), *xs)))
+    text = grads.lower(params, *entry.args).compile().as_text()
+    gathers = [c for c in hlo_collectives(text, num_devices=8) if c.kind == "all-gather" and not c.trivial]
+    assert gathers and not [c for c in gathers if any(dims[:3] == (8, 8, 3) for _, dims in c.shapes)]
 
 
 def test_deferred_w_residuals_are_priced_per_stage():

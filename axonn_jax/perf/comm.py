@@ -192,8 +192,8 @@ class _Step:
         grid, mb = self.grid, self.mb
         for p in self.spec.params:
             copies = p.count * (self.share if p.per_block else 1.0)
-            if p.read_whole and grid.axis_size(p.read_whole) > 1:
-                g = grid.axis_size(p.read_whole)
+            g = p.read_whole_split(grid)
+            if g > 1:
                 wire = _ring("all-gather", g) * p.use_elements(grid) * g * copies * mb
                 calls = Fraction(p.count * mb) / (grid.pipeline if p.per_block else 1)
                 for phase in ("forward", "backward") if self.recompute and p.per_block else ("forward",):

@@ -87,20 +87,24 @@ class Param:
 
     def use_elements(self, grid: Grid) -> float:
         """Elements of one copy on one device where it is used (after the z gather)."""
-        factor = 1
-        for axis in self.axes:
-            if axis:
-                factor *= getattr(grid, axis)
-        return self._size / factor
+        return self._size / math.prod(grid.axis_size(axis) for axis in self.axes if axis)
 
     def local_elements(self, grid: Grid) -> float:
         """Elements of one copy stored on one device."""
         return self.use_elements(grid) / (grid.z if self.depth else 1)
 
+    def read_whole_split(self, grid: Grid) -> int:
+        """Devices the :attr:`read_whole` dim is stored split over on ``grid``: 1 where its
+        axis does not divide it (the partitioner then splits another dim over that axis:
+        a ViT's 3 image channels on y=2, its output channels over x·y)."""
+        return next((grid.axis_size(axis) for size, axis in zip(self.shape, self.axes)
+                     if axis and axis == self.read_whole and size % grid.axis_size(axis) == 0), 1)  # fmt: skip
+
     def divides(self, grid: Grid) -> bool:
-        """True if every split dim divides, and (for depth weights) some dim also takes z."""
+        """True if every split dim divides (a :attr:`read_whole` dim need not: see
+        :meth:`read_whole_split`), and (for depth weights) some dim also takes z."""
         for size, axis in zip(self.shape, self.axes):
-            if axis and size % grid.axis_size(axis):
+            if axis and size % grid.axis_size(axis) and axis != self.read_whole:
                 return False
         if not self.depth or grid.z == 1:
             return True
