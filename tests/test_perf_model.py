@@ -720,10 +720,10 @@ def test_a_dense_block_input_is_its_first_layers_input_kept_once():
     assert {a.name for a in spec.activations} == {"block input (a layer's input)", "layer output"}
 
 
-def _compiled_collectives_of(model, inputs, grid: Grid, kind: str, loss=None, kwargs=None) -> list[float]:
-    """Wire bytes of each ``kind`` collective of a ``pm.apply``-based jitted train step of
-    ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``: one
-    input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss."""
+def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None) -> dict[str, list[float]]:
+    """Per kind, the wire bytes of each collective of a ``pm.apply``-based jitted train step
+    of ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``:
+    one input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss."""
     from axonn_jax.memory_check import squares_loss
     from axonn_jax.partitioned import partition
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
@@ -741,9 +741,12 @@ def _compiled_collectives_of(model, inputs, grid: Grid, kind: str, loss=None, kw
         return optax.apply_updates(p, updates), s, value
 
     text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), *args).compile().as_text()
-    found = [c for c in hlo_collectives(text, num_devices=8) if not c.trivial and c.kind == kind]
-    return sorted(c.wire_bytes * (1 - sum(4 for _, dims in c.shapes if dims == ()) / c.result_bytes)
-                  for c in found)  # fmt: skip
+    out: dict[str, list[float]] = {}
+    for c in hlo_collectives(text, num_devices=8):
+        if not c.trivial:
+            out.setdefault(c.kind, []).append(c.wire_bytes * (1 - sum(4 for _, dims in c.shapes if dims == ())
+                                                              / c.result_bytes))  # fmt: skip
+    return {kind: sorted(v) for kind, v in out.items()}
 
 
 @pytest.mark.parametrize("name, grid", [("mlp", "x=8"), ("mlp", "x=4,y=2"), ("cnn", "x=8"), ("cnn", "y=8"),
@@ -770,13 +773,14 @@ def test_traced_collectives_are_the_compiled_steps(name, grid):
     if name == "cnn":
         assert [p.read_whole for p in spec.params if p.name == "conv_0/kernel"] == [Y]
         assert [(r.per_token * spec.tokens, r.axis, r.grad) for r in spec.regathers] == [(32 * 8 * 8 * 64, Y, True)]
+    by_kind = _compiled_step_collectives(model, inputs, g)
     ours = [4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == "all-reduce"]
-    compiled = _compiled_collectives_of(model, inputs, g, "all-reduce")
+    compiled = by_kind["all-reduce"]
     # bytes in all (XLA combines the small bias-gradient all-reduces with others of the group)
     assert sum(ours) == pytest.approx(sum(compiled), rel=1e-12) and len(ours) >= len(compiled) > 0
     for kind in ("all-gather", "reduce-scatter"):
         mine = [(c.calls, 4 * c.elements) for c in collectives(spec, g, recompute=False) if c.kind == kind]
-        compiled = _compiled_collectives_of(model, inputs, g, kind)
+        compiled = by_kind.get(kind, [])
         assert sum(calls for calls, _ in mine) == len(compiled), kind
         assert sum(b for _, b in mine) == pytest.approx(sum(compiled), rel=1e-12), kind
 
@@ -805,10 +809,37 @@ def test_a_split_fused_qkv_product_is_priced_as_the_compiled_step_gathers_it(gri
     assert [(r.name, r.axis, r.rows_axis) for r in spec.regathers] == [("split input", X, Y)] * 2
     g = Grid.parse(grid)
     kinds = ("all-gather", "reduce-scatter") + (("all-reduce",) if g.y == 1 else ())
+    compiled = _compiled_step_collectives(entry.model, entry.args, g, loss=entry.loss, kwargs=entry.kwargs)
     for kind in kinds:
         ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
-        compiled = _compiled_collectives_of(entry.model, entry.args, g, kind, loss=entry.loss, kwargs=entry.kwargs)
-        assert ours == pytest.approx(sum(compiled), rel=1e-12), kind
+        assert ours == pytest.approx(sum(compiled[kind]), rel=1e-12), kind
+
+
+@pytest.mark.parametrize("name", ["hf_bert", "hf_llama", "hf_opt"])
+def test_traced_hf_families_are_priced_as_compiled(name):
+    """Published models nobody here wrote, on x=2,y=2,z=2: the traced model's all-gather and
+    reduce-scatter bytes are the compiled step's; its all-reduce bytes are 0.94–0.97 of
+    them, never more: the LayerNorm / RMSNorm statistics over the y-split hidden dim are
+    not counted for traced models (``axonn_jax.perf.traced``)."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hf_zoo
+
+    from axonn_jax.perf.traced import spec_from_model
+
+    entry = hf_zoo.build(name)
+    spec, g = spec_from_model(entry.model, *entry.args, **entry.kwargs), Grid(x=2, y=2, z=2)
+    by_kind = _compiled_step_collectives(entry.model, entry.args, g, loss=entry.loss, kwargs=entry.kwargs)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
+        compiled = sum(by_kind[kind])
+        if kind == "all-reduce":
+            assert 0.94 * compiled <= ours < compiled, kind
+        else:
+            assert ours == pytest.approx(compiled, rel=1e-12), kind
 
 
 def test_a_kernel_dim_the_grid_does_not_divide_is_not_refused():
