@@ -29,8 +29,8 @@ transposed layers are known without devices). From the plan and the jaxpr:
   matmul inputs come whole (no all-gather), the rows each parameter is
   applied on, and whole activations joining a scattered stream.
 
-Norm statistics all-reduces are not counted for traced models (they are for
-:func:`~axonn_jax.perf.spec.gpt_spec`).
+* norm statistics (:class:`_NormStatistics`): the reductions over the y-split
+  hidden dim, one all-reduce per norm.
 
 Example:
     >>> import jax, jax.numpy as jnp                           # doctest: +SKIP
@@ -66,6 +66,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     read_whole, regathers = {}, []  # parameter index → axis; Regather
+    norms = _NormStatistics(layouts)
     attention_flops, attention_saved = 0.0, {}
     flow = _ScatterFlow(jaxpr, origin)
     casts = param_like_producers(jaxpr, n_params)
@@ -73,6 +74,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
+        norms.follow(eqn)
         if all(var is None for var, _ in weight_of[-1:]) and not (eqn.outvars and eqn.outvars[0] in casts):
             weight_of += [(None, origin[v]) for v in eqn.invars if not R.is_literal(v) and v in origin]
         if name_ == "gather" and eqn.invars[0] in origin:
@@ -167,6 +169,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         attention_flops=attention_flops,
         attention_axis=X,
         lookups=lookups,
+        **norms.fields(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
         regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows)
@@ -190,6 +193,42 @@ def _block_entry_inputs(jaxpr, origin: dict, params) -> set:
             entries.add(acts[0])
         began |= blocks
     return entries
+
+
+class _NormStatistics:
+    """The normalisations over the y-split hidden dim: their statistics are all-reduced over y.
+
+    A ``reduce_sum`` over a dim that y splits is one statistic; the statistics of one
+    value (through casts and squares: LayerNorm's mean and mean square, RMSNorm's mean
+    square) are one norm, all-reduced in one call. A norm whose rows the default program
+    has not scattered onto the batch yet (block 0's first) sees whole rows. Reductions over
+    an x-split dim, and those inside control-flow bodies, are not counted.
+    """
+
+    UNARY = frozenset(["integer_pow", "square", "abs", "convert_element_type", "copy"])
+
+    def __init__(self, layouts):
+        self.layouts = layouts
+        self.roots: dict = {}  # variable -> the value it is a cast or power of
+        self.stats: dict = {}  # root -> statistics reduced from it
+
+    def follow(self, eqn) -> None:
+        name, ins = eqn.primitive.name, eqn.invars
+        if ins and not R.is_literal(ins[0]) and (name in self.UNARY or name == "mul" and ins[0] is ins[1]):
+            self.roots[eqn.outvars[0]] = self.roots.get(ins[0], ins[0])
+        elif name == "reduce_sum" and not R.is_literal(ins[0]) and ins[0] in self.layouts:
+            if any(Y in self.layouts[ins[0]][d] for d in eqn.params["axes"]):
+                root = self.roots.get(ins[0], ins[0])
+                self.stats[root] = self.stats.get(root, 0) + 1
+
+    def fields(self, scattered: dict) -> dict:
+        """``norms``, ``norm_stats`` (per norm, an average where norms differ) and
+        ``whole_norms`` of :class:`~axonn_jax.perf.spec.ModelSpec`."""
+        if not self.stats:
+            return {}
+        stats = sum(self.stats.values()) / len(self.stats)
+        return {"norms": len(self.stats), "norm_stats": int(stats) if stats == int(stats) else stats,
+                "whole_norms": sum(root not in scattered for root in self.stats)}
 
 
 class _ScatterFlow:
