@@ -188,7 +188,8 @@ class _Step:
             entry[2] += calls if transfers is None else transfers
 
     def parameters(self) -> None:
-        """Weight gathers and scatters over z, gradient all-reduces over data (and z)."""
+        """Weight gathers and scatters over z, gradient all-reduces over data (and z), and the
+        gathers of kernels stored split but read whole."""
         grid, mb = self.grid, self.mb
         for p in self.spec.params:
             copies = p.count * (self.share if p.per_block else 1.0)
