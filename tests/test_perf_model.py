@@ -842,6 +842,30 @@ def test_traced_hf_families_are_priced_as_compiled(name, grid):
             assert ours == pytest.approx(compiled, rel=1e-12), kind
 
 
+def test_a_dropout_mask_is_not_a_stream_join():
+    """Dropout selects between the activation and zeros: neither the zeros nor the mask has
+    a gradient, so nothing is all-reduced for them, and the GPT with dropout on has one
+    stream join, as without (it used to count seven: 1.88× the compiled all-reduce bytes).
+    Its collectives are the compiled step's, kind by kind."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import idiom_cases
+
+    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.perf.traced import spec_from_model
+
+    model, args, kwargs = idiom_cases.idioms()["gpt_dropout"]
+    spec, g = spec_from_model(model, *args, **kwargs), Grid(x=2, y=2, z=2)
+    assert spec.stream_joins == 1 and spec.stream_axis == X
+    by_kind = _compiled_step_collectives(model, tuple(args), g, loss=lambda out, *_: squares_loss(out, None),
+                                         kwargs=kwargs)  # fmt: skip
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
+        assert ours == pytest.approx(sum(by_kind[kind]), rel=1e-12), kind
+
+
 def test_a_kernel_dim_the_grid_does_not_divide_is_not_refused():
     """HF ViT's patch embedding reads the images' 3 channels whole; its kernel's input
     channels are stored split over y where y divides them (``Param.read_whole``). On y=2

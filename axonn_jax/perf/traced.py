@@ -68,9 +68,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     read_whole, regathers = {}, []  # parameter index → axis; Regather
     norms = _NormStatistics(layouts)
     attention_flops, attention_saved = 0.0, {}
-    flow = _ScatterFlow(jaxpr, origin)
     casts = param_like_producers(jaxpr, n_params)
     trained = _from_params(jaxpr, n_params)
+    flow = _ScatterFlow(jaxpr, origin, trained)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
@@ -239,11 +239,14 @@ class _ScatterFlow:
     until the next layer gathers it. Found on the way: the axis of the rows each
     parameter is applied on (its gradient is also reduced over it), and the
     joins of a whole activation with a scattered one (the residual stream meeting
-    block 0's first output), whose backward all-reduces the whole one's gradient.
+    block 0's first output: its axis is the stream's), whose backward all-reduces the
+    whole one's gradient where it has one (``trained``: computed from a parameter; not
+    a dropout's zeros, not the model's data added to the stream).
     """
 
-    def __init__(self, jaxpr, origin: dict):
+    def __init__(self, jaxpr, origin: dict, trained: set):
         self.origin = origin
+        self.trained = trained
         self.axis: dict = {}  # variable -> the tensor axis its batch is scattered over
         self.live = set(jaxpr.invars)  # computed from the inputs or parameters (not constants)
         self.params: dict[int, str] = {}
@@ -262,7 +265,7 @@ class _ScatterFlow:
             if v in self.origin:
                 self.params.setdefault(self.origin[v], axis)
             elif v not in self.axis and v in self.live and R.shape_of(v) == R.shape_of(eqn.outvars[0]):
-                self.joins += 1
+                self.joins += v in self.trained
                 self.stream_axis = axis
 
     def layer(self, eqn, in_axis: str | None) -> None:
