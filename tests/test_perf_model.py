@@ -813,13 +813,15 @@ def test_a_split_fused_qkv_product_is_priced_as_the_compiled_step_gathers_it(gri
 
 
 @pytest.mark.parametrize("name, grid", [("hf_llama", "x=2,y=2,z=2"), ("hf_opt", "x=2,y=2,z=2"),
-                                        ("hf_bert", "x=2,y=2,z=2"), ("hf_llama", "y=2,z=2,data=2")])  # fmt: skip
+                                        ("hf_bert", "x=2,y=2,z=2"), ("hf_llama", "y=2,z=2,data=2"),
+                                        ("hf_vit", "x=4,data=2")])  # fmt: skip
 def test_traced_hf_families_are_priced_as_compiled(name, grid):
     """Published models nobody here wrote: the traced model's collective bytes are the
     compiled step's, kind by kind, the norm statistics included (LayerNorm's two, RMSNorm's
-    one, over the y-split hidden dim: ``traced._NormStatistics``; before they were counted,
-    the all-reduces were priced at 0.94–0.97). BERT's masked-LM head normalises its x-split
-    features, which is not counted: its all-reduces are 0.9926 of the compiled ones."""
+    one, over the split hidden dim: ``traced._NormStatistics``; before they were counted,
+    the all-reduces were priced at 0.94–0.97). A ViT's stream is split over x (its patch
+    convolution's output channels), so are its norms. BERT's masked-LM head normalises its
+    x-split features, which is not counted: its all-reduces are 0.9926 of the compiled ones."""
     pytest.importorskip("transformers")
     import sys
     from pathlib import Path
@@ -832,6 +834,7 @@ def test_traced_hf_families_are_priced_as_compiled(name, grid):
     entry = hf_zoo.build(name)
     spec, g = spec_from_model(entry.model, *entry.args, **entry.kwargs), Grid.parse(grid)
     assert (spec.norms, spec.norm_stats, spec.whole_norms) == (5, 1 if name == "hf_llama" else 2, 1)
+    assert spec.norm_axis == (X if name == "hf_vit" else Y)
     by_kind = _compiled_step_collectives(entry.model, entry.args, g, loss=entry.loss, kwargs=entry.kwargs)
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)

@@ -30,7 +30,7 @@ input gradient                      all-reduce   out axis     backward (default:
                                                               model's data: input_grad)
 input gradient (default)            reduce-scat  out axis     backward: the gathered
                                                               input's transpose (OAR)
-norm statistics                     all-reduce   y            forward (×2 recompute), bwd
+norm statistics                     all-reduce   y (norm_axis) forward (×2 recompute), bwd
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
 output gather                       all-gather   x (and y)    forward (vocabulary-parallel
                                                               logits; default: their batch;
@@ -319,12 +319,13 @@ class _Step:
         norms = (spec.norms - whole) * self.share + whole  # block 0 is on the first stage
         rows = self.rows / (grid.axis_size(stream) if stream else 1)
         on_rows = (spec.norms - whole) * self.share * rows + whole * self.rows
-        wire = _ring("all-reduce", grid.y) * spec.norm_stats * on_rows
+        axis = spec.norm_axis
+        wire = _ring("all-reduce", grid.axis_size(axis)) * spec.norm_stats * on_rows
         calls, stats = norms * self.mb, norms * self.mb * spec.norm_stats
         again = 2 if self.recompute else 1
-        self.add("norm statistics", "all-reduce", (Y,), "forward", wire * again, calls * again,
+        self.add("norm statistics", "all-reduce", (axis,), "forward", wire * again, calls * again,
                  transfers=stats * again)  # fmt: skip
-        self.add("norm statistics", "all-reduce", (Y,), "backward", wire, calls, transfers=stats)
+        self.add("norm statistics", "all-reduce", (axis,), "backward", wire, calls, transfers=stats)
 
     def pipeline(self) -> None:
         grid, mb = self.grid, self.mb

@@ -246,7 +246,7 @@ class ModelSpec:
     hidden: int  # activation elements per token crossing a block boundary (split over y)
     attention_flops: float = 0.0  # forward FLOPs of activation × activation matmuls
     attention_axis: str | None = X  # the axis that splits their heads
-    norms: int = 0  # normalisations over the y-split hidden dim (each all-reduces statistics)
+    norms: int = 0  # normalisations over the split hidden dim (each all-reduces statistics)
     norm_stats: int = 2  # per-token statistics one norm all-reduces (LayerNorm: 2, RMSNorm: 1)
     lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
     #: per-token elements of model outputs whose features are split over ``output_axis``
@@ -260,6 +260,9 @@ class ModelSpec:
     stream_axis: str | None = None
     #: norms that see whole rows (before the first layer scatters the stream)
     whole_norms: int = 0
+    #: the tensor axis splitting the hidden dim the norms reduce over (y in a transformer's
+    #: stream; x where a first convolution splits its output channels over x: a ViT)
+    norm_axis: str = Y
     #: whole activations (hidden/y per token) added to a scattered stream: the backward
     #: all-reduces their gradient over ``stream_axis`` (the embeddings meeting block 1's output)
     stream_joins: int = 0

@@ -196,13 +196,15 @@ def _block_entry_inputs(jaxpr, origin: dict, params) -> set:
 
 
 class _NormStatistics:
-    """The normalisations over the y-split hidden dim: their statistics are all-reduced over y.
+    """The normalisations over a split hidden dim: their statistics are all-reduced over it.
 
-    A ``reduce_sum`` over a dim that y splits is one statistic; the statistics of one
-    value (through casts and squares: LayerNorm's mean and mean square, RMSNorm's mean
-    square) are one norm, all-reduced in one call. A norm whose rows the default program
-    has not scattered onto the batch yet (block 0's first) sees whole rows. Reductions over
-    an x-split dim, and those inside control-flow bodies, are not counted.
+    A ``reduce_sum`` over a dim that a tensor axis splits is one statistic; the statistics
+    of one value (through casts and squares: LayerNorm's mean and mean square, RMSNorm's
+    mean square) are one norm, all-reduced in one call. A norm whose rows the default
+    program has not scattered onto the batch yet (block 0's first) sees whole rows. The
+    norms over the axis most of them reduce over are counted (y in a transformer's stream,
+    x in a ViT's, whose first convolution splits its output channels over x); the others
+    (BERT's masked-LM head, over x) and those inside control-flow bodies are not.
     """
 
     UNARY = frozenset(["integer_pow", "square", "abs", "convert_element_type", "copy"])
@@ -211,24 +213,30 @@ class _NormStatistics:
         self.layouts = layouts
         self.roots: dict = {}  # variable -> the value it is a cast or power of
         self.stats: dict = {}  # root -> statistics reduced from it
+        self.axis: dict = {}  # root -> the axis its statistics are reduced over
 
     def follow(self, eqn) -> None:
         name, ins = eqn.primitive.name, eqn.invars
         if ins and not R.is_literal(ins[0]) and (name in self.UNARY or name == "mul" and ins[0] is ins[1]):
             self.roots[eqn.outvars[0]] = self.roots.get(ins[0], ins[0])
         elif name == "reduce_sum" and not R.is_literal(ins[0]) and ins[0] in self.layouts:
-            if any(Y in self.layouts[ins[0]][d] for d in eqn.params["axes"]):
+            axis = _tensor_axis(tuple(a for d in eqn.params["axes"] for a in self.layouts[ins[0]][d]))
+            if axis:
                 root = self.roots.get(ins[0], ins[0])
                 self.stats[root] = self.stats.get(root, 0) + 1
+                self.axis[root] = axis
 
     def fields(self, scattered: dict) -> dict:
-        """``norms``, ``norm_stats`` (per norm, an average where norms differ) and
-        ``whole_norms`` of :class:`~axonn_jax.perf.spec.ModelSpec`."""
+        """``norms``, ``norm_stats`` (per norm, an average where norms differ),
+        ``whole_norms`` and ``norm_axis`` of :class:`~axonn_jax.perf.spec.ModelSpec`."""
         if not self.stats:
             return {}
-        stats = sum(self.stats.values()) / len(self.stats)
-        return {"norms": len(self.stats), "norm_stats": int(stats) if stats == int(stats) else stats,
-                "whole_norms": sum(root not in scattered for root in self.stats)}
+        counts = collections.Counter(self.axis.values())
+        axis = max(counts, key=lambda a: (counts[a], a == Y))
+        roots = [root for root in self.stats if self.axis[root] == axis]
+        stats = sum(self.stats[root] for root in roots) / len(roots)
+        return {"norms": len(roots), "norm_stats": int(stats) if stats == int(stats) else stats,
+                "whole_norms": sum(root not in scattered for root in roots), "norm_axis": axis}
 
 
 class _ScatterFlow:
