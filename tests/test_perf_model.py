@@ -720,6 +720,19 @@ def test_a_dense_block_input_is_its_first_layers_input_kept_once():
     assert {a.name for a in spec.activations} == {"block input (a layer's input)", "layer output"}
 
 
+def _hf_entry(name: str):
+    """``benchmarks/hf_zoo.py``'s ``name`` (a published model, its inputs and loss); the test
+    is skipped without ``transformers``."""
+    pytest.importorskip("transformers")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import hf_zoo
+
+    return hf_zoo.build(name)
+
+
 def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None) -> dict[str, list[float]]:
     """Per kind, the wire bytes of each collective of a ``pm.apply``-based jitted train step
     of ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``:
@@ -793,16 +806,9 @@ def test_a_split_fused_qkv_product_is_priced_as_the_compiled_step_gathers_it(gri
     rows stay reduce-scattered over y where the grid scatters them). The model's
     collectives are the compiled step's, kind by kind. Without the gather the model priced
     0.43 of the compiled all-reduce bytes on x=2,y=2,z=2."""
-    pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import hf_zoo
-
     from axonn_jax.perf.traced import spec_from_model
 
-    entry = hf_zoo.build("hf_gpt2")
+    entry = _hf_entry("hf_gpt2")
     spec = spec_from_model(entry.model, *entry.args, **entry.kwargs)
     assert [(r.name, r.axis, r.rows_axis) for r in spec.regathers] == [("split input", X, Y)] * 2
     g = Grid.parse(grid)
@@ -822,16 +828,9 @@ def test_traced_hf_families_are_priced_as_compiled(name, grid):
     the all-reduces were priced at 0.94–0.97). A ViT's stream is split over x (its patch
     convolution's output channels), so are its norms. BERT's masked-LM head normalises its
     x-split features, which is not counted: its all-reduces are 0.9926 of the compiled ones."""
-    pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import hf_zoo
-
     from axonn_jax.perf.traced import spec_from_model
 
-    entry = hf_zoo.build(name)
+    entry = _hf_entry(name)
     spec, g = spec_from_model(entry.model, *entry.args, **entry.kwargs), Grid.parse(grid)
     assert (spec.norms, spec.norm_stats, spec.whole_norms) == (5, 1 if name == "hf_llama" else 2, 1)
     assert spec.norm_axis == (X if name == "hf_vit" else Y)
@@ -850,10 +849,6 @@ def test_a_dropout_mask_is_not_a_stream_join():
     a gradient, so nothing is all-reduced for them, and the GPT with dropout on has one
     stream join, as without (it used to count seven: 1.88× the compiled all-reduce bytes).
     Its collectives are the compiled step's, kind by kind."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     import idiom_cases
 
     from axonn_jax.memory_check import squares_loss
@@ -876,18 +871,11 @@ def test_a_kernel_dim_the_grid_does_not_divide_is_not_refused():
     accepts the grid (it used to refuse it, so the search skipped ViT on every y > 1) and
     prices no gather of the kernel, which the compiled step does not have either. The
     CNN's 8 input channels still divide y=2: its kernel is gathered."""
-    pytest.importorskip("transformers")
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import hf_zoo
-
     from axonn_jax.models import CNN
     from axonn_jax.perf.traced import spec_from_model
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
 
-    entry = hf_zoo.build("hf_vit")
+    entry = _hf_entry("hf_vit")
     spec, g = spec_from_model(entry.model, *entry.args, **entry.kwargs), Grid(y=2, data=4)
     kernel = next(p for p in spec.params if p.name.endswith("patch_embeddings/projection/kernel"))
     assert kernel.read_whole == Y and kernel.shape[2] == 3
