@@ -30,7 +30,7 @@ input gradient                      all-reduce   out axis     backward (default:
                                                               model's data: input_grad)
 input gradient (default)            reduce-scat  out axis     backward: the gathered
                                                               input's transpose (OAR)
-norm statistics                     all-reduce   y (norm_axis) forward (×2 recompute), bwd
+norm statistics                     all-reduce   its axis (y) forward (×2 recompute), bwd
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
 output gather                       all-gather   x (and y)    forward (vocabulary-parallel
                                                               logits; default: their batch;
@@ -298,8 +298,8 @@ class _Step:
                 self.add("activation regather gradient", "all-reduce", (r.axis,), "backward",
                          _ring("all-reduce", g) * whole, r.count * mb)  # fmt: skip
         stream = spec.stream_axis if spec.stream_axis in self.scattered else None
-        if spec.norms:
-            self._norms(stream)
+        for group in spec.norms:
+            self._norms(group)
         if stream and spec.stream_joins:  # the transpose of slicing a whole activation's rows
             self.add("stream join gradient", "all-reduce", (stream,), "backward",
                      _ring("all-reduce", grid.axis_size(stream)) * rows * spec.hidden / grid.y
@@ -313,15 +313,14 @@ class _Step:
         self.add("loss reductions", "all-reduce", (split,), "forward",
                  _ring("all-reduce", grid.axis_size(split)) * 3 * rows, 2 * self.mb, transfers=3 * self.mb)  # fmt: skip
 
-    def _norms(self, stream: str | None) -> None:
-        spec, grid = self.spec, self.grid
-        whole = spec.whole_norms if stream else 0
-        norms = (spec.norms - whole) * self.share + whole  # block 0 is on the first stage
-        rows = self.rows / (grid.axis_size(stream) if stream else 1)
-        on_rows = (spec.norms - whole) * self.share * rows + whole * self.rows
-        axis = spec.norm_axis
-        wire = _ring("all-reduce", grid.axis_size(axis)) * spec.norm_stats * on_rows
-        calls, stats = norms * self.mb, norms * self.mb * spec.norm_stats
+    def _norms(self, group) -> None:
+        """A :class:`~axonn_jax.perf.spec.NormGroup`'s statistics, forward and backward."""
+        grid, axis = self.grid, group.axis
+        norms = group.count * (self.share if group.rows_axis else 1)  # whole rows: the first stage
+        scattered = group.rows_axis in self.scattered
+        rows = self.rows / (grid.axis_size(group.rows_axis) if scattered else 1)
+        wire = _ring("all-reduce", grid.axis_size(axis)) * group.stats * norms * rows
+        calls, stats = norms * self.mb, norms * self.mb * group.stats
         again = 2 if self.recompute else 1
         self.add("norm statistics", "all-reduce", (axis,), "forward", wire * again, calls * again,
                  transfers=stats * again)  # fmt: skip

@@ -233,6 +233,27 @@ class Regather:
 
 
 @dataclasses.dataclass(frozen=True)
+class NormGroup:
+    """``count`` normalisations over a dim split by ``axis``, ``stats`` per-row statistics
+    each (LayerNorm: mean and mean square, 2; RMSNorm 1), all-reduced over ``axis`` in one
+    call per norm, forward and backward. ``rows_axis``: the tensor axis the default
+    program holds their rows reduce-scattered over (a transformer's stream: x); None for
+    norms on whole rows (block 0's first, before any layer scatters the stream), which the
+    first pipeline stage runs, while the others are shared out among the stages.
+    """
+
+    count: int
+    stats: float = 2
+    axis: str = Y
+    rows_axis: str | None = None
+
+    def __post_init__(self) -> None:
+        for axis in (self.axis, *((self.rows_axis,) if self.rows_axis else ())):
+            if axis not in TENSOR_SPLITS:
+                raise ValueError(f"norm group: axis {axis!r} is not one of {TENSOR_SPLITS}")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Everything the performance model reads about a model (see module docstring)."""
 
@@ -246,8 +267,8 @@ class ModelSpec:
     hidden: int  # activation elements per token crossing a block boundary (split over y)
     attention_flops: float = 0.0  # forward FLOPs of activation × activation matmuls
     attention_axis: str | None = X  # the axis that splits their heads
-    norms: int = 0  # normalisations over the split hidden dim (each all-reduces statistics)
-    norm_stats: int = 2  # per-token statistics one norm all-reduces (LayerNorm: 2, RMSNorm: 1)
+    #: normalisations over a split dim (each all-reduces its statistics over that dim's axis)
+    norms: tuple[NormGroup, ...] = ()
     lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
     #: per-token elements of model outputs whose features are split over ``output_axis``
     #: (vocabulary-parallel logits: x), which the model's apply all-gathers to return them
@@ -255,14 +276,8 @@ class ModelSpec:
     split_outputs: float = 0
     output_axis: str = X
     #: the tensor axis the residual stream between blocks is reduce-scattered over in the
-    #: default program (the axis of the blocks' last, transposed layers: x); norms on it
-    #: all-reduce the statistics of 1/(its size) of the rows
+    #: default program (the axis of the blocks' last, transposed layers: x)
     stream_axis: str | None = None
-    #: norms that see whole rows (before the first layer scatters the stream)
-    whole_norms: int = 0
-    #: the tensor axis splitting the hidden dim the norms reduce over (y in a transformer's
-    #: stream; x where a first convolution splits its output channels over x: a ViT)
-    norm_axis: str = Y
     #: whole activations (hidden/y per token) added to a scattered stream: the backward
     #: all-reduces their gradient over ``stream_axis`` (the embeddings meeting block 1's output)
     stream_joins: int = 0
@@ -415,11 +430,11 @@ def gpt_spec(
         hidden=h,
         attention_flops=L * 2 * (2.0 * m * seq * h),  # QKᵀ and AV, unmasked
         attention_axis=X,
-        norms=2 * L + 1,
-        norm_stats=2,  # LayerNorm: mean and mean of squares
+        # LayerNorm (mean and mean of squares) over the y-split hidden dim: block 0's first
+        # on whole rows, the others on the stream's rows (scattered over x)
+        norms=(NormGroup(2 * L, 2, Y, X), NormGroup(1, 2, Y, None)),
         lookups=1,  # the token embedding (vocabulary-parallel over x)
         split_outputs=vocab,  # the logits
         stream_axis=X,  # attn/out and fc_out are transposed: they scatter over x
-        whole_norms=1,  # block 0's first norm
         stream_joins=1,  # the embeddings + block 0's attention output
     )

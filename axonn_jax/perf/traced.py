@@ -52,7 +52,7 @@ from axonn_jax.partitioner.program import plan_model
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
-from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, Param, Regather
+from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, NormGroup, Param, Regather
 
 def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
     """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices."""
@@ -169,7 +169,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         attention_flops=attention_flops,
         attention_axis=X,
         lookups=lookups,
-        **norms.fields(flow.axis),
+        norms=norms.groups(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
         regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows)
@@ -202,9 +202,9 @@ class _NormStatistics:
     of one value (through casts and squares: LayerNorm's mean and mean square, RMSNorm's
     mean square) are one norm, all-reduced in one call. A norm whose rows the default
     program has not scattered onto the batch yet (block 0's first) sees whole rows. The
-    norms over the axis most of them reduce over are counted (y in a transformer's stream,
-    x in a ViT's, whose first convolution splits its output channels over x); the others
-    (BERT's masked-LM head, over x) and those inside control-flow bodies are not.
+    axis is y in a transformer's stream, x in a ViT's (its patch convolution splits the
+    output channels over x) and in BERT's masked-LM head. Norms inside control-flow
+    bodies are not counted.
     """
 
     UNARY = frozenset(["integer_pow", "square", "abs", "convert_element_type", "copy"])
@@ -226,17 +226,11 @@ class _NormStatistics:
                 self.stats[root] = self.stats.get(root, 0) + 1
                 self.axis[root] = axis
 
-    def fields(self, scattered: dict) -> dict:
-        """``norms``, ``norm_stats`` (per norm, an average where norms differ),
-        ``whole_norms`` and ``norm_axis`` of :class:`~axonn_jax.perf.spec.ModelSpec`."""
-        if not self.stats:
-            return {}
-        counts = collections.Counter(self.axis.values())
-        axis = max(counts, key=lambda a: (counts[a], a == Y))
-        roots = [root for root in self.stats if self.axis[root] == axis]
-        stats = sum(self.stats[root] for root in roots) / len(roots)
-        return {"norms": len(roots), "norm_stats": int(stats) if stats == int(stats) else stats,
-                "whole_norms": sum(root not in scattered for root in roots), "norm_axis": axis}
+    def groups(self, scattered: dict) -> tuple[NormGroup, ...]:
+        """The norms grouped by axis, statistics and the axis their rows are scattered over
+        (``scattered``: :class:`_ScatterFlow`'s)."""
+        counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root)) for root in self.stats)
+        return tuple(NormGroup(n, stats, axis, rows) for (axis, stats, rows), n in counts.items())
 
 
 class _ScatterFlow:
