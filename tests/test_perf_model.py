@@ -44,7 +44,7 @@ from axonn_jax.perf.memory import (
 )
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.paper import layer_volumes
-from axonn_jax.perf.spec import MatMul, ModelSpec, NormGroup, Param, gpt_spec
+from axonn_jax.perf.spec import MatMul, ModelSpec, NormGroup, Param, Regather, gpt_spec
 from axonn_jax.perf.step import predict
 from axonn_jax.search import grids, search
 
@@ -839,6 +839,18 @@ def test_traced_hf_families_are_priced_as_compiled(name, grid):
         ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
         compiled = sum(by_kind[kind])
         assert ours == pytest.approx(compiled, rel=1e-12), kind
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: Param("w", (4,), ("z",)), "parameter 'w': axis 'z'"),
+    (lambda: Param("w", (4,), ("x",), read_whole="z"), "parameter 'w': read_whole 'z'"),
+    (lambda: Regather("r", 1.0, None), "regather 'r': axis None"),
+    (lambda: Regather("r", 1.0, X, rows_axis="data"), "regather 'r': rows_axis 'data'"),
+    (lambda: NormGroup(1, axis="z"), "norm group: axis 'z'"),
+])  # fmt: skip
+def test_a_spec_axis_that_is_not_a_tensor_split_is_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=re.escape(message) + r" is not one of \('x', 'y'\)"):
+        make()
 
 
 def test_a_dropout_mask_is_not_a_stream_join():

@@ -33,6 +33,14 @@ from axonn_jax.partitioner.grid import X, Y, Grid
 TENSOR_SPLITS = (X, Y)
 
 
+def _check_axes(owner: str, field: str, *axes, optional: bool = True) -> None:
+    """Raise ``ValueError`` naming ``owner`` and ``field`` for an axis that is not one of
+    :data:`TENSOR_SPLITS` (``optional``: None is allowed)."""
+    for axis in axes:
+        if not (optional and axis is None) and axis not in TENSOR_SPLITS:
+            raise ValueError(f"{owner}: {field} {axis!r} is not one of {TENSOR_SPLITS}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Param:
     """A parameter as it is used: ``axes[d]`` splits dim ``d`` (``None``: not split).
@@ -70,15 +78,10 @@ class Param:
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
             raise ValueError(f"parameter {self.name!r}: {len(self.axes)} axes for shape {self.shape}")
-        for axis in self.axes:
-            if axis is not None and axis not in TENSOR_SPLITS:
-                raise ValueError(f"parameter {self.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
-        if self.scatter_axis not in (None, *TENSOR_SPLITS):
-            raise ValueError(f"parameter {self.name!r}: scatter_axis {self.scatter_axis!r} is not "
-                             f"one of {TENSOR_SPLITS}")  # fmt: skip
-        if self.read_whole not in (None, *TENSOR_SPLITS):
-            raise ValueError(f"parameter {self.name!r}: read_whole {self.read_whole!r} is not "
-                             f"one of {TENSOR_SPLITS}")  # fmt: skip
+        owner = f"parameter {self.name!r}"
+        _check_axes(owner, "axis", *self.axes)
+        _check_axes(owner, "scatter_axis", self.scatter_axis)
+        _check_axes(owner, "read_whole", self.read_whole)
         object.__setattr__(self, "_size", math.prod(self.shape))
 
     @property
@@ -227,9 +230,9 @@ class Regather:
     rows_axis: str | None = None
 
     def __post_init__(self) -> None:
-        for axis in (self.axis, *self.split_over, *((self.rows_axis,) if self.rows_axis else ())):
-            if axis not in TENSOR_SPLITS:
-                raise ValueError(f"regather {self.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
+        owner = f"regather {self.name!r}"
+        _check_axes(owner, "axis", self.axis, *self.split_over, optional=False)
+        _check_axes(owner, "rows_axis", self.rows_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,9 +251,8 @@ class NormGroup:
     rows_axis: str | None = None
 
     def __post_init__(self) -> None:
-        for axis in (self.axis, *((self.rows_axis,) if self.rows_axis else ())):
-            if axis not in TENSOR_SPLITS:
-                raise ValueError(f"norm group: axis {axis!r} is not one of {TENSOR_SPLITS}")
+        _check_axes("norm group", "axis", self.axis, optional=False)
+        _check_axes("norm group", "rows_axis", self.rows_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,9 +288,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for m in self.matmuls:
-            for axis in (m.in_axis, m.out_axis):
-                if axis is not None and axis not in TENSOR_SPLITS:
-                    raise ValueError(f"matmul {m.name!r}: axis {axis!r} is not one of {TENSOR_SPLITS}")
+            _check_axes(f"matmul {m.name!r}", "axis", m.in_axis, m.out_axis)
         if self.batch < 1 or self.tokens < 1 or self.layers < 1:
             raise ValueError(
                 f"spec {self.name!r}: batch={self.batch}, tokens={self.tokens}, "

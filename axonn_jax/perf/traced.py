@@ -29,8 +29,11 @@ transposed layers are known without devices). From the plan and the jaxpr:
   matmul inputs come whole (no all-gather), the rows each parameter is
   applied on, and whole activations joining a scattered stream.
 
-* norm statistics (:class:`_NormStatistics`): the reductions over the y-split
-  hidden dim, one all-reduce per norm.
+* norm statistics (:class:`_NormStatistics`): the reductions over a split dim
+  (a transformer's y-split hidden dim), one all-reduce per norm;
+* fallback moves of the partitioner: a kernel stored split but read whole
+  (``Param.read_whole``), an activation gathered whole for a reshape or split
+  (``Regather``).
 
 Example:
     >>> import jax, jax.numpy as jnp                           # doctest: +SKIP
