@@ -112,6 +112,7 @@ def main(argv=None) -> int:
 def _plan(parser: argparse.ArgumentParser, args) -> int:
     from axonn_jax.perf import machines
     from axonn_jax.perf.options import Options
+    from axonn_jax.partitioner.grid import Grid
     from axonn_jax.search import PRICED_SCHEDULES, search
 
     if args.gpus < 1:
@@ -144,12 +145,13 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     schedule = "message" if args.schedule == "auto" else args.schedule
     if args.check_memory:
         _simulate_cpu_devices(args.gpus)
-    spec = _spec(parser, args)
+    source = _spec(parser, args)
+    spec = source.for_grid(Grid())  # the model's sizes and name (a traced model: its one-device plan)
     options = Options(precision=args.precision, schedule=schedule, scatter_batch=not args.no_scatter_batch,
                       loss_rows=loss_rows(spec, args.loss))  # fmt: skip
     model = _model(parser, args) if args.check_memory else None
     t0 = time.perf_counter()
-    result = search(spec, args.gpus, machine, options=options, top=args.top,
+    result = search(source, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
                     microbatches=args.microbatches, virtual=args.virtual, recompute=recompute,
                     schedules=(PRICED_SCHEDULES + ("zb-v",) * (args.placement == "v")
@@ -246,7 +248,7 @@ def _spec(parser, args):
 
 
 def _spec_from_factory(parser, target: str):
-    from axonn_jax.perf.traced import spec_from_model
+    from axonn_jax.perf.traced import PerGridSpec
 
     made = _factory(parser, target)()
     if not (isinstance(made, tuple) and len(made) == 2):
@@ -257,7 +259,7 @@ def _spec_from_factory(parser, target: str):
     model, inputs = made
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     try:
-        return spec_from_model(model, *inputs, name=f"{target} ({type(model).__name__})")
+        return PerGridSpec(model, *inputs, name=f"{target} ({type(model).__name__})")
     except (TypeError, ValueError) as e:
         parser.error(f"--model {target}: cannot plan the model: {e}")
 

@@ -34,6 +34,7 @@ import collections
 import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from axonn_jax.partitioner.grid import PLACEMENTS, Grid
 from axonn_jax.perf.machines import Machine
@@ -41,6 +42,9 @@ from axonn_jax.perf.memory import held_microbatches, memory
 from axonn_jax.perf.options import SCHEDULES, Options
 from axonn_jax.perf.spec import ModelSpec
 from axonn_jax.perf.step import Prediction, predict
+
+if TYPE_CHECKING:
+    from axonn_jax.perf.traced import PerGridSpec
 
 OFFLOAD_CHOICES = ("auto", "on", "off")
 RECOMPUTE_CHOICES = OFFLOAD_CHOICES
@@ -83,7 +87,7 @@ def grids(devices: int, *, pipeline: bool = True) -> Iterator[Grid]:
 
 
 def search(
-    spec: ModelSpec,
+    source: ModelSpec | PerGridSpec,
     devices: int,
     machine: Machine,
     *,
@@ -97,9 +101,12 @@ def search(
     schedules: Sequence[str] | None = None,
     placement: str = "interleaved",
 ) -> SearchResult:
-    """Rank the grids of ``devices`` devices for ``spec`` on ``machine`` (module docstring).
+    """Rank the grids of ``devices`` devices for a model on ``machine`` (module docstring).
 
     Args:
+        source: the model's spec, or a traced model's spec per grid (its
+            :meth:`~axonn_jax.perf.traced.PerGridSpec.for_grid`: the partitioner's
+            fallbacks on each grid priced).
         options: precision, bucket size and program form (``scatter_batch``);
             its schedule is the one priced unless ``schedules`` is given. Its
             recompute, offload and microbatches are replaced by the search's.
@@ -134,6 +141,11 @@ def search(
     considered = priced = 0
     for grid in grids(devices, pipeline=pipeline):
         considered += 1
+        try:
+            spec = source.for_grid(grid)
+        except ValueError:  # the partitioner cannot plan the model on this grid
+            rejected["refused by the partitioner"] += 1
+            continue
         if spec.problems(grid):
             rejected["do not divide the model"] += 1
             continue

@@ -89,7 +89,7 @@ class Case:
     model: object
     batch: np.ndarray
     loss: Callable  # loss(outputs, batch)
-    spec: object  # axonn_jax.perf.spec.ModelSpec
+    spec: object  # a ModelSpec, or a traced model's PerGridSpec (its for_grid: each grid's)
 
 
 def make_case(name: str, a) -> Case:
@@ -100,7 +100,7 @@ def make_case(name: str, a) -> Case:
     from axonn_jax.memory_check import squares_loss
     from axonn_jax.models import CNN, GPT, MLP, GPTConfig, next_token_loss
     from axonn_jax.perf.spec import gpt_spec
-    from axonn_jax.perf.traced import spec_from_model
+    from axonn_jax.perf.traced import PerGridSpec
 
     rng = np.random.default_rng(0)
     if name == "gpt":
@@ -118,7 +118,7 @@ def make_case(name: str, a) -> Case:
         x = rng.standard_normal((a.cnn_batch, 32, 32, 8)).astype(np.float32)
     else:
         raise ValueError(f"unknown model {name!r}; choose from gpt, mlp, cnn")
-    spec = spec_from_model(model, jax.ShapeDtypeStruct(x.shape, jnp.float32), name=f"{name} ({type(model).__name__})")
+    spec = PerGridSpec(model, jax.ShapeDtypeStruct(x.shape, jnp.float32), name=f"{name} ({type(model).__name__})")
     return Case(name, model, x, squares_loss, spec)
 
 
@@ -299,7 +299,7 @@ def main(argv=None) -> dict:
 
 def runnable_grids(case: Case, a) -> tuple[list, list]:
     """The 8-device grids without a pipeline (``--grids``: only those) that divide ``case``'s
-    model, and those that do not (``case.spec.problems``)."""
+    model, and those that do not (the grid's spec's ``problems``)."""
     from axonn_jax.partitioner.grid import Grid
     from axonn_jax.search import grids as all_grids
 
@@ -307,7 +307,7 @@ def runnable_grids(case: Case, a) -> tuple[list, list]:
     if a.grids:
         wanted = {Grid.parse(g) for g in a.grids.split(";")}
         candidates = [g for g in candidates if g in wanted]
-    runnable = [g for g in candidates if not case.spec.problems(g)]
+    runnable = [g for g in candidates if not case.spec.for_grid(g).problems(g)]
     return runnable, [g for g in candidates if g not in runnable]
 
 
@@ -355,13 +355,14 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
 
     ``children``: the ``--runs`` processes' measurements of this model (else it is measured here).
     """
+    from axonn_jax.partitioner.grid import Grid
     from axonn_jax.perf.options import Options
     from axonn_jax.perf.step import predict
 
-    spec = case.spec
+    spec = case.spec.for_grid(Grid())  # the model's name and size (a traced model: its one-device plan)
     grids, skipped = runnable_grids(case, a)
     options = Options(precision="fp32", recompute=False)
-    predicted = {g: predict(spec, g, machine, options) for g in grids}
+    predicted = {g: predict(case.spec.for_grid(g), g, machine, options) for g in grids}
     if children is None:
         children = [measure_model(case, grids, a)]
     else:

@@ -113,11 +113,17 @@ def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOpti
     if not isinstance(grid, Grid):
         raise TypeError(f"grid must be an axonn_jax.Grid, got {type(grid).__name__}")
     traced = trace_model(model, *example_args, **example_kwargs)
+    return plan_traced(traced, grid, options=options, name=type(model).__name__)
+
+
+def plan_traced(traced: TracedModel, grid: Grid, *, options: PlanOptions = PlanOptions(),
+                name: str = "the model") -> tuple[Plan, Program]:  # fmt: skip
+    """:func:`plan_model` of a model already traced (one trace, planned for many grids)."""
     closed = inline_calls(traced.jaxpr)
     layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
     jaxpr, split, cuts = cut_stages(traced, closed.jaxpr, grid.stages, boundaries=options.stages,
                                     costs=options.stage_costs, devices=grid.stage_size,
-                                    where=f"{type(model).__name__} on {grid}")  # fmt: skip
+                                    where=f"{name} on {grid}")  # fmt: skip
     plan = Plan.build(traced, grid, layouts, split, cuts)
     return plan, _program(traced, with_cuts(closed, cuts), grid, plan, layouts)
 

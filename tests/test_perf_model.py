@@ -732,10 +732,12 @@ def _hf_entry(name: str):
     return hf_zoo.build(name)
 
 
-def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None) -> dict[str, list[float]]:
+def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None,
+                               group_size: int | None = None) -> dict[str, list[float]]:  # fmt: skip
     """Per kind, the wire bytes of each collective of a ``pm.apply``-based jitted train step
     of ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``:
-    one input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss."""
+    one input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss;
+    ``group_size``: only the collectives over groups of that size."""
     from axonn_jax.memory_check import squares_loss
     from axonn_jax.partitioned import partition
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
@@ -755,7 +757,7 @@ def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None
     text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), *args).compile().as_text()
     out: dict[str, list[float]] = {}
     for c in hlo_collectives(text, num_devices=8):
-        if not c.trivial:
+        if not c.trivial and group_size in (None, c.group_size):
             out.setdefault(c.kind, []).append(c.wire_bytes * (1 - sum(4 for _, dims in c.shapes if dims == ())
                                                               / c.result_bytes))  # fmt: skip
     return {kind: sorted(v) for kind, v in out.items()}
@@ -839,6 +841,89 @@ def test_traced_hf_families_are_priced_as_compiled(name, grid):
         ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
         compiled = sum(by_kind[kind])
         assert ours == pytest.approx(compiled, rel=1e-12), kind
+
+
+@pytest.mark.parametrize("name", ["hf_bert", "hf_opt", "hf_llama"])
+def test_a_per_grid_spec_prices_the_fallbacks_of_its_grid(name):
+    """On x=4 the partitioner falls back where 4 does not divide a dim: BERT's 2 token
+    types and OPT's 18 positions leave their tables' hidden dim to x; Llama's 2 key/value
+    heads are gathered whole over x before they are repeated for the 4 query heads, and
+    the gradient of the repeated keys and values (twice their size) is all-reduced where
+    they meet the split queries. The one-device plan's spec refuses the first two grids
+    and underprices the third; the spec of the grid's own plan (``PerGridSpec``) is the
+    compiled step's, kind by kind. Where the one-device plan holds (x=2,y=2,z=2), that
+    plan is the grid's spec, not planned again."""
+    from axonn_jax.perf.traced import PerGridSpec
+
+    entry, g = _hf_entry(name), Grid(x=4, data=2)
+    specs = PerGridSpec(entry.model, *entry.args, **entry.kwargs)
+    assert specs.for_grid(Grid(x=2, y=2, z=2)) is specs.base
+    spec = specs.for_grid(g)
+    assert spec is not specs.base and spec.problems(g) == []
+    compiled = _compiled_step_collectives(entry.model, entry.args, g, loss=entry.loss, kwargs=entry.kwargs)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
+        assert ours == pytest.approx(sum(compiled[kind]), rel=1e-12), kind
+    if name == "hf_llama":
+        assert {(r.axis, r.grad_per_token / r.per_token) for r in spec.regathers} == {(X, 2.0)}
+        assert len(spec.regathers) == 4  # keys and values of 2 blocks
+    else:
+        assert specs.base.problems(g)
+
+
+def test_a_dim_split_over_x_and_y_is_priced_on_the_axis_that_splits_it():
+    """HF ViT on y=2,data=4: 2 does not divide the images' 3 channels, so the partitioner
+    splits the patch convolution's output channels, and the stream after it, over x·y
+    (``rules.conv``). On this grid only y is larger than 1: the grid's spec takes y for
+    those dims, and the data-parallel gradient all-reduce is the compiled step's, to the
+    byte (taking x, of size 1, it priced those parameters whole: 1.12×)."""
+    from axonn_jax.perf.traced import PerGridSpec
+
+    entry, g = _hf_entry("hf_vit"), Grid(y=2, data=4)
+    spec = PerGridSpec(entry.model, *entry.args, **entry.kwargs).for_grid(g)
+    kernel = next(p for p in spec.params if p.name.endswith("patch_embeddings/projection/kernel"))
+    assert kernel.axes == (None, None, None, Y)
+    ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False)
+               if c.kind == "all-reduce" and set(c.axes) <= {"data", "z"})  # fmt: skip
+    compiled = _compiled_step_collectives(entry.model, entry.args, g, loss=entry.loss, kwargs=entry.kwargs,
+                                          group_size=4)  # fmt: skip
+    assert ours == pytest.approx(sum(compiled["all-reduce"]), rel=1e-12)
+
+
+def test_the_search_prices_a_traced_model_on_each_grid_s_own_plan():
+    """``search`` takes a ``PerGridSpec``: HF BERT's x=4 and x=8 grids, which the one-device
+    plan's spec refuses (its 2 token types), are ranked with the spec of their own plan."""
+    from axonn_jax.perf.traced import PerGridSpec
+
+    entry = _hf_entry("hf_bert")
+    specs = PerGridSpec(entry.model, *entry.args, **entry.kwargs)
+    machine = machines.get("h100-node")
+    one_plan = search(specs.base, 8, machine, top=100, pipeline=False)
+    per_grid = search(specs, 8, machine, top=100, pipeline=False)
+    wide = {(g.x, g.y, g.z, g.data) for g in grids(8, pipeline=False) if g.x >= 4}
+    assert not wide & {(p.grid.x, p.grid.y, p.grid.z, p.grid.data) for p in one_plan.ranked}
+    ranked = {(p.grid.x, p.grid.y, p.grid.z, p.grid.data): p for p in per_grid.ranked}
+    assert wide <= set(ranked) and per_grid.feasible == one_plan.feasible + len(wide) == per_grid.considered
+    g = Grid(x=4, data=2)
+    best = ranked[(4, 1, 1, 2)]
+    assert best.comm_bytes == pytest.approx(predict(specs.for_grid(g), g, machine, best.options).comm_bytes)
+
+
+def test_a_grid_the_partitioner_refuses_is_dropped_by_the_search_with_its_reason():
+    """A traced model's spec for a grid comes from planning the model on it; where the
+    partitioner refuses the grid (a ``ValueError`` naming the remedy), the search drops
+    that grid and counts it, and ranks the others."""
+    spec = gpt_spec(layers=4, hidden=256, heads=8, seq=64, batch=16, vocab=512)
+
+    class RefusesX8:
+        def for_grid(self, grid: Grid) -> ModelSpec:
+            if grid.x == 8:
+                raise ValueError(f"cannot plan on {grid}")
+            return spec
+
+    result = search(RefusesX8(), 8, machines.get("h100-node"), top=100, pipeline=False)
+    assert result.rejected == {"refused by the partitioner": 1}
+    assert result.feasible == result.considered - 1 and all(p.grid.x != 8 for p in result.ranked)
 
 
 @pytest.mark.parametrize("make, message", [

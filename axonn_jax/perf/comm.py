@@ -295,8 +295,9 @@ class _Step:
             whole = rows * r.per_token * r.count / split
             self.add("activation regather", "all-gather", (r.axis,), "forward", _ring("all-gather", g) * whole, r.count * mb)
             if r.grad:
+                grad = whole if r.grad_per_token is None else whole * r.grad_per_token / r.per_token
                 self.add("activation regather gradient", "all-reduce", (r.axis,), "backward",
-                         _ring("all-reduce", g) * whole, r.count * mb)  # fmt: skip
+                         _ring("all-reduce", g) * grad, r.count * mb)  # fmt: skip
         stream = spec.stream_axis if spec.stream_axis in self.scattered else None
         for group in spec.norms:
             self._norms(group)

@@ -218,7 +218,10 @@ class Regather:
     value, less the share of the tensor axes in ``split_over``, which still split other
     dims, and of ``rows_axis`` where the default program holds its rows reduce-scattered
     onto the batch over it); backward (``grad``: the value depends on a parameter): its
-    gradient, partial on each device of the axis, all-reduced over it.
+    gradient, partial on each device of the axis, all-reduced over it where the whole
+    value meets a split one, ``grad_per_token`` elements per token (by default
+    ``per_token``; more where the value grew while whole: Llama's key/value heads
+    repeated for its query heads).
     """
 
     name: str
@@ -228,6 +231,7 @@ class Regather:
     grad: bool = True
     split_over: tuple[str, ...] = ()
     rows_axis: str | None = None
+    grad_per_token: float | None = None
 
     def __post_init__(self) -> None:
         owner = f"regather {self.name!r}"
@@ -310,6 +314,11 @@ class ModelSpec:
     def output_batch_axis(self) -> str:
         """The other tensor axis: the last layer reduce-scatters its output rows over it."""
         return Y if self.output_axis == X else X
+
+    def for_grid(self, grid: Grid) -> ModelSpec:
+        """This spec: it is the same on every grid (:class:`~axonn_jax.perf.traced.PerGridSpec`
+        has one per grid)."""
+        return self
 
     def problems(self, grid: Grid) -> list[str]:
         """Why ``grid`` cannot split this model exactly (empty: it can)."""

@@ -2,7 +2,9 @@
 
 The model is traced on abstract inputs and planned for the one-device grid
 (layouts keep their logical x/y marks even on size-1 axes, so normal and
-transposed layers are known without devices). From the plan and the jaxpr:
+transposed layers are known without devices), or for a given grid, whose
+fallbacks then show (``grid=``; :class:`PerGridSpec` plans again only the
+grids where the one-device plan does not hold). From the plan and the jaxpr:
 
 * parameters: shape, the x/y axis of each dim where used, and whether they
   are depth (z) split: layer weights and embedding tables, as the planner does;
@@ -33,7 +35,8 @@ transposed layers are known without devices). From the plan and the jaxpr:
   (a transformer's y-split hidden dim), one all-reduce per norm;
 * fallback moves of the partitioner: a kernel stored split but read whole
   (``Param.read_whole``), an activation gathered whole for a reshape or split
-  (``Regather``).
+  (``Regather``), its gradient all-reduced where it meets a split value
+  (:class:`_WholeUses`).
 
 Example:
     >>> import jax, jax.numpy as jnp                           # doctest: +SKIP
@@ -51,16 +54,77 @@ from axonn_jax.partitioner.grid import X, Y, Grid
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.blocks import BUCKET_BLOCKS, NUMBERED, block_of, bucket_runs
 from axonn_jax.partitioner.flows import variable_layouts
-from axonn_jax.partitioner.program import plan_model
+from axonn_jax.partitioner.layout import divides
+from axonn_jax.partitioner.program import plan_traced
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
+from axonn_jax.partitioner.trace import trace_model
 from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, NormGroup, Param, Regather
 
-def spec_from_model(model, *example_args, name: str | None = None, **example_kwargs) -> ModelSpec:
-    """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices."""
-    plan, program = plan_model(model, Grid(), *example_args, **example_kwargs)
-    traced, jaxpr = program.traced, program.jaxpr
+def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
+                    **example_kwargs) -> ModelSpec:  # fmt: skip
+    """Trace and plan ``model`` on example inputs (arrays or ShapeDtypeStructs); no devices.
+
+    ``grid``: plan for its x, y, z and data sizes, so the spec holds the partitioner's
+    fallbacks on that grid (a dim it does not divide stays whole: Llama's 2 key/value
+    heads on x=4 are gathered); by default the one-device grid, where every dim divides.
+    For a search over many grids, :class:`PerGridSpec`.
+    """
+    traced = trace_model(model, *example_args, **example_kwargs)
+    return _spec_of(traced, _tensor_grid(Grid() if grid is None else grid), name or type(model).__name__)[0]
+
+
+class PerGridSpec:
+    """A Flax model's spec for each grid: traced once, planned again only for the grids
+    where the one-device plan does not hold.
+
+    The one-device plan (:attr:`base`) holds on a grid that divides every value's split
+    dims; elsewhere the partitioner falls back (a dim left whole, an axis moved to
+    another dim) and the spec of that grid's plan is used, cached by x, y, z and data.
+    :func:`~axonn_jax.search.search` takes it where it takes a spec.
+
+    Example:
+        >>> specs = PerGridSpec(model, x)                          # doctest: +SKIP
+        >>> specs.for_grid(Grid(x=4, data=2)).regathers            # doctest: +SKIP
+    """
+
+    def __init__(self, model, *example_args, name: str | None = None, **example_kwargs):
+        self._traced = trace_model(model, *example_args, **example_kwargs)
+        self._name = name or type(model).__name__
+        self.base, layouts = _spec_of(self._traced, Grid(), self._name)
+        #: the split dims of every value of the one-device plan: (size, axes) pairs
+        self._split_dims = {(size, axes) for var, lay in layouts.items()
+                            for size, axes in zip(R.shape_of(var), lay) if axes}  # fmt: skip
+        self._planned: dict[Grid, ModelSpec] = {}
+
+    def for_grid(self, grid: Grid) -> ModelSpec:
+        """The spec of ``grid``'s plan (:attr:`base` where the one-device plan holds, or where
+        the batch or the blocks do not divide: its ``problems`` say so)."""
+        if self.base.batch % grid.batch_shards or grid.stages > self.base.layers or self.holds(grid):
+            return self.base
+        key = _tensor_grid(grid)
+        if key not in self._planned:
+            self._planned[key] = _spec_of(self._traced, key, self._name)[0]
+        return self._planned[key]
+
+    def holds(self, grid: Grid) -> bool:
+        """Whether the one-device plan is ``grid``'s: it divides every split dim and every
+        parameter with its depth split."""
+        return (all(p.divides(grid) for p in self.base.params)
+                and all(divides(size, axes, grid) for size, axes in self._split_dims))
+
+
+def _tensor_grid(grid: Grid) -> Grid:
+    """The grid a spec is planned for: ``grid`` without its pipeline (a spec is of the
+    whole model; stages are priced from it)."""
+    return Grid(x=grid.x, y=grid.y, z=grid.z, data=grid.data)
+
+
+def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
+    """The spec of ``traced`` planned for ``grid``, and the layout of every value."""
+    plan, program = plan_traced(traced, grid, name=name)
+    jaxpr = program.jaxpr
     n_params = traced.num_params
     origin = param_origins(jaxpr, n_params)
     layouts = variable_layouts(jaxpr, plan.grid, program.param_storage, program.arg_layouts,
@@ -69,7 +133,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     read_whole, regathers = {}, []  # parameter index → axis; Regather
-    norms = _NormStatistics(layouts)
+    norms = _NormStatistics(layouts, grid)
+    ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
+    whole_uses = _WholeUses(layouts)
     attention_flops, attention_saved = 0.0, {}
     casts = param_like_producers(jaxpr, n_params)
     trained = _from_params(jaxpr, n_params)
@@ -78,6 +144,7 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         name_ = eqn.primitive.name
         flow.follow(eqn)
         norms.follow(eqn)
+        whole_uses.follow(eqn)
         if all(var is None for var, _ in weight_of[-1:]) and not (eqn.outvars and eqn.outvars[0] in casts):
             weight_of += [(None, origin[v]) for v in eqn.invars if not R.is_literal(v) and v in origin]
         if name_ == "gather" and eqn.invars[0] in origin:
@@ -86,9 +153,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             table = layouts[eqn.invars[0]]
             lookups += any(X in table[d] for d in dn.start_index_map)  # vocabulary-parallel
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
-            conv = _conv_matmul(eqn, layouts, plan.params[origin[eqn.invars[1]]].path,
+            conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path,
                                 input_grad=eqn.invars[0] in trained)  # fmt: skip
-            kernel_in = _tensor_axis(layouts[eqn.invars[1]][eqn.params["dimension_numbers"].rhs_spec[1]])
+            kernel_in = _tensor_axis(layouts[eqn.invars[1]][eqn.params["dimension_numbers"].rhs_spec[1]], grid)
             if kernel_in and kernel_in != conv.in_axis:  # stored split, gathered to meet whole channels
                 read_whole[origin[eqn.invars[1]]] = kernel_in
             matmuls.append((None, conv))
@@ -97,7 +164,9 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
             outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
         if name_ in ("reshape", "split"):
-            regathers += _whole_gathers(eqn, layouts, trained, flow.axis)
+            for found in _whole_gathers(eqn, layouts, ctx, trained, flow.axis):
+                whole_uses.gathered(eqn, len(regathers), found[2])
+                regathers.append(found)
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -118,8 +187,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         n = math.prod(w_shape) // max(k, 1)
         m = math.prod(R.shape_of(eqn.outvars[0])) // max(n, 1)
         w_lay, w_c = layouts[w_var], (lc if w_side == 0 else rc)
-        in_axis = _tensor_axis(tuple(a for d in w_c for a in w_lay[d]))
-        out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]))
+        in_axis = _tensor_axis(tuple(a for d in w_c for a in w_lay[d]), grid)
+        out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]), grid)
         path = plan.params[p].path
         weight_of.append((act_var, p))
         matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
@@ -133,12 +202,12 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
 
     if not matmuls:
         raise ValueError(
-            f"{type(model).__name__}: no matmul with a parameter was found, so there is "
+            f"{name}: no matmul with a parameter was found, so there is "
             "nothing for the 4D grid to split. Remedy: plan a model with Dense/Embed layers."
         )
     tokens = max(mm.m for mm in matmuls)
     params = [
-        Param(p.path, p.shape, tuple(_tensor_axis(d) for d in p.use),
+        Param(p.path, p.shape, tuple(_tensor_axis(d, grid) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
               per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i))  # fmt: skip
         for i, p in enumerate(plan.params)
@@ -160,8 +229,8 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
     if layers > len(entries):  # blocks entered otherwise (a norm first): their input besides
         activations.append(Activation("block input", hidden, Y, count=layers - len(entries), kind="checkpoint"))
     arg0 = traced.arg_avals[0].shape if traced.arg_avals else ()
-    return ModelSpec(
-        name=name or type(model).__name__,
+    spec = ModelSpec(
+        name=name,
         params=_merge_params(params),
         matmuls=_merge_matmuls(matmuls),
         activations=_merge_activations(activations),
@@ -175,10 +244,12 @@ def spec_from_model(model, *example_args, name: str | None = None, **example_kwa
         norms=norms.groups(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
-        regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows)
-                        for op, size, axis, others, rows, grad in regathers),  # fmt: skip
-        **_split_outputs(jaxpr, layouts, tokens),
+        regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows,
+                                 grad_per_token=whole_uses.elements.get(i, size) / tokens)
+                        for i, (op, size, axis, others, rows, grad) in enumerate(regathers)),  # fmt: skip
+        **_split_outputs(jaxpr, layouts, grid, tokens),
     )
+    return spec, layouts
 
 
 def _block_entry_inputs(jaxpr, origin: dict, params) -> set:
@@ -212,8 +283,8 @@ class _NormStatistics:
 
     UNARY = frozenset(["integer_pow", "square", "abs", "convert_element_type", "copy"])
 
-    def __init__(self, layouts):
-        self.layouts = layouts
+    def __init__(self, layouts, grid: Grid):
+        self.layouts, self.grid = layouts, grid
         self.roots: dict = {}  # variable -> the value it is a cast or power of
         self.stats: dict = {}  # root -> statistics reduced from it
         self.axis: dict = {}  # root -> the axis its statistics are reduced over
@@ -223,7 +294,7 @@ class _NormStatistics:
         if ins and not R.is_literal(ins[0]) and (name in self.UNARY or name == "mul" and ins[0] is ins[1]):
             self.roots[eqn.outvars[0]] = self.roots.get(ins[0], ins[0])
         elif name == "reduce_sum" and not R.is_literal(ins[0]) and ins[0] in self.layouts:
-            axis = _tensor_axis(tuple(a for d in eqn.params["axes"] for a in self.layouts[ins[0]][d]))
+            axis = _tensor_axis(tuple(a for d in eqn.params["axes"] for a in self.layouts[ins[0]][d]), self.grid)
             if axis:
                 root = self.roots.get(ins[0], ins[0])
                 self.stats[root] = self.stats.get(root, 0) + 1
@@ -234,6 +305,42 @@ class _NormStatistics:
         (``scattered``: :class:`_ScatterFlow`'s)."""
         counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root)) for root in self.stats)
         return tuple(NormGroup(n, stats, axis, rows) for (axis, stats, rows), n in counts.items())
+
+
+class _WholeUses:
+    """Where each regathered value, still whole over its axis, first meets one split over it.
+
+    There the program slices the whole value to the device's part, so backward it
+    all-reduces the gradient of what it sliced: the regathered value itself (a CNN's
+    flattened features meeting the head's split kernel, the pieces of a split fused qkv
+    product), or what was computed from it while whole (Llama's key/value heads repeated
+    for the query heads on x=4). Followed equation by equation like the other flows;
+    ``elements[i]``: the elements sliced at regather ``i``'s meetings.
+    """
+
+    def __init__(self, layouts):
+        self.layouts = layouts
+        self.whole: dict = {}  # variable -> (regather index, the axis it is whole over)
+        self.elements: dict[int, float] = collections.defaultdict(float)
+
+    def gathered(self, eqn, index: int, axis: str) -> None:
+        """Regather ``index`` gathers ``eqn``'s input whole over ``axis``."""
+        if any(self._split(v, axis) for v in eqn.outvars):
+            self.elements[index] += math.prod(R.shape_of(eqn.invars[0]))  # sliced where gathered
+        else:
+            self.whole.update((v, (index, axis)) for v in eqn.outvars)
+
+    def follow(self, eqn) -> None:
+        for var in {v for v in eqn.invars if not R.is_literal(v) and v in self.whole}:
+            index, axis = self.whole[var]
+            met = any(self._split(v, axis) for v in (*eqn.invars, *eqn.outvars) if v is not var)
+            if met:
+                self.elements[index] += math.prod(R.shape_of(var))
+            else:
+                self.whole.update((v, (index, axis)) for v in eqn.outvars)
+
+    def _split(self, var, axis: str) -> bool:
+        return not R.is_literal(var) and any(axis in axes for axes in self.layouts.get(var, ()))
 
 
 class _ScatterFlow:
@@ -279,12 +386,12 @@ class _ScatterFlow:
             self.axis[eqn.outvars[0]] = in_axis
 
 
-def _split_outputs(jaxpr, layouts, tokens: int) -> dict:
+def _split_outputs(jaxpr, layouts, grid: Grid, tokens: int) -> dict:
     """``split_outputs`` (per token, as a fraction where an output has fewer elements than
     the activations have rows: a classifier's logits) and ``output_axis`` of the model's
     outputs whose features a tensor axis splits (the first such output's axis)."""
     split = [(v, axis) for v in jaxpr.outvars if not R.is_literal(v)
-             for axis in [_tensor_axis(tuple(a for axes in layouts[v][1:] for a in axes))] if axis]  # fmt: skip
+             for axis in [_tensor_axis(tuple(a for axes in layouts[v][1:] for a in axes), grid)] if axis]  # fmt: skip
     return {"split_outputs": sum(math.prod(R.shape_of(v)) / tokens for v, _ in split),
             "output_axis": split[0][1] if split else X}
 
@@ -298,7 +405,7 @@ def _from_params(jaxpr, n_params: int) -> set:
     return out
 
 
-def _conv_matmul(eqn, layouts, path: str, input_grad: bool = True) -> MatMul:
+def _conv_matmul(eqn, layouts, grid: Grid, path: str, input_grad: bool = True) -> MatMul:
     """A convolution with a parameter kernel as the matmul it computes (implicit GEMM).
 
     m output positions (batch × spatial), k = input channels per group × kernel
@@ -318,37 +425,36 @@ def _conv_matmul(eqn, layouts, path: str, input_grad: bool = True) -> MatMul:
     n = kernel[out_ch_dim]
     k = math.prod(kernel) // n
     m = math.prod(out) // n
-    in_axis = _tensor_axis(layouts[lhs][dn.lhs_spec[1]])
-    return MatMul(path, m, k, n, in_axis, _tensor_axis(layouts[rhs][out_ch_dim]),
+    in_axis = _tensor_axis(layouts[lhs][dn.lhs_spec[1]], grid)
+    return MatMul(path, m, k, n, in_axis, _tensor_axis(layouts[rhs][out_ch_dim], grid),
                   recomputed=_in_block(path), whole_inputs=1, scatters=False,
                   input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
 
 
-def _whole_gathers(eqn, layouts, trained: set, scattered: dict) -> list[tuple]:
+def _whole_gathers(eqn, layouts, ctx: R.Context, trained: set, scattered: dict) -> list[tuple]:
     """(op, elements, axis, other tensor axes, rows axis, has a gradient) for each tensor axis
-    a reshape or split gathers its input over.
+    a reshape or split gathers its input over: those of its input's layout that the
+    partitioner's rule (``rules.reshape``, ``rules.split``) drops from its target.
 
-    A reshape keeps only the major dim of a group of merged dims split
-    (``rules.reshape``): a split minor dim (a CNN's y-split channels, flattened before
-    its head) is gathered whole first. A split along a split dim (a fused qkv
-    product: HF GPT-2's ``c_attn``) gathers that dim and keeps each device's block of
-    every piece (``rules.split``). The other tensor axes still split the gathered value,
-    and so does the axis its rows are reduce-scattered over onto the batch (``scattered``:
-    :class:`_ScatterFlow`'s). A reshape that permutes dims runs replicated (a fallback not
-    priced).
+    A reshape keeps only the major dim of a group of merged dims split, and that one
+    only where the grid divides the major dim it becomes: a split minor dim (a CNN's
+    y-split channels, flattened before its head) is gathered whole first, and so is a
+    split dim taken apart into fewer pieces than its axis (Llama's 2 key/value heads
+    on x=4). A split along a split dim (a fused qkv product: HF GPT-2's ``c_attn``)
+    gathers that dim and keeps each device's block of every piece. The other tensor
+    axes still split the gathered value, and so does the axis its rows are
+    reduce-scattered over onto the batch (``scattered``: :class:`_ScatterFlow`'s). A
+    reshape that permutes dims runs replicated (a fallback not priced).
     """
     operand = eqn.invars[0]
     if R.is_literal(operand) or operand not in layouts:
         return []
     shape, lay = R.shape_of(operand), layouts[operand]
-    if eqn.primitive.name == "split":
-        dims = {eqn.params["axis"] % len(shape)}
-    else:
-        groups = R.reshape_groups(shape, tuple(eqn.params["new_sizes"]))
-        if groups is None or eqn.params.get("dimensions") is not None:
-            return []
-        dims = {d for gi, go in groups if gi and go for d in gi[1:]}
-    gathered = {_tensor_axis(lay[d]) for d in dims} - {None}
+    if eqn.primitive.name == "reshape" and (eqn.params.get("dimensions") is not None
+                                            or R.reshape_groups(shape, tuple(eqn.params["new_sizes"])) is None):
+        return []
+    target = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx).targets[0]
+    gathered = {_tensor_axis(tuple(a for a in axes if a not in kept), ctx.grid) for axes, kept in zip(lay, target)} - {None}
     out = []
     for axis in sorted(gathered):
         others = tuple(sorted({a for axes in lay for a in axes if a in (X, Y)} - {axis}))
@@ -357,8 +463,12 @@ def _whole_gathers(eqn, layouts, trained: set, scattered: dict) -> list[tuple]:
     return out
 
 
-def _tensor_axis(axes: tuple[str, ...]) -> str | None:
-    return next((a for a in axes if a in (X, Y)), None)
+def _tensor_axis(axes: tuple[str, ...], grid: Grid) -> str | None:
+    """The tensor axis of a dim split over ``axes``: of a dim split over both x and y (a
+    fallback: the partitioner moves an axis that does not divide one dim onto another),
+    the one larger than 1 on ``grid``, else the first."""
+    tensor = [a for a in axes if a in (X, Y)]
+    return next((a for a in tensor if grid.axis_size(a) > 1), tensor[0] if tensor else None)
 
 
 def _in_block(path: str) -> bool:
