@@ -909,6 +909,34 @@ def test_the_search_prices_a_traced_model_on_each_grid_s_own_plan():
     assert best.comm_bytes == pytest.approx(predict(specs.for_grid(g), g, machine, best.options).comm_bytes)
 
 
+@pytest.mark.parametrize("grid", ["x=4,data=2", "x=2,y=2,z=2"])
+def test_a_scatter_add_into_rows_split_over_the_batch_is_priced_as_compiled(grid):
+    """``h.at[index].add(updates)`` (``idiom_cases.AddInto``, a graph's message passing):
+    the rule gathers the operand's rows over the batch axes (``Regather`` over data and
+    z, after the rows the default program scattered onto the batch over a tensor axis),
+    each device adds its updates into all the rows, and the partial sums are reduce-
+    scattered back onto the rows (``PartialSums``; all-gathered in backward), over the
+    updates' scattered-rows axis too. Priced as the compiled step: every kind on
+    x=4,data=2, the reduce-scatters on x=2,y=2,z=2 (before: 0.43 and 0.62 of them; the
+    all-gathers and all-reduces there are 0.96 and 0.84: the gradients of gathers over
+    two axes are all-reduced in one call, priced as two)."""
+    import idiom_cases
+
+    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.perf.traced import spec_from_model
+
+    model, args, kwargs = idiom_cases.idioms()["scatter_add"]
+    g = Grid.parse(grid)
+    spec = spec_from_model(model, *args, grid=g, **kwargs)
+    assert [(ps.axes, ps.rows, ps.rows_axis) for ps in spec.partial_sums] == [(("data", "z"), 64, Y)]
+    assert {r.axis for r in spec.regathers if r.name == "scatter-add input"} == {"data", "z", Y}
+    by_kind = _compiled_step_collectives(model, args, g, loss=lambda out, *xs: squares_loss(out, xs[0]))
+    kinds = ("all-gather", "reduce-scatter", "all-reduce") if g.x == 4 else ("reduce-scatter",)
+    for kind in kinds:
+        ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
+        assert ours == pytest.approx(sum(by_kind[kind]), rel=1e-12), kind
+
+
 def test_a_grid_the_partitioner_refuses_is_dropped_by_the_search_with_its_reason():
     """A traced model's spec for a grid comes from planning the model on it; where the
     partitioner refuses the grid (a ``ValueError`` naming the remedy), the search drops
@@ -927,14 +955,16 @@ def test_a_grid_the_partitioner_refuses_is_dropped_by_the_search_with_its_reason
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: Param("w", (4,), ("z",)), "parameter 'w': axis 'z'"),
-    (lambda: Param("w", (4,), ("x",), read_whole="z"), "parameter 'w': read_whole 'z'"),
-    (lambda: Regather("r", 1.0, None), "regather 'r': axis None"),
-    (lambda: Regather("r", 1.0, X, rows_axis="data"), "regather 'r': rows_axis 'data'"),
-    (lambda: NormGroup(1, axis="z"), "norm group: axis 'z'"),
+    (lambda: Param("w", (4,), ("z",)), "parameter 'w': axis 'z' is not one of ('x', 'y')"),
+    (lambda: Param("w", (4,), ("x",), read_whole="z"), "parameter 'w': read_whole 'z' is not one of ('x', 'y')"),
+    (lambda: Regather("r", 1.0, None), "regather 'r': axis None is not one of ('x', 'y', 'data', 'z')"),
+    (lambda: Regather("r", 1.0, "z", split_over=("data",)), "regather 'r': split_over 'data' is not one of ('x', 'y')"),
+    (lambda: Regather("r", 1.0, X, rows_axis="data"), "regather 'r': rows_axis 'data' is not one of ('x', 'y')"),
+    (lambda: Regather("r", 1.0, X, whole_rows=(X,)), "regather 'r': whole_rows 'x' is not one of ('data', 'z')"),
+    (lambda: NormGroup(1, axis="z"), "norm group: axis 'z' is not one of ('x', 'y')"),
 ])  # fmt: skip
 def test_a_spec_axis_that_is_not_a_tensor_split_is_refused_by_name(make, message):
-    with pytest.raises(ValueError, match=re.escape(message) + r" is not one of \('x', 'y'\)"):
+    with pytest.raises(ValueError, match=re.escape(message)):
         make()
 
 

@@ -43,6 +43,10 @@ activation regather                 all-gather   its axis     forward (a split a
                                                               gathered whole for a reshape
                                                               or split: ``Regather``)
 activation regather gradient        all-reduce   its axis     backward (its gradient)
+partial sums                        reduce-      its axes     forward (a scatter-add's output:
+                                    scatter or                ``PartialSums``; all-reduced
+                                    all-reduce                where not scattered)
+partial sums gradient               all-gather   its axes     backward (of a scattered one)
 weight-gradient shard               all-reduce   data         once per step
 other parameter gradients           all-reduce   data·z       once per step
 scattered-row parameter gradients   all-reduce   its rows'    once per step (biases, norm
@@ -289,15 +293,27 @@ class _Step:
             self.add("output gather", "all-gather", (split,), "forward",
                      _ring("all-gather", grid.axis_size(split)) * logits, mb)  # fmt: skip
         for r in spec.regathers:  # a split activation gathered whole (a replicated fallback)
+            if r.scattered_rows and r.axis not in self.scattered:
+                continue  # rows not scattered on this grid: nothing to gather
             g = grid.axis_size(r.axis)
             split = math.prod(grid.axis_size(a) for a in r.split_over)
             split *= grid.axis_size(r.rows_axis) if r.rows_axis in self.scattered else 1
-            whole = rows * r.per_token * r.count / split
+            whole = rows * r.per_token * r.count * math.prod(grid.axis_size(a) for a in r.whole_rows) / split
             self.add("activation regather", "all-gather", (r.axis,), "forward", _ring("all-gather", g) * whole, r.count * mb)
             if r.grad:
                 grad = whole if r.grad_per_token is None else whole * r.grad_per_token / r.per_token
                 self.add("activation regather gradient", "all-reduce", (r.axis,), "backward",
                          _ring("all-reduce", g) * grad, r.count * mb)  # fmt: skip
+        for ps in spec.partial_sums:  # each device's share added into a whole output
+            axes = ps.axes + ((ps.rows_axis,) if ps.rows_axis in self.scattered else ())
+            g = math.prod(grid.axis_size(a) for a in axes)
+            partial = spec.tokens * ps.per_token / math.prod(grid.axis_size(a) for a in ps.split_over)
+            if not ps.scattered(axes, grid):
+                self.add("partial sums", "all-reduce", axes, "forward", _ring("all-reduce", g) * partial, mb)
+                continue
+            self.add("partial sums", "reduce-scatter", axes, "forward", _ring("reduce-scatter", g) * partial, mb)
+            if ps.grad:
+                self.add("partial sums gradient", "all-gather", axes, "backward", _ring("all-gather", g) * partial, mb)
         stream = spec.stream_axis if spec.stream_axis in self.scattered else None
         for group in spec.norms:
             self._norms(group)

@@ -27,18 +27,19 @@ import functools
 import math
 
 from axonn_jax.partitioner.blocks import BUCKET_BLOCKS
-from axonn_jax.partitioner.grid import X, Y, Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
 
 #: Axis names a parameter or matmul dim can be split over in the spec.
 TENSOR_SPLITS = (X, Y)
 
 
-def _check_axes(owner: str, field: str, *axes, optional: bool = True) -> None:
+def _check_axes(owner: str, field: str, *axes, optional: bool = True,
+                allowed: tuple[str, ...] = TENSOR_SPLITS) -> None:  # fmt: skip
     """Raise ``ValueError`` naming ``owner`` and ``field`` for an axis that is not one of
-    :data:`TENSOR_SPLITS` (``optional``: None is allowed)."""
+    ``allowed`` (``optional``: None is allowed)."""
     for axis in axes:
-        if not (optional and axis is None) and axis not in TENSOR_SPLITS:
-            raise ValueError(f"{owner}: {field} {axis!r} is not one of {TENSOR_SPLITS}")
+        if not (optional and axis is None) and axis not in allowed:
+            raise ValueError(f"{owner}: {field} {axis!r} is not one of {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,15 +210,20 @@ class Activation:
 
 @dataclasses.dataclass(frozen=True)
 class Regather:
-    """An activation split over ``axis`` that the program gathers whole for an operation
-    that cannot keep the split: a reshape merging a split minor dim into a major one
-    (``rules.reshape``: a CNN's flatten of its y-split channels before the head), a
-    split along the split dim (``rules.split``: a fused qkv product, HF GPT-2's).
+    """A value split over ``axis`` that the program gathers whole for an operation that
+    cannot keep the split (the partitioner's rule drops the axis): a reshape merging a
+    split minor dim into a major one (``rules.reshape``: a CNN's flatten of its y-split
+    channels before the head), a split along the split dim (``rules.split``: a fused qkv
+    product, HF GPT-2's), a concatenation of differently split values, a lookup by index
+    into a value whose rows the batch axes split (a graph's node features, gathered for
+    its edges: ``axis`` a batch axis).
 
     Forward: an all-gather over ``axis`` of ``per_token`` elements per token (the whole
     value, less the share of the tensor axes in ``split_over``, which still split other
     dims, and of ``rows_axis`` where the default program holds its rows reduce-scattered
-    onto the batch over it); backward (``grad``: the value depends on a parameter): its
+    onto the batch over it; times the batch axes in ``whole_rows``, over which its rows
+    are gathered whole, this one's or an earlier gather's); backward (``grad``: the value
+    depends on a parameter): its
     gradient, partial on each device of the axis, all-reduced over it where the whole
     value meets a split one, ``grad_per_token`` elements per token (by default
     ``per_token``; more where the value grew while whole: Llama's key/value heads
@@ -232,10 +238,47 @@ class Regather:
     split_over: tuple[str, ...] = ()
     rows_axis: str | None = None
     grad_per_token: float | None = None
+    whole_rows: tuple[str, ...] = ()
+    #: the gather of rows the default program holds reduce-scattered over ``axis`` (and only
+    #: where it does), before a gather over the batch axes makes them whole
+    scattered_rows: bool = False
 
     def __post_init__(self) -> None:
         owner = f"regather {self.name!r}"
-        _check_axes(owner, "axis", self.axis, *self.split_over, optional=False)
+        _check_axes(owner, "axis", self.axis, optional=False, allowed=TENSOR_SPLITS + BATCH_AXES)
+        _check_axes(owner, "split_over", *self.split_over, optional=False)
+        _check_axes(owner, "rows_axis", self.rows_axis)
+        _check_axes(owner, "whole_rows", *self.whole_rows, optional=False, allowed=BATCH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialSums:
+    """An operation that each device computes from its share of the inputs into a whole
+    output, summed over ``axes``: a scatter-add (``segment_sum``, ``.at[...].add``), which
+    adds each device's edges into all the nodes (``rules.scatter_add``).
+
+    ``per_token``: the output's elements per token (whole rows); the tensor axes in
+    ``split_over`` still split it. Forward: reduce-scattered onto its ``rows`` (the length
+    of the dim it is scattered onto; 0: none) where the axes divide them (backward: its
+    gradient all-gathered again, where it has one, ``grad``), else all-reduced.
+    """
+
+    name: str
+    per_token: float
+    axes: tuple[str, ...]
+    rows: int = 0
+    grad: bool = True
+    split_over: tuple[str, ...] = ()
+    rows_axis: str | None = None  # its inputs' rows scattered onto the batch over it: summed too
+
+    def scattered(self, axes: tuple[str, ...], grid: Grid) -> bool:
+        """Whether ``grid``'s program reduce-scatters the sums over ``axes`` (``rules.scatter_add``)."""
+        return self.rows > 0 and self.rows % math.prod(grid.axis_size(a) for a in axes) == 0
+
+    def __post_init__(self) -> None:
+        owner = f"partial sums {self.name!r}"
+        _check_axes(owner, "axes", *self.axes, optional=False, allowed=TENSOR_SPLITS + BATCH_AXES)
+        _check_axes(owner, "split_over", *self.split_over, optional=False)
         _check_axes(owner, "rows_axis", self.rows_axis)
 
 
@@ -289,6 +332,8 @@ class ModelSpec:
     stream_joins: int = 0
     #: activations gathered whole over a tensor axis (replicated fallbacks of the partitioner)
     regathers: tuple[Regather, ...] = ()
+    #: outputs computed in part on each device and summed (a graph's scatter-adds)
+    partial_sums: tuple[PartialSums, ...] = ()
 
     def __post_init__(self) -> None:
         for m in self.matmuls:

@@ -50,7 +50,8 @@ import collections
 import dataclasses
 import math
 
-from axonn_jax.partitioner.grid import X, Y, Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
+from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.blocks import BUCKET_BLOCKS, NUMBERED, block_of, bucket_runs
 from axonn_jax.partitioner.flows import variable_layouts
@@ -60,7 +61,7 @@ from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
-from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, NormGroup, Param, Regather
+from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, NormGroup, Param, PartialSums, Regather
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
@@ -132,7 +133,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     lookups = 0
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
-    read_whole, regathers = {}, []  # parameter index → axis; Regather
+    read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
     norms = _NormStatistics(layouts, grid)
     ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
     whole_uses = _WholeUses(layouts)
@@ -163,10 +164,13 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
             outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
-        if name_ in ("reshape", "split"):
-            for found in _whole_gathers(eqn, layouts, ctx, trained, flow.axis):
-                whole_uses.gathered(eqn, len(regathers), found[2])
+        if name_ not in ("dot_general", "conv_general_dilated") and name_ not in CONTROL_FLOW:
+            step = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
+            for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis):
+                whole_uses.gathered(eqn, operand, len(regathers), found[2])
                 regathers.append(found)
+            if name_ not in _PRICED_REDUCTIONS:
+                partial_sums += _partial_sums(eqn, step, trained, flow.axis)
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -245,8 +249,13 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
         regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows,
-                                 grad_per_token=whole_uses.elements.get(i, size) / tokens)
-                        for i, (op, size, axis, others, rows, grad) in enumerate(regathers)),  # fmt: skip
+                                 grad_per_token=whole_uses.elements.get(i, size) / tokens, whole_rows=whole,
+                                 scattered_rows=of_rows)
+                        for i, (op, size, axis, others, rows, grad, whole, of_rows)
+                        in enumerate(regathers)),  # fmt: skip
+        partial_sums=tuple(PartialSums(f"{op} output", size / tokens, axes, rows=rows, grad=grad, split_over=others,
+                                       rows_axis=rows_axis)
+                           for op, size, axes, rows, grad, others, rows_axis in partial_sums),  # fmt: skip
         **_split_outputs(jaxpr, layouts, grid, tokens),
     )
     return spec, layouts
@@ -323,10 +332,10 @@ class _WholeUses:
         self.whole: dict = {}  # variable -> (regather index, the axis it is whole over)
         self.elements: dict[int, float] = collections.defaultdict(float)
 
-    def gathered(self, eqn, index: int, axis: str) -> None:
-        """Regather ``index`` gathers ``eqn``'s input whole over ``axis``."""
+    def gathered(self, eqn, operand, index: int, axis: str) -> None:
+        """Regather ``index`` gathers ``eqn``'s ``operand`` whole over ``axis``."""
         if any(self._split(v, axis) for v in eqn.outvars):
-            self.elements[index] += math.prod(R.shape_of(eqn.invars[0]))  # sliced where gathered
+            self.elements[index] += math.prod(R.shape_of(operand))  # sliced where gathered
         else:
             self.whole.update((v, (index, axis)) for v in eqn.outvars)
 
@@ -431,35 +440,75 @@ def _conv_matmul(eqn, layouts, grid: Grid, path: str, input_grad: bool = True) -
                   input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
 
 
-def _whole_gathers(eqn, layouts, ctx: R.Context, trained: set, scattered: dict) -> list[tuple]:
-    """(op, elements, axis, other tensor axes, rows axis, has a gradient) for each tensor axis
-    a reshape or split gathers its input over: those of its input's layout that the
-    partitioner's rule (``rules.reshape``, ``rules.split``) drops from its target.
+#: reductions priced elsewhere: norm statistics (``_NormStatistics``), vocabulary-parallel lookups
+_PRICED_REDUCTIONS = frozenset(["reduce_sum", "gather"])
+
+
+def _partial_sums(eqn, step: R.Step, trained: set, scattered: dict) -> list[tuple]:
+    """(op, elements, axes, rows, has a gradient, other tensor axes, rows axis) for each output
+    the rule sums over mesh axes (a scatter-add): a :class:`PartialSums`. ``rows``: the length
+    of the dim the sums are reduce-scattered onto where the axes divide it
+    (``rules.scatter_add``: the first scattered dim, a graph's nodes), 0 for none; rows
+    axis: the axis the default program scatters its inputs' rows over (``scattered``:
+    :class:`_ScatterFlow`'s), summed over too."""
+    out = []
+    for k, (var, axes) in enumerate(zip(eqn.outvars, step.reduce)):
+        if not axes:
+            continue
+        onto = step.scatter[k] if step.scatter else None
+        if onto is None and eqn.primitive.name.startswith("scatter"):  # on the one-device grid: not live
+            onto = next(iter(eqn.params["dimension_numbers"].scatter_dims_to_operand_dims), None)
+        split = tuple(sorted({a for d, dim_axes in enumerate(step.outs[k]) if d != onto
+                              for a in dim_axes if a in (X, Y)}))  # fmt: skip
+        rows = 0 if onto is None else R.shape_of(var)[onto]
+        rows_axis = next((scattered[v] for v in eqn.invars if not R.is_literal(v) and v in scattered), None)
+        out.append((eqn.primitive.name, math.prod(R.shape_of(var)), tuple(a for a in axes if a != rows_axis), rows,
+                    var in trained, tuple(a for a in split if a != rows_axis), rows_axis))  # fmt: skip
+    return out
+
+
+def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) -> list[tuple]:
+    """(operand, op, elements, axis, other tensor axes, rows axis, has a gradient, batch axes
+    gathered so far, a gather of scattered rows) for each axis ``eqn`` gathers an operand
+    over: those of its layout that the partitioner's rule (``step``) drops from its target.
 
     A reshape keeps only the major dim of a group of merged dims split, and that one
     only where the grid divides the major dim it becomes: a split minor dim (a CNN's
     y-split channels, flattened before its head) is gathered whole first, and so is a
     split dim taken apart into fewer pieces than its axis (Llama's 2 key/value heads
     on x=4). A split along a split dim (a fused qkv product: HF GPT-2's ``c_attn``)
-    gathers that dim and keeps each device's block of every piece. The other tensor
-    axes still split the gathered value, and so does the axis its rows are
-    reduce-scattered over onto the batch (``scattered``: :class:`_ScatterFlow`'s). A
-    reshape that permutes dims runs replicated (a fallback not priced).
+    gathers that dim and keeps each device's block of every piece. A lookup by index
+    into rows the batch axes split (a graph's nodes, for its edges) gathers them over
+    the batch axes, after the rows the default program scattered onto the batch over a
+    tensor axis (``scattered``: :class:`_ScatterFlow`'s). Several axes are gathered one
+    after the other. The other tensor axes still split the gathered value, and so does
+    the axis its rows are reduce-scattered over. An operand relaid out onto other axes
+    (an all-to-all), and a reshape that permutes dims (replicated), are not priced.
     """
-    operand = eqn.invars[0]
-    if R.is_literal(operand) or operand not in layouts:
+    if eqn.primitive.name == "reshape" and (eqn.params.get("dimensions") is not None or R.reshape_groups(
+            R.shape_of(eqn.invars[0]), tuple(eqn.params["new_sizes"])) is None):  # fmt: skip
         return []
-    shape, lay = R.shape_of(operand), layouts[operand]
-    if eqn.primitive.name == "reshape" and (eqn.params.get("dimensions") is not None
-                                            or R.reshape_groups(shape, tuple(eqn.params["new_sizes"])) is None):
-        return []
-    target = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx).targets[0]
-    gathered = {_tensor_axis(tuple(a for a in axes if a not in kept), ctx.grid) for axes, kept in zip(lay, target)} - {None}
     out = []
-    for axis in sorted(gathered):
-        others = tuple(sorted({a for axes in lay for a in axes if a in (X, Y)} - {axis}))
-        out.append((eqn.primitive.name, math.prod(shape), axis, others, scattered.get(operand),
-                    operand in trained))  # fmt: skip
+    for operand, target in zip(eqn.invars, step.targets):
+        if R.is_literal(operand) or operand not in layouts or target is None:
+            continue
+        lay = layouts[operand]
+        if any(set(kept) - set(axes) for axes, kept in zip(lay, target)):
+            continue  # relaid out, not only gathered (an all-to-all: not priced)
+        dropped = {a for axes, kept in zip(lay, target) for a in axes if a not in kept}
+        gathered = [a for a in (X, Y, *BATCH_AXES) if a in dropped]
+        rows = scattered.get(operand)  # priced by grid (``rows_axis``), also where a grid's plan marks it
+        split = {a for axes in lay for a in axes if a in (X, Y)} - {rows}
+        if rows and (rows in gathered or set(gathered) & set(BATCH_AXES)):  # whole rows: first the scattered
+            gathered = [a for a in gathered if a != rows]
+            out.append((operand, eqn.primitive.name, math.prod(R.shape_of(operand)), rows,
+                        tuple(sorted(split)), rows, operand in trained, (), True))  # fmt: skip
+            rows = None
+        for i, axis in enumerate(gathered):  # one after the other: each sees the earlier ones whole
+            others = tuple(sorted(split - set(gathered[: i + 1])))
+            whole_rows = tuple(a for a in gathered[: i + 1] if a in BATCH_AXES)
+            out.append((operand, eqn.primitive.name, math.prod(R.shape_of(operand)), axis, others,
+                        rows, operand in trained, whole_rows, False))  # fmt: skip
     return out
 
 
