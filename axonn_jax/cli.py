@@ -162,14 +162,17 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     if model is not None and result.ranked:
         checks = _check(model, result, args.check_memory, machine)
         result = dataclasses.replace(result, ranked=tuple(c.prediction for c in checks if c.fits))
+    # grids where the partitioner falls back (a dim it does not divide): priced on their own plan
+    own_plan = {p.grid for p in result.ranked if source.for_grid(p.grid) is not spec}
     if args.json:
-        rows = [{**p.as_dict(), "grid_flag": _grid_flag(p.grid)} for p in result.ranked]
+        rows = [{**p.as_dict(), "grid_flag": _grid_flag(p.grid), "own_plan": p.grid in own_plan}
+                for p in result.ranked]  # fmt: skip
         if checks is not None:
             rows = [{**row, "memory_check": c.as_dict()} for row, c in
                     zip(rows, [c for c in checks if c.fits])]  # fmt: skip
         print(json.dumps(rows, indent=2))
     else:
-        print(_table(spec, machine, options, args.gpus, result, seconds, recompute))
+        print(_table(spec, machine, options, args.gpus, result, seconds, recompute, own_plan))
         if checks is not None:
             from axonn_jax.memory_check import format_checks
 
@@ -312,7 +315,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
-def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto") -> str:
+def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto", own_plan=frozenset()) -> str:
     head = (
         f"{spec.name}: {spec.num_params / 1e9:.2f}B parameters, {spec.tokens:,} tokens per step, "
         f"on {gpus} × {machine.name}\n"
@@ -330,7 +333,7 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
         g, m = p.grid, p.memory
         o = p.options
         virt = f"{g.virtual}V" if g.placement == "v" else str(g.virtual)
-        rows.append((str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
+        rows.append((f"{i}*" if g in own_plan else str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
                      str(o.microbatches), virt, "yes" if o.recompute else "no",
                      o.schedule if p.bubble else "-", "yes" if o.offload else "no",  # no pipeline: no bubble
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
@@ -342,6 +345,9 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
         lines.append("  ".join(c.rjust(w) for c, w in zip(row, widths)))
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
+    if own_plan:
+        lines.append("* the partitioner falls back on this grid (a dim it does not divide stays whole or takes "
+                     "another axis): priced on the grid's own plan; partition(...).report() shows the moves")
     return "\n".join(lines)
 
 

@@ -493,9 +493,16 @@ def test_cli_model_factory(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert main(["plan", "--gpus", "8", "--machine", "h100-node", "--model", "my_models:make",
-                 "--json", "--no-pipeline"]) == 0  # fmt: skip
+                 "--json", "--no-pipeline", "--top", "50"]) == 0  # fmt: skip
     from_model = json.loads(capsys.readouterr().out)
     assert from_model and all(c["pipeline"] == 1 for c in from_model)
+    # its 4 heads do not divide x=8: that grid is priced on its own plan, and marked
+    assert {c["x"] for c in from_model if c["own_plan"]} == {8}
+    assert main(["plan", "--gpus", "8", "--machine", "h100-node", "--model", "my_models:make",
+                 "--no-pipeline", "--top", "50"]) == 0  # fmt: skip
+    table = capsys.readouterr().out
+    marked = [line.split()[1] for line in table.splitlines() if re.match(r"\s*\d+\*\s", line)]
+    assert marked == ["8"] and "the partitioner falls back on this grid" in table
 
 
 @pytest.mark.parametrize("argv, message", [
