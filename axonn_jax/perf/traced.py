@@ -502,7 +502,7 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) ->
         if rows and (rows in gathered or set(gathered) & set(BATCH_AXES)):  # whole rows: first the scattered
             gathered = [a for a in gathered if a != rows]
             out.append((operand, eqn.primitive.name, math.prod(R.shape_of(operand)), rows,
-                        tuple(sorted(split)), rows, operand in trained, (), True))  # fmt: skip
+                        tuple(sorted(split)), None, operand in trained, (), True))  # fmt: skip
             rows = None
         for i, axis in enumerate(gathered):  # one after the other: each sees the earlier ones whole
             others = tuple(sorted(split - set(gathered[: i + 1])))
