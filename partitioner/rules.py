@@ -534,12 +534,22 @@ def scatter_add(eqn, layouts, ctx) -> Step:
     reduce = tuple(a for axes in idx_target for a in axes)
     live = tuple(a for a in reduce if ctx.grid.axis_size(a) > 1)
     out, onto = list(op_target), None
-    row = dn.scatter_dims_to_operand_dims[0] if dn.scatter_dims_to_operand_dims else None
+    row = summed_onto(eqn)
     if live and row is not None and divides(shape_of(operand)[row], reduce, ctx.grid):
         out[row], onto = reduce, row
     return Step([op_target, idx_target, upd_target] + [None] * (len(eqn.invars) - 3), [tuple(out)],
                 [reduce], dict(eqn.params), scatter=[onto],
                 local="scatter_add_once" if live else "")  # fmt: skip
+
+
+def summed_onto(eqn) -> int | None:
+    """The operand dim a scatter-add's partial sums are reduce-scattered onto where the
+    reduced axes divide it (:func:`scatter_add`): its first scattered dim, a graph's nodes.
+    None for other equations, and for a scatter-add without scattered dims."""
+    if _RULES.get(eqn.primitive.name) is not scatter_add:
+        return None
+    dims = eqn.params["dimension_numbers"].scatter_dims_to_operand_dims
+    return dims[0] if dims else None
 
 
 def scatter(eqn, layouts, ctx) -> Step:

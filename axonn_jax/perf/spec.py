@@ -31,6 +31,8 @@ from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
 
 #: Axis names a parameter or matmul dim can be split over in the spec.
 TENSOR_SPLITS = (X, Y)
+#: Axis names a value can be gathered or summed over: the tensor splits and the batch axes.
+VALUE_SPLITS = TENSOR_SPLITS + BATCH_AXES
 
 
 def _check_axes(owner: str, field: str, *axes, optional: bool = True,
@@ -245,7 +247,7 @@ class Regather:
 
     def __post_init__(self) -> None:
         owner = f"regather {self.name!r}"
-        _check_axes(owner, "axis", self.axis, optional=False, allowed=TENSOR_SPLITS + BATCH_AXES)
+        _check_axes(owner, "axis", self.axis, optional=False, allowed=VALUE_SPLITS)
         _check_axes(owner, "split_over", *self.split_over, optional=False)
         _check_axes(owner, "rows_axis", self.rows_axis)
         _check_axes(owner, "whole_rows", *self.whole_rows, optional=False, allowed=BATCH_AXES)
@@ -277,7 +279,7 @@ class PartialSums:
 
     def __post_init__(self) -> None:
         owner = f"partial sums {self.name!r}"
-        _check_axes(owner, "axes", *self.axes, optional=False, allowed=TENSOR_SPLITS + BATCH_AXES)
+        _check_axes(owner, "axes", *self.axes, optional=False, allowed=VALUE_SPLITS)
         _check_axes(owner, "split_over", *self.split_over, optional=False)
         _check_axes(owner, "rows_axis", self.rows_axis)
 

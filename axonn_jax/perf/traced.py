@@ -61,7 +61,8 @@ from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
-from axonn_jax.perf.spec import Activation, MatMul, ModelSpec, NormGroup, Param, PartialSums, Regather
+from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, MatMul, ModelSpec, NormGroup, Param, PartialSums,
+                                 Regather)
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
@@ -456,8 +457,8 @@ def _partial_sums(eqn, step: R.Step, trained: set, scattered: dict) -> list[tupl
         if not axes:
             continue
         onto = step.scatter[k] if step.scatter else None
-        if onto is None and eqn.primitive.name.startswith("scatter"):  # on the one-device grid: not live
-            onto = next(iter(eqn.params["dimension_numbers"].scatter_dims_to_operand_dims), None)
+        if onto is None:  # the one-device grid's axes are not live: where the rule scatters on others
+            onto = R.summed_onto(eqn)
         split = tuple(sorted({a for d, dim_axes in enumerate(step.outs[k]) if d != onto
                               for a in dim_axes if a in (X, Y)}))  # fmt: skip
         rows = 0 if onto is None else R.shape_of(var)[onto]
@@ -485,8 +486,7 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) ->
     the axis its rows are reduce-scattered over. An operand relaid out onto other axes
     (an all-to-all), and a reshape that permutes dims (replicated), are not priced.
     """
-    if eqn.primitive.name == "reshape" and (eqn.params.get("dimensions") is not None or R.reshape_groups(
-            R.shape_of(eqn.invars[0]), tuple(eqn.params["new_sizes"])) is None):  # fmt: skip
+    if eqn.primitive.name == "reshape" and step.fallback:  # a permutation: replicated
         return []
     out = []
     for operand, target in zip(eqn.invars, step.targets):
@@ -496,7 +496,7 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) ->
         if any(set(kept) - set(axes) for axes, kept in zip(lay, target)):
             continue  # relaid out, not only gathered (an all-to-all: not priced)
         dropped = {a for axes, kept in zip(lay, target) for a in axes if a not in kept}
-        gathered = [a for a in (X, Y, *BATCH_AXES) if a in dropped]
+        gathered = [a for a in VALUE_SPLITS if a in dropped]
         rows = scattered.get(operand)  # priced by grid (``rows_axis``), also where a grid's plan marks it
         split = {a for axes in lay for a in axes if a in (X, Y)} - {rows}
         if rows and (rows in gathered or set(gathered) & set(BATCH_AXES)):  # whole rows: first the scattered
