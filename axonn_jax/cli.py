@@ -79,10 +79,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                            "gathered outputs")  # fmt: skip
     plan.add_argument("--efficiency", type=float,
                       help="fraction of peak FLOP/s compute reaches (default: the profile's)")  # fmt: skip
-    plan.add_argument("--check-memory", type=int, nargs="?", const=3, default=0, metavar="K",
+    plan.add_argument("--check", "--check-memory", dest="check", type=int, nargs="?", const=3, default=0,
+                      metavar="K",
                       help="compile the top K (default 3) configurations' train steps ahead of time "
-                           "on this machine's devices and drop those whose compiled bytes exceed "
-                           "the device memory (CPU: --gpus devices are simulated)")  # fmt: skip
+                           "on this machine's devices, drop those whose compiled bytes exceed "
+                           "the device memory, and reorder the rest by the step time their compiled "
+                           "programs imply (CPU: --gpus devices are simulated)")  # fmt: skip
 
     prof = sub.add_parser("profile", help="measure this machine and write a profile JSON",
                           description="Collective bandwidth/latency by group, GEMM rate, memory.")  # fmt: skip
@@ -137,19 +139,19 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(str(e))
     if args.efficiency is not None:
         machine = machine.with_efficiency(args.efficiency)
-    if args.check_memory < 0:
-        parser.error(f"--check-memory must be >= 0, got {args.check_memory}")
+    if args.check < 0:
+        parser.error(f"--check must be >= 0, got {args.check}")
     if args.no_recompute and args.recompute != "auto":
         parser.error(f"--no-recompute is --recompute off; it cannot be combined with --recompute {args.recompute}")
     recompute = "off" if args.no_recompute else args.recompute
     schedule = "message" if args.schedule == "auto" else args.schedule
-    if args.check_memory:
+    if args.check:
         _simulate_cpu_devices(args.gpus)
     source = _spec(parser, args)
     spec = source.for_grid(Grid())  # the model's sizes and name (a traced model: its one-device plan)
     options = Options(precision=args.precision, schedule=schedule, scatter_batch=not args.no_scatter_batch,
                       loss_rows=loss_rows(spec, args.loss))  # fmt: skip
-    model = _model(parser, args) if args.check_memory else None
+    model = _model(parser, args) if args.check else None
     t0 = time.perf_counter()
     result = search(source, args.gpus, machine, options=options, top=args.top,
                     offload=args.offload, pipeline=not args.no_pipeline,
@@ -160,24 +162,27 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     seconds = time.perf_counter() - t0
     checks = None
     if model is not None and result.ranked:
-        checks = _check(model, result, args.check_memory, machine)
-        result = dataclasses.replace(result, ranked=tuple(c.prediction for c in checks if c.fits))
+        from axonn_jax.compiled_check import rerank
+
+        checks = _check(model, result, args.check, machine)
+        result = dataclasses.replace(result, ranked=tuple(c.prediction for c in rerank(checks)))
     # grids where the partitioner falls back (a dim it does not divide): priced on their own plan
     own_plan = {p.grid for p in result.ranked if source.for_grid(p.grid) is not spec}
     if args.json:
         rows = [{**p.as_dict(), "grid_flag": _grid_flag(p.grid), "own_plan": p.grid in own_plan}
                 for p in result.ranked]  # fmt: skip
         if checks is not None:
-            rows = [{**row, "memory_check": c.as_dict()} for row, c in
-                    zip(rows, [c for c in checks if c.fits])]  # fmt: skip
+            rows = [{**row, "compiled_check": c.as_dict()} for row, c in zip(rows, rerank(checks))]
         print(json.dumps(rows, indent=2))
     else:
         print(_table(spec, machine, options, args.gpus, result, seconds, recompute, own_plan))
         if checks is not None:
-            from axonn_jax.memory_check import format_checks
+            from axonn_jax.compiled_check import format_checks
 
             print(f"\ncompiled ahead of time on this machine's devices (limit "
-                  f"{machine.memory_gib:g} GiB per device):\n{format_checks(checks)}")  # fmt: skip
+                  f"{machine.memory_gib:g} GiB per device; compiled ms: XLA's FLOPs, bytes and "
+                  f"collectives of the program on {machine.name}; the table above is reranked by "
+                  f"it):\n{format_checks(checks)}")  # fmt: skip
         if result.ranked:
             print(_launch(result.ranked[0]))
     if not result.ranked:
@@ -200,13 +205,13 @@ def loss_rows(spec, loss: str = "planned") -> int:
 
 
 def _check(model, result, k: int, machine):
-    """The memory checks of the top ``k`` configurations, then the others unchecked."""
-    from axonn_jax.memory_check import MemoryCheck, check_memory
+    """The compiled checks of the top ``k`` configurations, then the others unchecked."""
+    from axonn_jax.compiled_check import CompiledCheck, check_compiled
 
     flax_model, inputs = model
     limit = machine.memory_gib * 2**30
-    checked = check_memory(flax_model, inputs, result.ranked[:k], limit_bytes=limit)
-    return checked + [MemoryCheck(p, limit, note=f"beyond the top {k}") for p in result.ranked[k:]]
+    checked = check_compiled(flax_model, inputs, result.ranked[:k], limit_bytes=limit, machine=machine)
+    return checked + [CompiledCheck(p, limit, note=f"beyond the top {k}") for p in result.ranked[k:]]
 
 
 def _model(parser, args) -> tuple:

@@ -16,8 +16,8 @@ layer); otherwise price every choice of
 keep the choices that fit device (and host) memory, and take the one with the
 least predicted step time (:func:`axonn_jax.perf.step.predict`) as the grid's
 configuration. Grids are ranked by that time. Nothing here touches a device:
-the compiled memory of the top configurations is checked by
-:func:`axonn_jax.memory_check.check_memory` (opt in).
+the compiled memory and step time of the top configurations are checked by
+:func:`axonn_jax.compiled_check.check_compiled` (opt in).
 
 Example:
     >>> from axonn_jax.perf.machines import get

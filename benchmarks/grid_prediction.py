@@ -13,7 +13,12 @@
    steps are reported too.
 3. Predict each grid's step time (float32, no recompute, as measured) with
    the profile, and report per model Spearman's rank correlation and the
-   measured rank of the predicted best grid (the target: #1), with how sure
+   measured rank of the planner's pick (the target: #1): as ``axonn-jax plan
+   --check K`` picks, the analytical model's top ``--check`` grids reordered by
+   the step time their compiled programs imply (XLA's FLOPs, bytes accessed
+   and collectives priced with the same profile,
+   :mod:`axonn_jax.perf.compiled`); the analytical first and the compiled
+   estimate's own ranking are reported too. With how sure
    the measurement is of its own ranking: resampling the rounds (the same
    rounds for every grid: a round is one stretch of time), the share of
    resamples in which each grid is the fastest. Grids the measurement cannot
@@ -97,7 +102,7 @@ def make_case(name: str, a) -> Case:
     import jax
     import jax.numpy as jnp
 
-    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.compiled_check import squares_loss
     from axonn_jax.models import CNN, GPT, MLP, GPTConfig, next_token_loss
     from axonn_jax.perf.spec import gpt_spec
     from axonn_jax.perf.traced import PerGridSpec
@@ -123,7 +128,8 @@ def make_case(name: str, a) -> Case:
 
 
 def build_steps(case: Case, grids, threads: int):
-    """One compiled AdamW train step per grid (lowered in turn, compiled ``threads`` at a time)."""
+    """One compiled AdamW train step per grid (lowered in turn, compiled ``threads`` at a time),
+    and what XLA reports of each program (:func:`~axonn_jax.compiled_check.program_cost`)."""
     import concurrent.futures
 
     import jax
@@ -132,6 +138,7 @@ def build_steps(case: Case, grids, threads: int):
     from jax.sharding import PartitionSpec as P
 
     import axonn_jax
+    from axonn_jax.compiled_check import program_cost
     from axonn_jax.partitioner.grid import BATCH_AXES
 
     model, batch_np = case.model, case.batch
@@ -157,7 +164,7 @@ def build_steps(case: Case, grids, threads: int):
         out = compiled[grid](params, state, batch)  # first run: warm-up
         jax.block_until_ready(out)
         steps[grid] = [compiled[grid], out[0], out[1], batch]
-    return steps
+    return steps, {grid: program_cost(c, DEVICES) for grid, c in compiled.items()}
 
 
 def measure(steps, rounds: int, per_round: int) -> dict:
@@ -235,6 +242,9 @@ def main(argv=None) -> dict:
                     help="compilations at a time (default half the cores)")  # fmt: skip
     ap.add_argument("--grids", help="only these grids, ';'-separated (e.g. 'x=2,y=2,z=2;data=8'; a smoke run)")
     ap.add_argument("--profile", help="use this machine profile JSON instead of measuring one")
+    ap.add_argument("--check", type=int, default=3,
+                    help="the planner's pick: its top K reordered by compiled step time (default 3, "
+                         "axonn-jax plan --check's)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=1,
                     help="measure in this many processes, each compiling anew (default 1: this one)")  # fmt: skip
     ap.add_argument("--out", default="runs/grid_prediction.md")
@@ -275,13 +285,17 @@ def main(argv=None) -> dict:
              + ("(processes, then rounds in each) " if a.runs > 1 else "of the rounds ")
              + f"in which the grid's figure is the least (≥ {TIE_SHARE:.0%}: tied with the measured best). "
              "Predicted: float32, AdamW, no recompute, one microbatch, as measured.", "",
-             "| model | grids | Spearman ρ | ρ against medians | predicted best | its measured rank "
-             "| fastest in | tied for the fastest |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             f"The planner's pick: the analytical top {a.check} reordered by the step time their "
+             "compiled programs imply (`axonn-jax plan --check`).", "",
+             "| model | grids | the planner's pick | its measured rank | fastest in | tied for the fastest "
+             "| Spearman ρ analytical | ρ against medians | analytical first (measured rank) "
+             "| ρ compiled | compiled first (measured rank) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, r in results.items():
-        lines.append(f"| {name} | {r['grids']} | {r['spearman']:.3f} | {r['spearman_median']:.3f} | "
-                     f"{r['predicted_best']} | #{r['best_rank']} | {r['predicted_best_share']:.0%} | "
-                     f"{', '.join(r['tied'])} |")  # fmt: skip
+        lines.append(f"| {name} | {r['grids']} | {r['pick']} | #{r['best_rank']} | "
+                     f"{r['predicted_best_share']:.0%} | {', '.join(r['tied'])} | {r['spearman']:.3f} | "
+                     f"{r['spearman_median']:.3f} | {r['analytical_first']} (#{r['analytical_first_rank']}) | "
+                     f"{r['spearman_compiled']:.3f} | {r['compiled_first']} (#{r['compiled_first_rank']}) |")  # fmt: skip
     for r in results.values():
         lines += ["", r["markdown"]]
     lines += ["", f"Total benchmark time {total:.0f} s."]
@@ -315,12 +329,13 @@ def measure_model(case: Case, grids, a) -> dict:
     """Compile ``grids``' steps in this process and time them: samples and seconds spent."""
     print(f"{case.name}: compiling {len(grids)} grids ...", flush=True)
     t_compile = time.perf_counter()
-    steps = build_steps(case, grids, a.threads)
+    steps, costs = build_steps(case, grids, a.threads)
     t_compile = time.perf_counter() - t_compile
     print(f"{case.name}: measuring ({t_compile:.0f} s to compile) ...", flush=True)
     t_measure = time.perf_counter()
     samples = measure(steps, a.rounds, a.per_round)
-    return {"samples": samples, "compile_seconds": t_compile, "measure_seconds": time.perf_counter() - t_measure}
+    return {"samples": samples, "costs": costs, "compile_seconds": t_compile,
+            "measure_seconds": time.perf_counter() - t_measure}  # fmt: skip
 
 
 def measure_only(a) -> dict:
@@ -330,7 +345,8 @@ def measure_only(a) -> dict:
         case = make_case(name, a)
         grids, _ = runnable_grids(case, a)
         m = measure_model(case, grids, a)
-        out[name] = {**m, "samples": {_g(g): rounds for g, rounds in m["samples"].items()}}
+        out[name] = {**m, "samples": {_g(g): rounds for g, rounds in m["samples"].items()},
+                     "costs": {_g(g): dataclasses.asdict(c) for g, c in m["costs"].items()}}  # fmt: skip
     Path(a.samples_out).write_text(json.dumps(out))
     return out
 
@@ -356,6 +372,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     ``children``: the ``--runs`` processes' measurements of this model (else it is measured here).
     """
     from axonn_jax.partitioner.grid import Grid
+    from axonn_jax.perf.compiled import ProgramCollective, ProgramCost
     from axonn_jax.perf.options import Options
     from axonn_jax.perf.step import predict
 
@@ -367,8 +384,12 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
         children = [measure_model(case, grids, a)]
     else:
         by_name = {_g(g): g for g in grids}
-        children = [{**c, "samples": {by_name[k]: v for k, v in c["samples"].items()}} for c in children]
+        cost = lambda d: ProgramCost(d["flops"], d["bytes_accessed"],  # noqa: E731
+                                     tuple(ProgramCollective(**c) for c in d["collectives"]))  # fmt: skip
+        children = [{**c, "samples": {by_name[k]: v for k, v in c["samples"].items()},
+                     "costs": {by_name[k]: cost(v) for k, v in c["costs"].items()}} for c in children]  # fmt: skip
     runs = [c["samples"] for c in children]
+    compiled = {g: c.time(machine).total for g, c in children[0]["costs"].items()}  # the same program in each
     t_compile = sum(c["compile_seconds"] for c in children)
     t_measure = sum(c["measure_seconds"] for c in children)
     measured = round_medians(runs)
@@ -380,40 +401,53 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     order = sorted(grids, key=lambda g: measured[g])
     rho = spearman([predicted[g].step_seconds for g in grids], [measured[g] for g in grids])
     pred_order = sorted(grids, key=lambda g: predicted[g].step_seconds)
-    rank_of_best = order.index(pred_order[0]) + 1
+    pick = min(pred_order[: a.check], key=compiled.__getitem__)  # axonn-jax plan --check's first
+    rank_of_pick, rank_of_first = order.index(pick) + 1, order.index(pred_order[0]) + 1
+    compiled_order = sorted(grids, key=compiled.__getitem__)
+    rho_compiled = spearman([compiled[g] for g in grids], [measured[g] for g in grids])
     tied = [g for g in order if shares[g] >= TIE_SHARE]
     lines = [
         f"### {case.name}: {len(grids)} grids",
         "",
         f"Model: {spec.name}, {spec.num_params:,} parameters.",
         "",
-        f"**Spearman rank correlation: {rho:.3f}** (against the medians of all steps: {rho_median:.3f}); "
-        f"predicted best {_g(pred_order[0])} is measured #{rank_of_best}"
-        f"{' (the measured best)' if rank_of_best == 1 else f'; measured best {_g(order[0])}'}; "
-        f"fastest in {shares[pred_order[0]]:.0%} of the resamples (measured best: "
-        f"{shares[order[0]]:.0%}); tied for the fastest (≥ {TIE_SHARE:.0%}): {', '.join(map(_g, tied))}."
+        f"**The planner's pick (the analytical top {a.check} reordered by their compiled step time), "
+        f"{_g(pick)}, is measured #{rank_of_pick}**"
+        f"{' (the measured best)' if rank_of_pick == 1 else f'; measured best {_g(order[0])}'}; fastest in "
+        f"{shares[pick]:.0%} of the resamples (measured best: {shares[order[0]]:.0%}); tied for the "
+        f"fastest (≥ {TIE_SHARE:.0%}): {', '.join(map(_g, tied))}. "
+        f"Spearman rank correlation of the analytical model: {rho:.3f} (against the medians of all "
+        f"steps: {rho_median:.3f}), its first {_g(pred_order[0])} measured #{rank_of_first}; of the "
+        f"compiled estimate over every grid: {rho_compiled:.3f}, its first {_g(compiled_order[0])} "
+        f"measured #{order.index(compiled_order[0]) + 1}."
         + (f" The fastest in each process: {', '.join(per_run_best)}." if len(runs) > 1 else ""),
         "",
         "| measured rank | grid (x,y,z,data) | measured ms | fastest in | best step ms | median step ms "
-        "| predicted ms | predicted rank | predicted compute ms | predicted comm ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| predicted ms | predicted rank | predicted compute ms | predicted comm ms | compiled ms "
+        "| compiled rank |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, g in enumerate(order, 1):
         p = predicted[g]
         lines.append(
             f"| {i} | {_g(g)} | {measured[g] * 1e3:.1f} | {shares[g]:.0%} | {best[g] * 1e3:.1f} | "
             f"{medians[g] * 1e3:.1f} | {p.step_seconds * 1e3:.1f} | "
-            f"{pred_order.index(g) + 1} | {p.compute_seconds * 1e3:.1f} | {p.comm_seconds * 1e3:.1f} |"
+            f"{pred_order.index(g) + 1} | {p.compute_seconds * 1e3:.1f} | {p.comm_seconds * 1e3:.1f} | "
+            f"{compiled[g] * 1e3:.1f} | {compiled_order.index(g) + 1} |"
         )
     if skipped:
         lines += ["", f"Not run (do not divide the model): {', '.join(_g(g) for g in skipped)}."]
     lines += ["", f"Compile {t_compile:.0f} s, measure {t_measure:.0f} s."]
-    return {"spearman": rho, "spearman_median": rho_median, "best_rank": rank_of_best,
-            "predicted_best": _g(pred_order[0]), "measured_best": _g(order[0]), "grids": len(grids),
-            "predicted_best_share": shares[pred_order[0]], "tied": [_g(g) for g in tied],
+    return {"spearman": rho, "spearman_median": rho_median, "best_rank": rank_of_pick,
+            "pick": _g(pick), "analytical_first": _g(pred_order[0]), "analytical_first_rank": rank_of_first,
+            "spearman_compiled": rho_compiled, "compiled_first": _g(compiled_order[0]), "check": a.check,
+            "compiled_first_rank": order.index(compiled_order[0]) + 1,
+            "predicted_best": _g(pick), "measured_best": _g(order[0]), "grids": len(grids),
+            "predicted_best_share": shares[pick], "tied": [_g(g) for g in tied],
             "runs": len(runs), "measured_best_per_run": per_run_best,
             "measured_ms": {_g(g): measured[g] * 1e3 for g in grids},
             "predicted_ms": {_g(g): predicted[g].step_seconds * 1e3 for g in grids},
+            "compiled_ms": {_g(g): compiled[g] * 1e3 for g in grids},
             "compile_seconds": t_compile, "measure_seconds": t_measure,
             "markdown": "\n".join(lines)}  # fmt: skip
 

@@ -106,6 +106,13 @@ def prediction_summary(r: dict) -> Rows:
         return [(f"grid choice: Spearman ρ, predicted vs measured step time over {r['grids']} grids",
                  f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
     models = r["models"]
+    if "pick" in next(iter(models.values())):
+        return [(f"grid choice, {name}: the planner's pick (analytical top {m.get('check', 3)} reordered by "
+                 f"compiled step time), its measured rank over {m['grids']} grids",
+                 f"#{m['best_rank']} ({_slowdown(m):.2f}× the best's time, fastest in "
+                 f"{m['predicted_best_share']:.0%} of resamples, tied: {len(m['tied'])} grids; Spearman ρ "
+                 f"analytical {m['spearman']:.2f}, compiled {m['spearman_compiled']:.2f})")
+                for name, m in models.items()]  # fmt: skip
     return [(f"grid choice, {name}: Spearman ρ, predicted vs measured step time over {m['grids']} grids",
              f"{m['spearman']:.2f} (predicted best is measured #{m['best_rank']}"
              + (f", {_slowdown(m):.2f}× the best's time" if "measured_ms" in m else "")

@@ -291,7 +291,7 @@ class SingleMeshStep(TrainStep):
 
     def lower(self, params, opt_state: OptState, batch, rngs=None) -> jax.stages.Lowered:
         """The step's one program lowered ahead of time for these arguments (``.compile()``,
-        then ``.memory_analysis()``: what :func:`axonn_jax.memory_check.check_memory` reads)."""
+        then ``.memory_analysis()``: what :func:`axonn_jax.compiled_check.check_compiled` reads)."""
         _check_step_inputs(params, opt_state, batch)
         return self._program(0).run.lower(params, opt_state, batch, rngs)
 

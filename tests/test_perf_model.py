@@ -47,6 +47,7 @@ from axonn_jax.perf.paper import layer_volumes
 from axonn_jax.perf.spec import MatMul, ModelSpec, NormGroup, Param, Regather, gpt_spec
 from axonn_jax.perf.step import predict
 from axonn_jax.search import grids, search
+from compiled_steps import compile_apply_step
 
 SMALL_GPT = dict(layers=2, hidden=64, heads=4, seq=32, batch=8, vocab=256)
 
@@ -745,23 +746,9 @@ def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None
     of ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``:
     one input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss;
     ``group_size``: only the collectives over groups of that size."""
-    from axonn_jax.memory_check import squares_loss
-    from axonn_jax.partitioned import partition
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
 
-    args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), kwargs or {}
-    loss = loss or squares_loss
-    pm = partition(model, grid, *args, **kwargs)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          jax.eval_shape(pm.init, jax.random.key(0)), pm.param_shardings)  # fmt: skip
-    opt = optax.adamw(1e-3)
-
-    def step(p, s, *xs):
-        value, grads = jax.value_and_grad(lambda q: loss(pm.apply(q, *xs, **kwargs), *xs))(p)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, value
-
-    text = jax.jit(step).lower(params, jax.eval_shape(opt.init, params), *args).compile().as_text()
+    text = compile_apply_step(model, inputs, grid, loss, kwargs).as_text()
     out: dict[str, list[float]] = {}
     for c in hlo_collectives(text, num_devices=8):
         if not c.trivial and group_size in (None, c.group_size):
@@ -927,7 +914,7 @@ def test_a_scatter_add_into_rows_split_over_the_batch_is_priced_as_compiled(grid
     0.41 of its bytes on both grids)."""
     import idiom_cases
 
-    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.compiled_check import squares_loss
     from axonn_jax.perf.traced import spec_from_model
 
     model, args, kwargs = idiom_cases.idioms()["scatter_add"]
@@ -979,7 +966,7 @@ def test_a_dropout_mask_is_not_a_stream_join():
     Its collectives are the compiled step's, kind by kind."""
     import idiom_cases
 
-    from axonn_jax.memory_check import squares_loss
+    from axonn_jax.compiled_check import squares_loss
     from axonn_jax.perf.traced import spec_from_model
 
     model, args, kwargs = idiom_cases.idioms()["gpt_dropout"]

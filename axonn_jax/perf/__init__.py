@@ -14,7 +14,8 @@ equations), :mod:`~axonn_jax.perf.spec` (:class:`ModelSpec`),
 :mod:`~axonn_jax.perf.traced` (:func:`spec_from_model` for any Flax model),
 :mod:`~axonn_jax.perf.comm` (the collectives our kernels run in one step),
 :mod:`~axonn_jax.perf.memory` (bytes per device), :mod:`~axonn_jax.perf.step`
-(predicted step time), :mod:`~axonn_jax.perf.machines` (machine profiles,
+(predicted step time), :mod:`~axonn_jax.perf.compiled` (the step time a
+compiled program implies), :mod:`~axonn_jax.perf.machines` (machine profiles,
 eq. 7) and :mod:`~axonn_jax.perf.microbench` (measure this machine). The grid
 search is :mod:`axonn_jax.search`; the command line is ``axonn-jax plan``.
 

@@ -369,15 +369,21 @@ class ModelSpec:
 
     def problems(self, grid: Grid) -> list[str]:
         """Why ``grid`` cannot split this model exactly (empty: it can)."""
+        out = self.batch_and_stage_problems(grid)
+        for p in self.params:
+            if not p.divides(grid):
+                out.append(f"parameter {p.name} {p.shape} split {p.axes} (+z) does not divide {grid}")
+        return out
+
+    def batch_and_stage_problems(self, grid: Grid) -> list[str]:
+        """The part of :meth:`problems` no plan for ``grid`` can change: the batch over
+        data·z, the stages over the blocks."""
         out = []
         if self.batch % grid.batch_shards:
             out.append(f"batch {self.batch} is not divisible by data·z = {grid.batch_shards}")
         if grid.stages > self.layers:
             stages = f"pipeline={grid.pipeline}" + (f" × virtual={grid.virtual}" if grid.virtual > 1 else "")
             out.append(f"{stages} stages exceed the {self.layers} blocks")
-        for p in self.params:
-            if not p.divides(grid):
-                out.append(f"parameter {p.name} {p.shape} split {p.axes} (+z) does not divide {grid}")
         return out
 
 

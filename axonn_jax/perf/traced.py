@@ -103,7 +103,7 @@ class PerGridSpec:
     def for_grid(self, grid: Grid) -> ModelSpec:
         """The spec of ``grid``'s plan (:attr:`base` where the one-device plan holds, or where
         the batch or the blocks do not divide: its ``problems`` say so)."""
-        if self.base.batch % grid.batch_shards or grid.stages > self.base.layers or self.holds(grid):
+        if self.base.batch_and_stage_problems(grid) or self.holds(grid):
             return self.base
         key = _tensor_grid(grid)
         if key not in self._planned:
