@@ -29,14 +29,21 @@ grids where the one-device plan does not hold). From the plan and the jaxpr:
 
 * the default program's scattered batch (:class:`_ScatterFlow`): which
   matmul inputs come whole (no all-gather), the rows each parameter is
-  applied on, and whole activations joining a scattered stream.
+  applied on, and whole activations joining a scattered stream. On a grid's
+  own plan (``spec_from_model(grid=)``, :class:`PerGridSpec` where the
+  partitioner falls back) the plan's layouts say it instead: a layer's input is
+  gathered where its rule gathers it over the layer's output axis (rows an
+  earlier layer scattered, or features an earlier layer of the same orientation
+  split: HF Llama's and OPT's on x=8), and a parameter's rows are those its
+  value's layout scatters over an axis larger than 1;
 
 * norm statistics (:class:`_NormStatistics`): the reductions over a split dim
   (a transformer's y-split hidden dim), one all-reduce per norm;
 * fallback moves of the partitioner: a kernel stored split but read whole
   (``Param.read_whole``), an activation gathered whole for a reshape or split
   (``Regather``), its gradient all-reduced where it meets a split value
-  (:class:`_WholeUses`).
+  (:class:`_WholeUses`), unless that is a layer whose input gradient is all-
+  reduced over the same axis anyway.
 
 Example:
     >>> import jax, jax.numpy as jnp                           # doctest: +SKIP
@@ -55,7 +62,7 @@ from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.blocks import BUCKET_BLOCKS, NUMBERED, block_of, bucket_runs
 from axonn_jax.partitioner.flows import variable_layouts
-from axonn_jax.partitioner.layout import divides
+from axonn_jax.partitioner.layout import common_prefix, divides
 from axonn_jax.partitioner.program import plan_traced
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
@@ -137,11 +144,17 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
     norms = _NormStatistics(layouts, grid)
     ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
-    whole_uses = _WholeUses(layouts)
+    whole_uses = _WholeUses(layouts, origin)
     attention_flops, attention_saved = 0.0, {}
     casts = param_like_producers(jaxpr, n_params)
     trained = _from_params(jaxpr, n_params)
-    flow = _ScatterFlow(jaxpr, origin, trained)
+    # on the one-device grid nothing is scattered onto the batch (every axis is 1), so a
+    # layer's gathers are not in its plan: there the flow stands in for them
+    planned_for_grid = grid != Grid()
+    # the tensor axes of 1 (nothing to gather over them); None: on the one-device plan, unknown
+    unit = frozenset(a for a in (X, Y) if grid.axis_size(a) == 1) if planned_for_grid else None
+    flow = _ScatterFlow(jaxpr, origin, trained,
+                        rows_of=(lambda v: _rows_axis(layouts.get(v, ()), unit)) if planned_for_grid else None)
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
@@ -167,7 +180,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
             continue
         if name_ not in ("dot_general", "conv_general_dilated") and name_ not in CONTROL_FLOW:
             step = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
-            for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis):
+            for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis, unit):
                 whole_uses.gathered(eqn, operand, len(regathers), found[2])
                 regathers.append(found)
             if name_ not in _PRICED_REDUCTIONS:
@@ -196,9 +209,11 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]), grid)
         path = plan.params[p].path
         weight_of.append((act_var, p))
+        whole = not (_gathered_over(eqn, act_var, out_axis, layouts, ctx) if planned_for_grid
+                     else act_var in flow.axis)  # fmt: skip
+        whole_uses.layer(whole)
         matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
-                                        whole_inputs=int(act_var not in flow.axis),
-                                        input_grad=act_var in trained)))  # fmt: skip
+                                        whole_inputs=int(whole), input_grad=act_var in trained)))  # fmt: skip
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
         outputs.append((math.prod(R.shape_of(eqn.outvars[0])), out_axis, in_axis))  # scattered over in_axis
@@ -249,7 +264,8 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         norms=norms.groups(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
-        regathers=tuple(Regather(f"{op} input", size / tokens, axis, grad=grad, split_over=others, rows_axis=rows,
+        regathers=tuple(Regather(f"{op} input", size / tokens, axis, split_over=others, rows_axis=rows,
+                                 grad=grad and (i in whole_uses.elements or i not in whole_uses.covered),
                                  grad_per_token=whole_uses.elements.get(i, size) / tokens, whole_rows=whole,
                                  scattered_rows=of_rows)
                         for i, (op, size, axis, others, rows, grad, whole, of_rows)
@@ -328,26 +344,59 @@ class _WholeUses:
     ``elements[i]``: the elements sliced at regather ``i``'s meetings.
     """
 
-    def __init__(self, layouts):
+    def __init__(self, layouts, origin: dict):
         self.layouts = layouts
-        self.whole: dict = {}  # variable -> (regather index, the axis it is whole over)
+        self.origin = origin  # parameter variables
+        self.whole: dict = collections.defaultdict(set)  # variable -> {(regather index, axis whole over)}
         self.elements: dict[int, float] = collections.defaultdict(float)
+        #: regathers met by a layer splitting its output over their axis, whose input
+        #: gradient all-reduce (priced with the layer) is the regather's gradient
+        self.covered: set[int] = set()
+        self.pending: list[tuple[int, float]] = []  # met by the layer of the current equation
+
+    def layer(self, whole_input: bool) -> None:
+        """The current equation is a layer; ``whole_input``: its input gradient is all-
+        reduced over its output axis (``MatMul.whole_inputs``), which is then the gradient
+        of the regathers met there; else theirs is priced with them."""
+        for index, elements in self.pending:
+            if whole_input:
+                self.covered.add(index)
+            else:
+                self.elements[index] += elements
+        self.pending = []
 
     def gathered(self, eqn, operand, index: int, axis: str) -> None:
         """Regather ``index`` gathers ``eqn``'s ``operand`` whole over ``axis``."""
         if any(self._split(v, axis) for v in eqn.outvars):
             self.elements[index] += math.prod(R.shape_of(operand))  # sliced where gathered
-        else:
-            self.whole.update((v, (index, axis)) for v in eqn.outvars)
+        else:  # (an operand gathered over several axes: the last one's)
+            for v in eqn.outvars:
+                self.whole[v] = {(index, axis)}
 
     def follow(self, eqn) -> None:
+        self.layer(whole_input=False)  # met by an equation that was no layer: sliced there
         for var in {v for v in eqn.invars if not R.is_literal(v) and v in self.whole}:
-            index, axis = self.whole[var]
-            met = any(self._split(v, axis) for v in (*eqn.invars, *eqn.outvars) if v is not var)
-            if met:
-                self.elements[index] += math.prod(R.shape_of(var))
-            else:
-                self.whole.update((v, (index, axis)) for v in eqn.outvars)
+            for index, axis in self.whole[var]:  # every regather it was computed from, while whole
+                met = any(self._split(v, axis) for v in (*eqn.invars, *eqn.outvars) if v is not var)
+                if met and self._layer_output_axis(eqn, axis):
+                    self.pending.append((index, math.prod(R.shape_of(var))))  # :meth:`layer` decides
+                elif met:
+                    self.elements[index] += math.prod(R.shape_of(var))
+                else:
+                    for v in eqn.outvars:
+                        self.whole[v].add((index, axis))
+
+    def _layer_output_axis(self, eqn, axis: str) -> bool:
+        """Whether ``eqn`` is a layer whose weight splits its output features over ``axis``
+        (Llama's o_proj on x=8, reading the attention of heads gathered whole)."""
+        if eqn.primitive.name != "dot_general" or axis not in (X, Y):
+            return False
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        for w, contracting in zip(eqn.invars, (lc, rc)):
+            if not R.is_literal(w) and w in self.origin:
+                lay = self.layouts.get(w, ())
+                return any(axis in axes for d, axes in enumerate(lay) if d not in contracting)
+        return False
 
     def _split(self, var, axis: str) -> bool:
         return not R.is_literal(var) and any(axis in axes for axes in self.layouts.get(var, ()))
@@ -366,9 +415,13 @@ class _ScatterFlow:
     a dropout's zeros, not the model's data added to the stream).
     """
 
-    def __init__(self, jaxpr, origin: dict, trained: set):
+    def __init__(self, jaxpr, origin: dict, trained: set, rows_of=None):
         self.origin = origin
         self.trained = trained
+        #: where the plan is a grid's: the tensor axis a value's rows are scattered over, read
+        #: from its layout (the flow's own axis also marks a layer's output split over an
+        #: axis of 1, and a join takes either side's)
+        self.rows_of = rows_of
         self.axis: dict = {}  # variable -> the tensor axis its batch is scattered over
         self.live = set(jaxpr.invars)  # computed from the inputs or parameters (not constants)
         self.params: dict[int, str] = {}
@@ -385,7 +438,7 @@ class _ScatterFlow:
         self.axis.update((v, axis) for v in eqn.outvars)
         for v in ins:
             if v in self.origin:
-                self.params.setdefault(self.origin[v], axis)
+                self.params.setdefault(self.origin[v], self.rows_of(eqn.outvars[0]) if self.rows_of else axis)
             elif v not in self.axis and v in self.live and R.shape_of(v) == R.shape_of(eqn.outvars[0]):
                 self.joins += v in self.trained
                 self.stream_axis = axis
@@ -468,7 +521,8 @@ def _partial_sums(eqn, step: R.Step, trained: set, scattered: dict) -> list[tupl
     return out
 
 
-def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) -> list[tuple]:
+def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict,
+                   unit: frozenset | None = None) -> list[tuple]:  # fmt: skip
     """(operand, op, elements, axis, other tensor axes, rows axis, has a gradient, batch axes
     gathered so far, a gather of scattered rows) for each axis ``eqn`` gathers an operand
     over: those of its layout that the partitioner's rule (``step``) drops from its target.
@@ -484,7 +538,11 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) ->
     tensor axis (``scattered``: :class:`_ScatterFlow`'s). Several axes are gathered one
     after the other. The other tensor axes still split the gathered value, and so does
     the axis its rows are reduce-scattered over. An operand relaid out onto other axes
-    (an all-to-all), and a reshape that permutes dims (replicated), are not priced.
+    is priced as the runtime moves it (``runtime.executor.relayout``: each dim's axes
+    past what it shares with the target gathered, then sliced; ``unit``: the tensor axes
+    of 1 on a grid's plan, nothing to move). On the one-device plan (``unit`` None),
+    where which axes are live is the grid's, a relayout is not priced; nor is a reshape
+    that permutes dims (replicated).
     """
     if eqn.primitive.name == "reshape" and step.fallback:  # a permutation: replicated
         return []
@@ -492,10 +550,13 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) ->
     for operand, target in zip(eqn.invars, step.targets):
         if R.is_literal(operand) or operand not in layouts or target is None:
             continue
-        lay = layouts[operand]
-        if any(set(kept) - set(axes) for axes, kept in zip(lay, target)):
-            continue  # relaid out, not only gathered (an all-to-all: not priced)
-        dropped = {a for axes, kept in zip(lay, target) for a in axes if a not in kept}
+        lay = tuple(tuple(a for a in axes if a not in (unit or ())) for axes in layouts[operand])
+        target = tuple(tuple(a for a in axes if a not in (unit or ())) for axes in target)
+        if unit is None and any(set(kept) - set(axes) for axes, kept in zip(lay, target)):
+            continue  # relaid out on the one-device plan: which axes are live is the grid's
+        # as runtime.executor.relayout moves it: each dim's axes past what it shares with
+        # the target's are gathered, then the target's are sliced off
+        dropped = {a for axes, kept in zip(lay, target) for a in axes[len(common_prefix(axes, kept)):]}
         gathered = [a for a in VALUE_SPLITS if a in dropped]
         rows = scattered.get(operand)  # priced by grid (``rows_axis``), also where a grid's plan marks it
         split = {a for axes in lay for a in axes if a in (X, Y)} - {rows}
@@ -510,6 +571,32 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict) ->
             out.append((operand, eqn.primitive.name, math.prod(R.shape_of(operand)), axis, others,
                         rows, operand in trained, whole_rows, False))  # fmt: skip
     return out
+
+
+def _gathered_over(eqn, act_var, axis: str | None, layouts, ctx: R.Context) -> bool:
+    """Whether the partitioner's rule for layer ``eqn`` gathers its input ``act_var`` over
+    ``axis`` (the layer's output axis): rows an earlier layer reduce-scattered over it, or
+    features an earlier layer split over it (a layer after one of the same orientation).
+    Then the input gradient is reduce-scattered back; else it is all-reduced.
+    """
+    if axis is None or act_var not in layouts:
+        return False
+    step = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
+    target = step.targets[list(eqn.invars).index(act_var)]
+    if target is None:
+        return False
+    return any(axis in axes[len(common_prefix(axes, kept)):] for axes, kept in zip(layouts[act_var], target))
+
+
+def _rows_axis(layout, unit: frozenset) -> str | None:
+    """The tensor axis (larger than 1: not in ``unit``) splitting a value's batch dims: the
+    rows the default program reduce-scattered onto the batch.
+
+    >>> _rows_axis((("data", "z", "x"), (), ("y",)), frozenset({"y"})), _rows_axis((("data", "z"), (), ("x",)), frozenset())
+    ('x', None)
+    """
+    return next((a for axes in layout if set(axes) & set(BATCH_AXES) for a in axes
+                 if a in (X, Y) and a not in unit), None)  # fmt: skip
 
 
 def _tensor_axis(axes: tuple[str, ...], grid: Grid) -> str | None:
