@@ -154,7 +154,9 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     # the tensor axes of 1 (nothing to gather over them); None: on the one-device plan, unknown
     unit = frozenset(a for a in (X, Y) if grid.axis_size(a) == 1) if planned_for_grid else None
     flow = _ScatterFlow(jaxpr, origin, trained,
-                        rows_of=(lambda v: _rows_axis(layouts.get(v, ()), unit)) if planned_for_grid else None)
+                        rows_of=(lambda v: _rows_axis(layouts.get(v, ()), unit)) if planned_for_grid else None,
+                        sliced_over=(lambda whole, out: _sliced_axis(layouts.get(whole, ()), layouts.get(out, ()), unit))
+                        if planned_for_grid else None)  # fmt: skip
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
@@ -415,13 +417,15 @@ class _ScatterFlow:
     a dropout's zeros, not the model's data added to the stream).
     """
 
-    def __init__(self, jaxpr, origin: dict, trained: set, rows_of=None):
+    def __init__(self, jaxpr, origin: dict, trained: set, rows_of=None, sliced_over=None):
         self.origin = origin
         self.trained = trained
         #: where the plan is a grid's: the tensor axis a value's rows are scattered over, read
         #: from its layout (the flow's own axis also marks a layer's output split over an
         #: axis of 1, and a join takes either side's)
         self.rows_of = rows_of
+        #: there too: the tensor axis a join slices its whole operand over (its gradient's)
+        self.sliced_over = sliced_over
         self.axis: dict = {}  # variable -> the tensor axis its batch is scattered over
         self.live = set(jaxpr.invars)  # computed from the inputs or parameters (not constants)
         self.params: dict[int, str] = {}
@@ -441,7 +445,8 @@ class _ScatterFlow:
                 self.params.setdefault(self.origin[v], self.rows_of(eqn.outvars[0]) if self.rows_of else axis)
             elif v not in self.axis and v in self.live and R.shape_of(v) == R.shape_of(eqn.outvars[0]):
                 self.joins += v in self.trained
-                self.stream_axis = axis
+                self.stream_axis = (self.sliced_over(v, eqn.outvars[0]) or self.stream_axis) if self.sliced_over \
+                    else axis
 
     def layer(self, eqn, in_axis: str | None) -> None:
         """A layer's output: scattered over its input axis."""
@@ -597,6 +602,17 @@ def _rows_axis(layout, unit: frozenset) -> str | None:
     """
     return next((a for axes in layout if set(axes) & set(BATCH_AXES) for a in axes
                  if a in (X, Y) and a not in unit), None)  # fmt: skip
+
+
+def _sliced_axis(whole, out, unit: frozenset) -> str | None:
+    """The tensor axis (larger than 1) splitting ``out``'s layout and not ``whole``'s: the
+    one a join slices its whole operand over.
+
+    >>> _sliced_axis(((), ()), (("x",), ()), frozenset()), _sliced_axis(((), ("y",)), ((), ("y",)), frozenset())
+    ('x', None)
+    """
+    mine = {a for axes in whole for a in axes}
+    return next((a for axes in out for a in axes if a in (X, Y) and a not in unit and a not in mine), None)
 
 
 def _tensor_axis(axes: tuple[str, ...], grid: Grid) -> str | None:
