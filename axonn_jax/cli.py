@@ -165,14 +165,15 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         from axonn_jax.compiled_check import rerank
 
         checks = _check(model, result, args.check, machine)
-        result = dataclasses.replace(result, ranked=tuple(c.prediction for c in rerank(checks)))
+        kept = rerank(checks)
+        result = dataclasses.replace(result, ranked=tuple(c.prediction for c in kept))
     # grids where the partitioner falls back (a dim it does not divide): priced on their own plan
     own_plan = {p.grid for p in result.ranked if source.for_grid(p.grid) is not spec}
     if args.json:
         rows = [{**p.as_dict(), "grid_flag": _grid_flag(p.grid), "own_plan": p.grid in own_plan}
                 for p in result.ranked]  # fmt: skip
         if checks is not None:
-            rows = [{**row, "compiled_check": c.as_dict()} for row, c in zip(rows, rerank(checks))]
+            rows = [{**row, "compiled_check": c.as_dict()} for row, c in zip(rows, kept)]
         print(json.dumps(rows, indent=2))
     else:
         print(_table(spec, machine, options, args.gpus, result, seconds, recompute, own_plan))

@@ -181,7 +181,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
             outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
         if name_ not in ("dot_general", "conv_general_dilated") and name_ not in CONTROL_FLOW:
-            step = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
+            step = _rule_step(eqn, layouts, ctx)
             for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis, unit):
                 whole_uses.gathered(eqn, operand, len(regathers), found[2])
                 regathers.append(found)
@@ -578,6 +578,11 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict,
     return out
 
 
+def _rule_step(eqn, layouts, ctx: R.Context) -> R.Step:
+    """The partitioner's rule for ``eqn`` on the plan's ``layouts`` of its operands."""
+    return R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
+
+
 def _gathered_over(eqn, act_var, axis: str | None, layouts, ctx: R.Context) -> bool:
     """Whether the partitioner's rule for layer ``eqn`` gathers its input ``act_var`` over
     ``axis`` (the layer's output axis): rows an earlier layer reduce-scattered over it, or
@@ -586,8 +591,7 @@ def _gathered_over(eqn, act_var, axis: str | None, layouts, ctx: R.Context) -> b
     """
     if axis is None or act_var not in layouts:
         return False
-    step = R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
-    target = step.targets[list(eqn.invars).index(act_var)]
+    target = _rule_step(eqn, layouts, ctx).targets[list(eqn.invars).index(act_var)]
     if target is None:
         return False
     return any(axis in axes[len(common_prefix(axes, kept)):] for axes, kept in zip(layouts[act_var], target))
