@@ -7,6 +7,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from axonn_jax.cli import _grid_flag, main
 from axonn_jax.compiled_check import CompiledCheck, check_compiled, format_checks, program_cost, rerank
@@ -108,3 +109,13 @@ def test_the_compiled_time_prices_the_programs_flops_bytes_and_collectives(devic
     assert t.comm == sum(frontier.seconds(c.wire_bytes, 1, c.inner, c.size) for c in cost.collectives) > 0
     data = program_cost(compile_apply_step(MODEL, INPUTS, Grid(data=8)), 8)  # gradients, loss: all 8
     assert {(c.kind, c.size, c.inner) for c in data.collectives} == {("all-reduce", 8, 1)}
+
+
+def test_cli_refuses_a_negative_check_count(capsys):
+    """``--check -1`` (either spelling) is a usage error naming the flag, before any planning."""
+    for flag in ("--check", "--check-memory"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--gpus", "8", "--machine", "frontier", "--layers", "2", "--hidden", "128",
+                  "--heads", "4", "--seq", "64", "--batch", "16", "--vocab", "256", flag, "-1"])  # fmt: skip
+        assert exit_info.value.code == 2
+        assert "--check must be >= 0, got -1" in capsys.readouterr().err
