@@ -1,6 +1,7 @@
 """Device-resident model state per parameter, with and without host offload.
 
-GPT on 8 simulated CPU devices (grid x=2, z=2, data=2), AdamW, the user's own
+GPT on 8 simulated CPU devices (grid x=2, z=2, data=2), or on the GPUs of the
+machine with ``JAX_PLATFORMS=cuda`` and a ``--grid`` of their number, AdamW, the user's own
 jitted step (donating parameters and state). For each configuration:
 
 * parameters θ, master weights and optimizer state: live arrays on one device,
@@ -34,10 +35,12 @@ CONFIGS = {
 }
 
 
-def measure(layers: int, hidden: int, batch: int, seq: int, steps: int, bucket_bytes: int, grid: str) -> dict:
+def measure(layers: int, hidden: int, batch: int, seq: int, steps: int, bucket_bytes: int, grid: str,
+            dtype: str = "float32") -> dict:
     import functools
 
     import jax
+    import jax.numpy as jnp
     import numpy as np
     import optax
 
@@ -48,7 +51,7 @@ def measure(layers: int, hidden: int, batch: int, seq: int, steps: int, bucket_b
     from axonn_jax.runtime.precision import as_planned
 
     config = GPTConfig(vocab_size=256, num_layers=layers, hidden=hidden,
-                       num_heads=max(1, hidden // 64), max_seq_len=seq)  # fmt: skip
+                       num_heads=max(1, hidden // 64), max_seq_len=seq, dtype=getattr(jnp, dtype))  # fmt: skip
     tokens = np.random.default_rng(0).integers(0, 256, (batch, seq)).astype(np.int32)
     pm = axonn_jax.partition(GPT(config), axonn_jax.Grid.parse(grid), tokens)
     initial = pm.init(jax.random.key(0))
@@ -133,12 +136,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--bucket-bytes", type=int, default=128 * 1024)
     ap.add_argument("--grid", default="x=2,z=2,data=2")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's compute dtype (parameters are stored as each configuration says)")
     a = ap.parse_args(argv)
-    result = measure(a.layers, a.hidden, a.batch, a.seq, a.steps, a.bucket_bytes, a.grid)
+    result = measure(a.layers, a.hidden, a.batch, a.seq, a.steps, a.bucket_bytes, a.grid, a.dtype)
     print(f"GPT {a.layers}L/{a.hidden}H, {result['params']:,} parameters, {result['per_device']:,} "
           f"per device on {a.grid}; bytes per parameter per device; time ratio = median step "
           f"time / fp32-on-device (median of {a.steps} interleaved steps)")  # fmt: skip
     print(table(result))
+    print("median step ms: " + "; ".join(f"{name} {row['step ms']:.1f}" for name, row in result["results"].items()))
     print(result["reports"]["bf16, offload, streamed buckets"])
     rows = result["results"]
     fp32 = rows["fp32, on device"]

@@ -17,6 +17,7 @@ executable whose collectives sit in more than one computation; it compiles those
 
 from __future__ import annotations
 
+import inspect
 import re
 
 #: HLO opcodes of the collectives XLA:CPU runs as collective thunks (``-start`` forms included)
@@ -65,21 +66,27 @@ def install() -> None:
     from jax._src import compiler
 
     if not (hasattr(compiler, "_cache_write") and hasattr(compiler, "_cache_read")):
-        return  # another JAX: the guard does not know its cache (pyproject pins jax < 0.11)
+        return  # another JAX without these cache functions: nothing to guard
     if getattr(compiler._cache_write, "_axonn_guard", False):
         return
     write, read = compiler._cache_write, compiler._cache_read
+    write_params, read_params = inspect.signature(write), inspect.signature(read)
+    if not ({"backend", "executable"} <= set(write_params.parameters) and "backend" in read_params.parameters):
+        return  # cache functions whose arguments the guard cannot name: leave them alone
 
-    def guarded_write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
-        if backend.platform == "cpu" and not reloads_in_order(executable):
-            return
-        write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+    def guarded_write(*args, **kwargs):
+        given = write_params.bind(*args, **kwargs).arguments
+        if given["backend"].platform == "cpu" and not reloads_in_order(given["executable"]):
+            return None
+        return write(*args, **kwargs)
 
-    def guarded_read(module_name, cache_key, compile_options, backend, executable_devices):
-        executable, compile_time = read(module_name, cache_key, compile_options, backend, executable_devices)
-        if executable is not None and backend.platform == "cpu" and not reloads_in_order(executable):
-            return None, None
-        return executable, compile_time
+    def guarded_read(*args, **kwargs):
+        found = read(*args, **kwargs)
+        executable = found[0] if isinstance(found, tuple) else None
+        if (executable is not None and read_params.bind(*args, **kwargs).arguments["backend"].platform == "cpu"
+                and not reloads_in_order(executable)):
+            return (None,) * len(found)
+        return found
 
     guarded_write._axonn_guard = True
     compiler._cache_write, compiler._cache_read = guarded_write, guarded_read

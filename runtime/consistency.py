@@ -43,9 +43,13 @@ def fingerprint(model, plan: Plan, program: Program, options: Mapping[str, Any])
     import flax
     import jax
 
+    try:
+        version = importlib.metadata.version("axonn_jax")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+        version = "(source tree)"
     traced = program.traced
     return {
-        "versions": f"axonn_jax {importlib.metadata.version('axonn_jax')}, jax {jax.__version__}, "
+        "versions": f"axonn_jax {version}, jax {jax.__version__}, "
         f"flax {flax.__version__}",
         "grid": repr(plan.grid),
         "model": f"{traced.kind} {type(model).__module__}.{type(model).__qualname__}",

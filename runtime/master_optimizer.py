@@ -43,9 +43,11 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -319,7 +321,7 @@ class MasterOptimizer:
                    for v in (finite, grad_scale)]  # fmt: skip
         on_device, grads = grads, jax.device_put(grads, _with_kind(self.param_shardings, HOST))  # half precision moves
 
-        @compute_on("device_host")
+        @_on_host
         @jax.jit
         def on_host(grads, inner, master, finite, grad_scale):
             new_master, new_inner = self._step(grads, inner, master, finite, grad_scale)
@@ -484,6 +486,17 @@ def _abstract(tree, dtype):
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype if dtype is not None else x.dtype), tree
     )
+
+
+def _on_host(fn: Callable) -> Callable:
+    """``fn`` computed on the host, its outputs in host memory.
+
+    jax < 0.11 spells it ``compute_on("device_host")`` (a decorator); jax 0.11
+    takes the function and the outputs' memory spaces.
+    """
+    if "out_memory_spaces" in inspect.signature(compute_on).parameters:
+        return compute_on(fn, compute_type="device_host", out_memory_spaces=jax.memory.Space.Host)
+    return compute_on("device_host")(fn)
 
 
 def _with_kind(shardings, kind: str | None):

@@ -69,3 +69,80 @@ def test_programs_with_loop_collectives_are_not_cached(tmp_path):
 ])  # fmt: skip
 def test_collective_computations(text, names):
     assert collective_computations("HloModule m\n\n" + text) == names
+
+
+class _Module:
+    def __init__(self, text: str):
+        self.text = text
+
+    def to_string(self) -> str:
+        return self.text
+
+
+class _Executable:
+    """What the guard reads of an executable: its HLO modules' text."""
+
+    def __init__(self, *texts: str):
+        self.modules = [_Module(t) for t in texts]
+
+    def hlo_modules(self):
+        return self.modules
+
+
+class _Backend:
+    def __init__(self, platform: str):
+        self.platform = platform
+
+
+LOOPED = _Executable("HloModule m\n\n%body (p: f32[4]) -> f32[4] {\n  ROOT %g = f32[4]{0} all-gather(%p), "
+                     "dimensions={0}\n}\nENTRY %main (p: f32[4]) -> f32[4] {\n  %w = f32[4]{0} while(%p), "
+                     "condition=%c, body=%body\n  ROOT %x = f32[4]{0} all-reduce(%w), to_apply=%add\n}")  # fmt: skip
+FLAT = _Executable("HloModule m\n\nENTRY %main (p: f32[4]) -> f32[4] {\n  ROOT %a = f32[4]{0} all-reduce(%p), "
+                   "to_apply=%add\n}")  # fmt: skip
+
+
+def test_the_guard_follows_cache_functions_that_take_more_arguments(monkeypatch):
+    """jax 0.11 passes its cache functions another argument than jax 0.10 did: the guard binds
+    them by name, passes every argument on, and still keeps unordered CPU programs out."""
+    from jax._src import compiler
+
+    from axonn_jax.runtime import compilation_cache
+
+    written, found = [], {}
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks, extra=None):
+        written.append((module_name, extra))
+
+    def read(module_name, cache_key, compile_options, backend, executable_devices, extra=None):
+        return found[module_name], 1.5
+
+    monkeypatch.setattr(compiler, "_cache_write", write)
+    monkeypatch.setattr(compiler, "_cache_read", read)
+    compilation_cache.install()
+    assert compiler._cache_write is not write and compiler._cache_read is not read
+    cpu, gpu = _Backend("cpu"), _Backend("gpu")
+    for name, backend, executable in [("looped-cpu", cpu, LOOPED), ("flat-cpu", cpu, FLAT),
+                                      ("looped-gpu", gpu, LOOPED)]:  # fmt: skip
+        compiler._cache_write("key", 1.0, name, backend, executable, [], "six")
+        found[name] = executable
+    assert written == [("flat-cpu", "six"), ("looped-gpu", "six")]
+    assert compiler._cache_read("looped-cpu", "key", None, cpu, [], "six") == (None, None)
+    assert compiler._cache_read("flat-cpu", "key", None, cpu, [], "six") == (FLAT, 1.5)
+    assert compiler._cache_read("looped-gpu", "key", None, gpu, [], "six") == (LOOPED, 1.5)
+
+
+def test_the_guard_leaves_cache_functions_it_does_not_know_alone(monkeypatch):
+    from jax._src import compiler
+
+    from axonn_jax.runtime import compilation_cache
+
+    def write(key, value):
+        pass
+
+    def read(key):
+        return None
+
+    monkeypatch.setattr(compiler, "_cache_write", write)
+    monkeypatch.setattr(compiler, "_cache_read", read)
+    compilation_cache.install()
+    assert compiler._cache_write is write and compiler._cache_read is read

@@ -131,6 +131,26 @@ def test_offload_equals_on_device_after_20_adamw_steps(update_on, on_device):
     assert losses[-1] < losses[0] - 0.5
 
 
+def test_the_host_update_takes_the_compute_on_form_of_jax_0_11(monkeypatch):
+    """jax 0.11's ``compute_on`` takes the function and its outputs' memory spaces (jax 0.10's
+    is a decorator factory): the host update asks for host compute and host outputs in that
+    form, and trains as before."""
+    from axonn_jax.runtime import master_optimizer
+
+    decorator, calls = master_optimizer.compute_on, []
+
+    def compute_on_0_11(f=None, *, compute_type, out_memory_spaces):
+        calls.append((compute_type, out_memory_spaces))
+        return decorator(compute_type)(f)
+
+    before = _train(dict(x=2, z=2, data=2), 2, offload=True, update_on="host")
+    monkeypatch.setattr(master_optimizer, "compute_on", compute_on_0_11)
+    after = _train(dict(x=2, z=2, data=2), 2, offload=True, update_on="host")
+    assert calls and set(calls) == {("device_host", jax.memory.Space.Host)}
+    np.testing.assert_array_equal(after[0], before[0])
+    _assert_params_equal(after[1], before[1], "compute_on of jax 0.11")
+
+
 def test_offload_with_global_norm_clipping_is_plain_optax(on_device):
     """clip_by_global_norm makes a zeros constant (leaf.imag) that JAX will not mix with host
     arrays in a host computation: the update runs on the device, the state stays offloaded."""
