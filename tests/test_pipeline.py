@@ -78,6 +78,20 @@ def test_compiles_once_across_steps(gpt_two_stages, caplog):
     assert_compiles_once(case, pm, params, caplog)
 
 
+def test_a_step_leaves_no_runtime_thread_inside_jax(gpt_two_stages):
+    """The queue's task watchers and the in-process transport's copy watchers have ended when
+    a step returns: a daemon thread still inside JAX when the interpreter exits aborts the
+    process ("FATAL: exception not rethrown", seen once under load)."""
+    import threading
+
+    case, pm, params = gpt_two_stages
+    step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=4)
+    for _ in range(2):
+        jax.block_until_ready(step(params, case.batch(4)))
+        left = [t.name for t in threading.enumerate() if t.name.startswith(("axonn-task-watcher", "axonn-ready-"))]
+        assert left == [], left
+
+
 def test_trace_exports(tmp_path, gpt_two_stages):
     case, pm, params = gpt_two_stages
     step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=4)

@@ -124,6 +124,11 @@ class _Lane:
         """The watcher ends once the tasks before it are done (not waited for here)."""
         self._todo.put(None)
 
+    def join(self) -> None:
+        """Wait for the watcher to end (after :meth:`stop`): no thread of this lane is left
+        inside JAX, where the interpreter's exit would abort it."""
+        self._thread.join()
+
     def _watch(self) -> None:
         while (task := self._todo.get()) is not None:
             error = None
@@ -291,6 +296,8 @@ class DispatchQueue:
         finally:
             for lane in lanes.values():
                 lane.stop()
+        for lane in lanes.values():  # only without an error: every task has finished
+            lane.join()
         self.transport.close()
         totals = {s: st.totals for s, st in states.items()}
         peak = {s: st.peak for s, st in states.items()}

@@ -82,7 +82,7 @@ class InProcessTransport:
 
     def __init__(self):
         self._mailbox: dict[Message, list[jax.Array]] = {}
-        self._watchers: dict[int, queue.Queue] = {}  # destination stage → copies to watch
+        self._watchers: dict[int, tuple[queue.Queue, threading.Thread]] = {}  # destination stage → copies to watch
         self._lock = threading.Lock()
         self._wake: threading.Event | None = None  # the waiting queue's event
         self._ready, self._seen = 0, 0  # messages found ready, and as of the last wait
@@ -112,10 +112,11 @@ class InProcessTransport:
         """The queue of a thread that wakes the waiting queue as each message to ``stage``
         is computed (one thread per destination: its messages are ready in order)."""
         if stage not in self._watchers:
-            todo = self._watchers[stage] = queue.Queue()
-            threading.Thread(target=self._watch, args=(todo,), daemon=True,
-                             name=f"axonn-ready-{stage}").start()  # fmt: skip
-        return self._watchers[stage]
+            todo = queue.Queue()
+            thread = threading.Thread(target=self._watch, args=(todo,), daemon=True, name=f"axonn-ready-{stage}")
+            thread.start()
+            self._watchers[stage] = (todo, thread)
+        return self._watchers[stage][0]
 
     def _watch(self, todo: queue.Queue) -> None:
         while (copies := todo.get()) is not None:
@@ -131,10 +132,17 @@ class InProcessTransport:
                 wake.set()
 
     def close(self) -> None:
+        """Every copy sent is computed and its watcher has ended: no thread of this
+        transport is left inside JAX, where the interpreter's exit would abort it."""
+        watchers, self._watchers = self._watchers, {}
+        for todo, _ in watchers.values():
+            todo.put(None)
+        for _, thread in watchers.values():
+            thread.join()
         self._mailbox.clear()
 
     def __del__(self):
-        for todo in self._watchers.values():
+        for todo, _ in self._watchers.values():
             todo.put(None)
 
 
