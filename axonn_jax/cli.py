@@ -30,7 +30,7 @@ GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from axonn_jax import __version__
-    from axonn_jax.perf.options import SCHEDULES
+    from axonn_jax.perf.options import SCHEDULES, UPDATE_ON
     from axonn_jax.partitioner.grid import PLACEMENTS
 
     ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
@@ -53,12 +53,16 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--top", type=int, default=10, help="how many configurations (default 10)")
     plan.add_argument("--json", action="store_true", help="print JSON: one object per configuration")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed",
-                      help="mixed: bf16 weights, fp32 master + Adam (20 B/param); fp32: 16 B/param")  # fmt: skip
+                      help="mixed: bf16 weights and gradients, fp32 master + Adam (16 B/param, 12 "
+                           "offloadable); fp32: 16 B/param (8 offloadable)")  # fmt: skip
     plan.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
                       help="activation checkpointing of every block (auto: searched, default)")  # fmt: skip
     plan.add_argument("--no-recompute", action="store_true", help="the same as --recompute off")
     plan.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
                       help="optimizer state in host memory (auto: whichever is faster and fits)")  # fmt: skip
+    plan.add_argument("--update-on", choices=("auto", *UPDATE_ON), default="auto",
+                      help="where an offloaded update runs: host, or device (the host state streamed "
+                           "through it in buckets); auto: both are priced")  # fmt: skip
     plan.add_argument("--no-pipeline", action="store_true", help="only grids with pipeline = 1")
     plan.add_argument("--microbatches", type=int, help="fix the microbatches (default: searched)")
     plan.add_argument("--virtual", type=int,
@@ -154,7 +158,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     model = _model(parser, args) if args.check else None
     t0 = time.perf_counter()
     result = search(source, args.gpus, machine, options=options, top=args.top,
-                    offload=args.offload, pipeline=not args.no_pipeline,
+                    offload=args.offload, update_on=args.update_on, pipeline=not args.no_pipeline,
                     microbatches=args.microbatches, virtual=args.virtual, recompute=recompute,
                     schedules=(PRICED_SCHEDULES + ("zb-v",) * (args.placement == "v")
                                if args.schedule == "auto" else None),
@@ -302,9 +306,10 @@ def _launch(best) -> str:
     """How to run the top-ranked configuration: the example's flags and the Python call."""
     flag = _grid_flag(best.grid)
     mb, offload = best.options.microbatches, best.options.offload
+    streamed = offload and best.options.update_on == "device"
     schedule = best.options.schedule if best.bubble else "message"  # no pipeline: no schedule
     remat = best.options.recompute
-    step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload
+    step = ([f"microbatches={mb}"] * (mb > 1) + ["offload=True"] * offload + ['update_on="device"'] * streamed
             + [f'schedule="{schedule}"'] * (schedule != "message") + ['remat="full"'] * remat)  # fmt: skip
     args = flag.replace(",", ", ").replace("placement=v", 'placement="v"')
     python = f"axonn_jax.Grid({args})"
@@ -313,6 +318,7 @@ def _launch(best) -> str:
     if step:
         python += f" and pm.train_step(..., {', '.join(step)})"
     return (f"\nto launch rank 1: --grid {flag} --microbatches {mb}{' --offload' * offload}"
+            f"{' --update-on device' * streamed}"
             f"{' --remat full' * remat}"
             f"   (in Python: {python})")
 
@@ -341,7 +347,7 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
         virt = f"{g.virtual}V" if g.placement == "v" else str(g.virtual)
         rows.append((f"{i}*" if g in own_plan else str(i), str(g.x), str(g.y), str(g.z), str(g.data), str(g.pipeline),
                      str(o.microbatches), virt, "yes" if o.recompute else "no",
-                     o.schedule if p.bubble else "-", "yes" if o.offload else "no",  # no pipeline: no bubble
+                     o.schedule if p.bubble else "-", o.update_on if o.offload else "no",  # no pipeline: no bubble
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
                      f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),
                      _gib(m.activations), _gib(m.device)))  # fmt: skip

@@ -10,7 +10,8 @@ layer); otherwise price every choice of
 * the pipeline schedule — only where it changes the price: with a pipeline,
   those of ``schedules`` (:data:`PRICED_SCHEDULES` are the ones the model
   prices differently; 1F1B and GPipe are priced like ``"message"``);
-* optimizer offload to host memory on and off;
+* optimizer offload to host memory off, and on with the update on the host or
+  streamed through the device in buckets (``update_on``);
 * the number of microbatches (a divisor of the per-replica batch),
 
 keep the choices that fit device (and host) memory, and take the one with the
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING
 from axonn_jax.partitioner.grid import PLACEMENTS, Grid
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.memory import held_microbatches, memory
-from axonn_jax.perf.options import SCHEDULES, Options
+from axonn_jax.perf.options import SCHEDULES, UPDATE_ON, Options
 from axonn_jax.perf.spec import ModelSpec
 from axonn_jax.perf.step import Prediction, predict
 
@@ -52,6 +53,7 @@ RECOMPUTE_CHOICES = OFFLOAD_CHOICES
 #: :func:`~axonn_jax.perf.memory.in_flight`): what ``--schedule auto`` searches
 PRICED_SCHEDULES = ("message", "zb", "zb-h1")
 _ON_OFF = {"auto": (False, True), "on": (True,), "off": (False,)}
+UPDATE_ON_CHOICES = ("auto", *UPDATE_ON)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +96,7 @@ def search(
     options: Options = Options(),
     top: int = 10,
     offload: str = "auto",
+    update_on: str = "auto",
     pipeline: bool = True,
     microbatches: int | None = None,
     virtual: int | None = None,
@@ -111,6 +114,8 @@ def search(
             its schedule is the one priced unless ``schedules`` is given. Its
             recompute, offload and microbatches are replaced by the search's.
         offload, recompute: ``"auto"`` tries both, ``"on"``/``"off"`` forces it.
+        update_on: where an offloaded update runs, ``"host"`` or ``"device"``
+            (streamed in buckets of ``options.bucket_bytes``); ``"auto"`` tries both.
         pipeline: also search pipeline sizes > 1.
         microbatches: fix the number of microbatches instead of searching it.
         virtual: fix the stages per pipeline rank (grids with a pipeline) instead
@@ -121,6 +126,8 @@ def search(
     """
     if offload not in OFFLOAD_CHOICES:
         raise ValueError(f"offload must be one of {OFFLOAD_CHOICES}, got {offload!r}")
+    if update_on not in UPDATE_ON_CHOICES:
+        raise ValueError(f"update_on must be one of {UPDATE_ON_CHOICES}, got {update_on!r}")
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES}, got {recompute!r}")
     if top < 1:
@@ -135,6 +142,11 @@ def search(
     unknown = [s for s in schedules if s not in SCHEDULES]
     if unknown:
         raise ValueError(f"schedules {unknown} are unknown; choose from {SCHEDULES}")
+    offloads: list[str | None] = []  # None: no offload; else where the offloaded update runs
+    if False in _ON_OFF[offload]:
+        offloads.append(None)
+    if True in _ON_OFF[offload]:
+        offloads += [w for w in UPDATE_ON if update_on in ("auto", w)]
     limits = _Limits(machine.memory_gib * 2**30, machine.host_memory_gib * 2**30)
     rejected: collections.Counter = collections.Counter()
     best: list[Prediction] = []
@@ -159,13 +171,14 @@ def search(
             rejected["do not divide the model"] += 1
             continue
         found = None
-        for v, rec, schedule, off in itertools.product(
+        for v, rec, schedule, where in itertools.product(
                 virtuals, _ON_OFF[recompute],
-                schedules if grid.pipeline > 1 else schedules[:1], _ON_OFF[offload]):  # fmt: skip
+                schedules if grid.pipeline > 1 else schedules[:1], offloads):  # fmt: skip
             g = dataclasses.replace(grid, virtual=v, placement=placement if v == 2 else "interleaved")
             if schedule == "zb-v" and g.stages > 1 and g.placement != "v":
                 continue  # ZB-V's order is the V's
-            base = dataclasses.replace(options, recompute=rec, schedule=schedule, offload=off)
+            base = dataclasses.replace(options, recompute=rec, schedule=schedule, offload=where is not None,
+                                       update_on=where or options.update_on)  # fmt: skip
             pred = _best_microbatches(spec, g, machine, base, counts, limits)
             priced += len(counts)
             if pred is not None and (found is None or pred.step_seconds < found.step_seconds):

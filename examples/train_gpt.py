@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "computes in bf16 on GPU/TPU (fp32 on CPU)")
     p.add_argument("--offload", action="store_true",
                    help="master weights and optimizer state in host memory")
+    p.add_argument("--update-on", default="host", choices=("host", "device"),
+                   help="with --offload: update on the host, or stream the host state through the "
+                        "device in buckets")
     p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
                    help="activation checkpointing policy")
     p.add_argument("--overlap", default="all",
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
     if grid.pipeline > 1:
         options["schedule"] = args.schedule
     train_step = pm.train_step(next_token_loss, optimizer, precision=args.precision,
-                               offload=args.offload, **options)  # fmt: skip
+                               offload=args.offload, update_on=args.update_on, **options)  # fmt: skip
     params, opt_state = train_step.init(params)  # params now in --precision on the devices
     logits_of = _partitioned_forward(pm, microbatches=args.microbatches)
 

@@ -234,6 +234,46 @@ def test_skipped_step_changes_nothing(offload, update_on):
     assert isinstance(taken, MasterState) and taken_params["w"].dtype == jnp.float16
 
 
+@pytest.mark.parametrize("precision,planned_as", [("bf16", "mixed"), ("fp32", "fp32")])
+def test_the_planners_memory_model_is_what_the_optimizer_plans(precision, planned_as):
+    """`axonn-jax plan` sizes a configuration with `axonn_jax.perf.memory`: per device, its
+    parameters, gradients and optimizer state (device and host) are MasterOptimizer's
+    plan on, off and streamed, and its stream buffer bounds the plan's largest bucket."""
+    from axonn_jax.perf.memory import local_params, memory, stream_buffer
+    from axonn_jax.perf.options import Options
+    from axonn_jax.perf.traced import PerGridSpec
+    from axonn_jax.runtime.memory import local_param_count, planned_bytes
+
+    grid = axonn_jax.Grid(x=2, z=2, data=2)
+    model, pm, initial = _partitioned(tuple(sorted(dict(x=2, z=2, data=2).items())))
+    spec = PerGridSpec(model, _batches(1)[0]).for_grid(grid)
+    n = local_param_count(initial, pm.param_shardings)
+    assert local_params(spec, grid) == n
+    for offload, update_on in ((False, "host"), (True, "host"), (True, "device")):
+        opt = MasterOptimizer(optax.adamw(LR), pm.param_shardings, precision=precision, offload=offload,
+                              update_on=update_on, bucket_bytes=4 * 1024)  # fmt: skip
+        plan = planned_bytes(opt, initial)
+        options = Options(planned_as, offload=offload, update_on=update_on, bucket_bytes=4 * 1024)
+        model_memory = memory(spec, grid, options)
+        state = [plan[k] for k in ("params", "grads", "master", "optimizer")]
+        what = f"{precision}, offload={offload}, update_on={update_on}"
+        # the model prices bytes per parameter: AdamW's step count (one int32) aside
+        assert model_memory.params + model_memory.grads + model_memory.optimizer + 4 * (not offload) \
+            == sum(b.device for b in state), what  # fmt: skip
+        assert model_memory.host + 4 * offload == sum(b.host for b in state), what
+        if offload and update_on == "device":
+            assert 0 < plan["buffers"].device <= stream_buffer(n, options), what
+        else:
+            assert plan["buffers"].device == stream_buffer(n, options) == 0, what
+
+
+def test_the_model_and_the_optimizer_name_the_same_update_places():
+    from axonn_jax.perf.options import UPDATE_ON
+    from axonn_jax.runtime.master_optimizer import UPDATE_ON as RUNTIME_UPDATE_ON
+
+    assert set(UPDATE_ON) == set(RUNTIME_UPDATE_ON)
+
+
 def test_memory_report_splits_device_and_host():
     """Live arrays and compiled programs, split by memory space, against hand counts."""
     mesh = stage_meshes(axonn_jax.Grid(x=2, z=2, data=2))[0]

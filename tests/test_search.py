@@ -43,9 +43,10 @@ def _every_configuration(spec, devices, machine):
         schedules = PRICED_SCHEDULES if p > 1 else PRICED_SCHEDULES[:1]
         out[grid] = [
             predict(spec, dataclasses.replace(grid, virtual=v), machine,
-                    Options(recompute=rec, schedule=s, offload=off, microbatches=mb))
+                    Options(recompute=rec, schedule=s, offload=off, update_on=where, microbatches=mb))
             for v in (virtuals if p > 1 else [1])
-            for rec, s, off in itertools.product((False, True), schedules, (False, True))
+            for rec, s, (off, where) in itertools.product(
+                (False, True), schedules, ((False, "host"), (True, "host"), (True, "device")))
             for mb in _divisors(spec.batch // grid.batch_shards)
         ]  # fmt: skip
     return out
@@ -73,10 +74,50 @@ def test_search_takes_each_grids_fastest_fitting_configuration():
             assert got.memory.device <= limit
             o = got.options
             used |= {("virtual", got.grid.virtual > 1), ("recompute", o.recompute),
-                     ("offload", o.offload), ("schedule", o.schedule)}  # fmt: skip
+                     ("offload", o.offload and o.update_on), ("schedule", o.schedule)}  # fmt: skip
         assert len(result.ranked) == len(chosen) == result.feasible
-    assert {("virtual", True), ("recompute", True), ("recompute", False), ("offload", True),
+    assert {("virtual", True), ("recompute", True), ("recompute", False), ("offload", "host"),
             ("schedule", "zb"), ("schedule", "zb-h1"), ("schedule", "message")} <= used  # fmt: skip
+
+
+def test_an_offloaded_update_is_streamed_where_the_host_updates_slowly():
+    """Offload must be on (the state does not fit the device). Where the host's update is
+    slow the step streams the host state through the device instead (24 B/param over the
+    link against 4, the update at device speed), if a bucket fits; the launch line says so."""
+    spec = gpt_spec(layers=4, hidden=1024, heads=8, seq=256, batch=8, vocab=4096)
+    # z=8: 179 MiB per device without offload, 98 with it, 110 with one 4 MiB bucket streamed
+    tight = dataclasses.replace(machines.get("h100-node"), memory_gib=0.12)
+    small_buckets = Options(bucket_bytes=4 * 2**20)
+    grid = Grid(z=8)
+    for host_gbps, where in ((1.0, "device"), (1e4, "host")):
+        machine = dataclasses.replace(tight, host_memory_gbps=host_gbps)
+        ranked = search(spec, 8, machine, options=small_buckets, top=1000, pipeline=False, recompute="on").ranked
+        [got] = [p for p in ranked if p.grid == grid]
+        assert got.options.offload and got.options.update_on == where, (host_gbps, got.options)
+        other = predict(spec, grid, machine, dataclasses.replace(
+            got.options, update_on="host" if where == "device" else "device"))  # fmt: skip
+        assert got.step_seconds < other.step_seconds
+    assert grid not in {p.grid for p in search(spec, 8, tight, options=small_buckets, top=1000, pipeline=False,
+                                               recompute="on", offload="off").ranked}  # fmt: skip
+    roomy = search(spec, 8, dataclasses.replace(tight, memory_gib=80), top=1000, pipeline=False).ranked
+    assert not any(p.options.offload for p in roomy)
+    with pytest.raises(ValueError, match="update_on must be one of"):
+        search(spec, 8, tight, update_on="gpu")
+
+
+def test_cli_launch_line_streams_the_update_it_priced(capsys):
+    args = ["plan", "--gpus", "8", "--machine", "h100-node", "--top", "1", "--no-pipeline", "--offload", "on",
+            "--update-on", "device", "--layers", "4", "--hidden", "64", "--heads", "4", "--seq", "32",
+            "--batch", "8", "--vocab", "256"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    [row] = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert row[10] == "device"
+    launch = out.rstrip().splitlines()[-1]
+    assert "--offload --update-on device" in launch and 'offload=True, update_on="device"' in launch
+    assert main([*args, "--json"]) == 0
+    [config] = json.loads(capsys.readouterr().out)
+    assert config["offload"] and config["update_on"] == "device"
 
 
 def test_recompute_is_picked_where_only_it_fits_and_priced_with_its_extra_forward():

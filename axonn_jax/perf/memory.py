@@ -6,7 +6,8 @@
   weights, their gradients and the optimizer state live in host memory;
 * buffers: gathered (z) weight blocks — without recompute the compiled step
   keeps every gathered block for the backward pass; with recompute one
-  block's weights and weight gradients — plus the offload bucket buffer;
+  block's weights and weight gradients — plus, when the offloaded update
+  streams through the device, one bucket of the host state (:func:`stream_buffer`);
 * activations kept for backward for the microbatches in flight (one, or up
   to ``pipeline + 1`` on the first stage, the message-driven queue's default
   limit; with ``virtual`` stages per rank see :func:`in_flight`), split over
@@ -74,10 +75,24 @@ def memory(spec: ModelSpec, grid: Grid, options: Options) -> Memory:
     grads = n * (b.grad + (0 if offload else b.master_grad))
     optimizer = 0.0 if offload else n * b.optimizer
     host = n * b.offloaded_bytes_per_param if offload else 0.0
-    # the offload bucket buffer streams the host state through the device: never more than it
-    bucket = min(16 * options.bucket_bytes, host) if offload else 0.0
     return Memory(params, grads, optimizer, _activations(spec, grid, options),
-                  bucket + _gathered(spec, grid, options), host)  # fmt: skip
+                  stream_buffer(n, options) + _gathered(spec, grid, options), host)  # fmt: skip
+
+
+def stream_buffer(n_local: float, options: Options) -> float:
+    """Device bytes of one bucket of the offloaded state of ``n_local`` parameters, streamed
+    through the device (``update_on="device"``): ``bucket_bytes`` of float32 masters and
+    their optimizer state, never more than the whole offloaded state; 0 when the update
+    runs on the host.
+
+    Example:
+        >>> stream_buffer(1e9, Options(offload=True, update_on="device", bucket_bytes=4 * 2**20))
+        12582912.0
+    """
+    if not (options.offload and options.update_on == "device"):
+        return 0.0
+    b = options.bytes
+    return min(options.bucket_bytes / 4, n_local) * b.offloaded_bytes_per_param
 
 
 def _gathered(spec: ModelSpec, grid: Grid, options: Options) -> float:

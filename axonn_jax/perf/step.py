@@ -21,10 +21,12 @@ drain shrink v-fold, and each microbatch crosses each rank boundary v times.)
   (:data:`ELEMENTWISE_PASSES`, one more forward under recompute), at
   ``machine.activation_gbps``; activations replicated over x or y cost each copy;
 * optimizer update (memory bound): :data:`OPTIMIZER_BYTES_PER_PARAM` per local
-  parameter, on the device, or at ``host_memory_gbps`` when offloaded;
+  parameter, on the device, or at ``host_memory_gbps`` when offloaded and
+  updated on the host;
 * communication: :func:`~axonn_jax.perf.comm.collectives` priced with the
-  machine's bandwidth (eq. 7) and per-call latency; offload copies the
-  weights to and the gradients from the host once per step.
+  machine's bandwidth (eq. 7) and per-call latency; offload moves
+  :func:`offload_bytes_per_param` over the host link once per step, not
+  overlapped (gradients and weights, or the streamed host state).
 
 The paper's model is communication only; compute and the memory-bound terms
 are what ranking grids on one machine needs besides (replicated work differs
@@ -58,6 +60,24 @@ ELEMENTWISE_PASSES = 4
 #: AdamW reads weights, gradients and both moments and writes weights and moments:
 #: 7 float32 arrays.
 OPTIMIZER_BYTES_PER_PARAM = 28
+
+
+def offload_bytes_per_param(options: Options) -> int:
+    """Bytes per local parameter an offloaded step moves over the host link: the gradients
+    to the host and the weights back (``update_on="host"``), or the host state in and out
+    (``update_on="device"``: master weights and optimizer state, 24 B with AdamW in mixed
+    precision); 0 without offload.
+
+    Example:
+        >>> [offload_bytes_per_param(Options(offload=True, update_on=u)) for u in ("host", "device")]
+        [4, 24]
+    """
+    if not options.offload:
+        return 0
+    b = options.bytes
+    if options.update_on == "host":
+        return b.grad + b.param
+    return 2 * b.offloaded_bytes_per_param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +122,7 @@ class Prediction:
             "virtual": g.virtual, "placement": g.placement,
             "microbatches": self.options.microbatches,
             "offload": self.options.offload,
+            "update_on": self.options.update_on if self.options.offload else None,
             "recompute": self.options.recompute,
             "schedule": self.options.schedule,
             "comm_seconds": self.comm_seconds,
@@ -181,10 +202,9 @@ def predict(spec: ModelSpec, grid: Grid, machine: Machine, options: Options = Op
                                 itemsize=options.bytes.activation)  # fmt: skip
     elementwise = traffic / (machine.activation_gbps * 1e9)
     n_local = local_params(spec, grid)
-    offload = 0.0
-    if options.offload:
-        offload = n_local * (options.bytes.param + options.bytes.grad) / (machine.host_link_gbps * 1e9)
-    update_gbps = machine.host_memory_gbps if options.offload else machine.memory_gbps
+    offload = n_local * offload_bytes_per_param(options) / (machine.host_link_gbps * 1e9)
+    on_host = options.offload and options.update_on == "host"
+    update_gbps = machine.host_memory_gbps if on_host else machine.memory_gbps
     optimizer = n_local * OPTIMIZER_BYTES_PER_PARAM / (update_gbps * 1e9)
     fill = fill_and_drain(p, v, options.schedule, options.recompute, grid.placement, mb)
     step = (mb + fill) / mb * (compute + elementwise + per_mb) + once + optimizer + offload
