@@ -1,11 +1,12 @@
 """The planner's picks for the SC'24 GPT models (5B–640B) on Perlmutter and Frontier.
 
 Model shapes are the AxoNN paper's GPT table; every model trains on
-16.8M-token batches (8,192 sequences of 2,048 tokens, vocabulary 51,200) with
-mixed precision and activation checkpointing. GPU counts scale with the model
-(weak scaling); they are this repository's choice (see docs/planner.md).
-Prints a markdown table: the best grid per model and machine, its predicted
-communication and step time, and the search time.
+16.8M-token batches (8,192 sequences of 2,048 tokens, vocabulary 51,200) in
+mixed precision. GPU counts scale with the model (weak scaling); they are this
+repository's choice (see docs/planner.md). Prints a markdown table: the best
+configuration per model and machine (grid, virtual stages, microbatches,
+recompute, offload and where the offloaded update runs, all searched), its
+predicted communication and step time, and the search time.
 
     .venv/bin/python benchmarks/sc24_picks.py
 """
@@ -40,9 +41,9 @@ def main() -> list[dict]:
     from axonn_jax.search import search
 
     rows = []
-    print("| model | machine | GPUs | x | y | z | data | pipeline | microbatches | offload "
-          "| predicted comm s | predicted step s | GiB/GPU | search s |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| model | machine | GPUs | x | y | z | data | pipeline | virtual | microbatches | recompute "
+          "| offloaded update | predicted comm s | predicted step s | GiB/GPU | search s |")  # fmt: skip
+    print("|" + " --- |" * 16)
     for machine_name, counts in GPUS.items():
         machine = machines.get(machine_name)
         for name, (layers, hidden, heads) in MODELS.items():
@@ -53,16 +54,17 @@ def main() -> list[dict]:
             seconds = time.perf_counter() - t0
             if not result.ranked:
                 print(f"| {name} | {machine_name} | {counts[name]} | no feasible grid "
-                      f"({result.summary()}) |||||||||||")  # fmt: skip
+                      f"({result.summary()}) |||||||||||||")  # fmt: skip
                 continue
             p = result.ranked[0]
             g = p.grid
             row = dict(model=name, machine=machine_name, gpus=counts[name], grid=g,
                        prediction=p, search_seconds=seconds)  # fmt: skip
             rows.append(row)
+            o = p.options
             print(f"| {name} | {machine_name} | {counts[name]:,} | {g.x} | {g.y} | {g.z} | "
-                  f"{g.data} | {g.pipeline} | {p.options.microbatches} | "
-                  f"{'yes' if p.options.offload else 'no'} | {p.comm_seconds:.2f} | "
+                  f"{g.data} | {g.pipeline} | {g.virtual} | {o.microbatches} | {'yes' if o.recompute else 'no'} | "
+                  f"{o.update_on if o.offload else 'no'} | {p.comm_seconds:.2f} | "
                   f"{p.step_seconds:.1f} | {p.memory.device / 2**30:.1f} | {seconds:.1f} |",
                   flush=True)  # fmt: skip
     return rows
