@@ -158,8 +158,8 @@ def _check_one(model, example_args, pred: Prediction, limit: float, machine: Mac
     options = pred.options
     pm = partition(model, pred.grid, *example_args)
     step = pm.train_step(loss_fn, optimizer, precision=RUNTIME_PRECISION[options.precision],
-                         offload=options.offload, microbatches=options.microbatches,
-                         remat="full" if options.recompute else None)  # fmt: skip
+                         offload=options.offload, update_on=options.update_on, bucket_bytes=options.bucket_bytes,
+                         microbatches=options.microbatches, remat="full" if options.recompute else None)  # fmt: skip
     if not step.one_program:
         return CompiledCheck(pred, limit, note="pipelined: one program per stage and task")
     with warnings.catch_warnings():

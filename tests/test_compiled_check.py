@@ -15,6 +15,7 @@ from axonn_jax.models import MLP
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf import machines
 from axonn_jax.perf.compiled import ProgramTime
+from axonn_jax.perf.options import Options
 from axonn_jax.perf.step import predict
 from axonn_jax.perf.traced import spec_from_model
 from axonn_jax.search import search
@@ -41,6 +42,38 @@ def test_compiled_bytes_are_reported_and_a_config_over_the_limit_is_dropped(devi
     table = format_checks(checks)
     assert "dropped (> 0.00 MiB)" in table and "kept, unchecked (pipelined" in table
     assert f"{compiled.time.total * 1e3:.4g}" in table.splitlines()[2]
+
+
+def test_the_check_compiles_the_offloaded_update_the_prediction_priced(monkeypatch, devices):
+    """An offloaded configuration is compiled with the update where the planner priced it
+    (streamed, in its buckets); its compiled device bytes hold no Adam state."""
+    import axonn_jax.compiled_check as compiled_check
+
+    asked = []
+    partition = compiled_check.partition
+
+    def recording_partition(*args, **kwargs):
+        pm = partition(*args, **kwargs)
+        train_step = pm.train_step
+
+        def recording_train_step(*a, **k):
+            asked.append({key: k[key] for key in ("offload", "update_on", "bucket_bytes")})
+            return train_step(*a, **k)
+
+        pm.train_step = recording_train_step
+        return pm
+
+    monkeypatch.setattr(compiled_check, "partition", recording_partition)
+    spec, grid = spec_from_model(MODEL, INPUTS), Grid(x=2, z=2, data=2)
+    frontier = machines.get("frontier")
+    priced = {o: predict(spec, grid, frontier, Options(offload=o, update_on="device", bucket_bytes=1024))
+              for o in (False, True)}  # fmt: skip
+    on_device, streamed = check_compiled(MODEL, (INPUTS,), [priced[False], priced[True]], limit_bytes=2**30,
+                                         devices=devices)  # fmt: skip
+    assert asked[1] == {"offload": True, "update_on": "device", "bucket_bytes": 1024}
+    assert asked[0]["offload"] is False
+    # the fp32 masters and Adam state live on the host: the device holds bf16 weights and gradients
+    assert streamed.compiled < on_device.compiled
 
 
 def test_cli_check_drops_what_does_not_fit_and_reorders_by_the_compiled_time(monkeypatch, capsys):
