@@ -112,7 +112,7 @@ def search(
             fallbacks on each grid priced).
         options: precision, bucket size and program form (``scatter_batch``);
             its schedule is the one priced unless ``schedules`` is given. Its
-            recompute, offload and microbatches are replaced by the search's.
+            recompute, offload, update_on and microbatches are replaced by the search's.
         offload, recompute: ``"auto"`` tries both, ``"on"``/``"off"`` forces it.
         update_on: where an offloaded update runs, ``"host"`` or ``"device"``
             (streamed in buckets of ``options.bucket_bytes``); ``"auto"`` tries both.

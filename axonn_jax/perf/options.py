@@ -45,7 +45,7 @@ PRECISIONS: dict[str, PrecisionBytes] = {
 
 
 #: where an offloaded update runs: ``MasterOptimizer(update_on=)``'s choices (the model
-#: imports nothing of the runtime; tests/test_perf_model.py holds the two equal)
+#: imports nothing of the runtime; tests/test_offload.py holds the two equal)
 UPDATE_ON = ("host", "device")
 
 #: the pipeline schedules the model prices (those of ``axonn_jax.runtime.pipeline.schedules``)
