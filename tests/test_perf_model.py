@@ -893,6 +893,27 @@ def test_a_layer_after_one_of_the_same_orientation_is_priced_as_compiled(name, o
         assert ours == pytest.approx(sum(compiled[kind]), rel=1e-12), kind
 
 
+@pytest.mark.parametrize("grid", [Grid(x=8), Grid(x=2, y=2, z=2)], ids=["x8", "x2y2z2"])
+def test_a_lookup_indexed_by_position_is_priced_at_its_size(grid):
+    """HF T5 looks up its relative-position bias (a [query, key, heads] table of buckets,
+    vocabulary-parallel over x like its token embedding) by position, not by sample: the
+    lookup all-reduces its own elements once, whatever the batch (before: priced as rows of
+    the batch × hidden, 8× its size here). The forward lookups' all-reduce is the compiled
+    step's, to the byte."""
+    from axonn_jax.perf.traced import PerGridSpec
+    from axonn_jax.runtime.hlo import collectives as hlo_collectives
+
+    entry = _hf_entry("hf_t5")
+    spec = PerGridSpec(entry.model, *entry.args, **entry.kwargs).for_grid(grid)
+    assert spec.lookups == 2 and spec.fixed_lookup_elements == 2 * 16 * 16 * 4  # encoder and decoder
+    ours = sum(4 * c.elements for c in collectives(spec, grid, recompute=False) if c.what == "embedding lookup")
+    text = compile_apply_step(entry.model, entry.args, grid, entry.loss, entry.kwargs).as_text()
+    lookups = [c for c in hlo_collectives(text, num_devices=8) if c.kind == "all-reduce"
+               and "relative_attention_bias" in c.op_name and "transpose" not in c.op_name]  # fmt: skip
+    assert len(lookups) == 1  # XLA combines the four lookups' all-reduces
+    assert ours == pytest.approx(lookups[0].wire_bytes, rel=1e-12)
+
+
 def test_a_dim_split_over_x_and_y_is_priced_on_the_axis_that_splits_it():
     """HF ViT on y=2,data=4: 2 does not divide the images' 3 channels, so the partitioner
     splits the patch convolution's output channels, and the stream after it, over x·y

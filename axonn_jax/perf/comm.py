@@ -282,6 +282,9 @@ class _Step:
         if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
             looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
             self.add("embedding lookup", "all-reduce", (X,), "forward", looked_up, spec.lookups * mb)
+        if spec.fixed_lookup_elements:  # indexed by position: the same elements every microbatch
+            fixed = _ring("all-reduce", grid.x) * spec.fixed_lookup_elements / grid.y * mb
+            self.add("embedding lookup", "all-reduce", (X,), "forward", fixed, mb)
         split, batch = spec.output_axis, spec.output_batch_axis
         if spec.split_outputs and self.loss_rows:  # the loss planned with the model: reduced over x
             self._planned_loss()

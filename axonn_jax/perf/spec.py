@@ -321,6 +321,10 @@ class ModelSpec:
     #: normalisations over a split dim (each all-reduces its statistics over that dim's axis)
     norms: tuple[NormGroup, ...] = ()
     lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
+    #: elements of vocabulary-parallel lookups indexed by position, not by sample (T5's
+    #: relative-position bias, [query, key, heads]): split over y, all-reduced over x once
+    #: per microbatch, whatever the batch
+    fixed_lookup_elements: float = 0.0
     #: per-token elements of model outputs whose features are split over ``output_axis``
     #: (vocabulary-parallel logits: x), which the model's apply all-gathers to return them
     #: whole (and their batch, reduce-scattered over the other tensor axis by the last layer)

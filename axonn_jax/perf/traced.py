@@ -138,7 +138,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     origin = param_origins(jaxpr, n_params)
     layouts = variable_layouts(jaxpr, plan.grid, program.param_storage, program.arg_layouts,
                                scatter_batch=program.scatter_batch)  # fmt: skip
-    lookups = 0
+    lookups, fixed_lookup_elements = 0, 0.0
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
@@ -168,7 +168,12 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
             looked_up.add(origin[eqn.invars[0]])
             dn = eqn.params["dimension_numbers"]
             table = layouts[eqn.invars[0]]
-            lookups += any(X in table[d] for d in dn.start_index_map)  # vocabulary-parallel
+            if any(X in table[d] for d in dn.start_index_map):  # vocabulary-parallel
+                out = eqn.outvars[0]
+                if any(set(axes) & set(BATCH_AXES) for axes in layouts.get(out, ())):
+                    lookups += 1  # rows of the batch
+                else:  # indexed by position (a relative-position bias): its size is the batch's own
+                    fixed_lookup_elements += math.prod(out.aval.shape)
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
             conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path,
                                 input_grad=eqn.invars[0] in trained)  # fmt: skip
@@ -263,6 +268,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         attention_flops=attention_flops,
         attention_axis=X,
         lookups=lookups,
+        fixed_lookup_elements=fixed_lookup_elements,
         norms=norms.groups(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
