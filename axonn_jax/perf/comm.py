@@ -280,7 +280,8 @@ class _Step:
         stream's joins."""
         spec, grid, rows, mb = self.spec, self.grid, self.rows, self.mb
         if spec.lookups:  # vocabulary-parallel rows: each device's partial rows summed over x
-            looked_up = _ring("all-reduce", grid.x) * rows * spec.hidden / grid.y * spec.lookups
+            whole = spec.lookup_elements or spec.lookups * spec.tokens * spec.hidden
+            looked_up = _ring("all-reduce", grid.x) * whole / grid.batch_shards / grid.y
             self.add("embedding lookup", "all-reduce", (X,), "forward", looked_up, spec.lookups * mb)
         if spec.fixed_lookup_elements:  # indexed by position: the same elements every microbatch
             fixed = _ring("all-reduce", grid.x) * spec.fixed_lookup_elements / grid.y * mb

@@ -321,6 +321,9 @@ class ModelSpec:
     #: normalisations over a split dim (each all-reduces its statistics over that dim's axis)
     norms: tuple[NormGroup, ...] = ()
     lookups: int = 0  # vocabulary-parallel lookups (each all-reduces its [tokens, hidden/y] rows over x)
+    #: their outputs' elements for the whole batch, where they are not ``tokens × hidden``
+    #: each (an encoder–decoder's decoder tokens; 0: ``lookups × tokens × hidden``)
+    lookup_elements: float = 0.0
     #: elements of vocabulary-parallel lookups indexed by position, not by sample (T5's
     #: relative-position bias, [query, key, heads]): split over y, all-reduced over x once
     #: per microbatch, whatever the batch

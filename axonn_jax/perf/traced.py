@@ -138,7 +138,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     origin = param_origins(jaxpr, n_params)
     layouts = variable_layouts(jaxpr, plan.grid, program.param_storage, program.arg_layouts,
                                scatter_batch=program.scatter_batch)  # fmt: skip
-    lookups, fixed_lookup_elements = 0, 0.0
+    lookups, lookup_elements, fixed_lookup_elements = 0, 0.0, 0.0
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
@@ -172,6 +172,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
                 out = eqn.outvars[0]
                 if any(set(axes) & set(BATCH_AXES) for axes in layouts.get(out, ())):
                     lookups += 1  # rows of the batch
+                    lookup_elements += math.prod(out.aval.shape)
                 else:  # indexed by position (a relative-position bias): its size is the batch's own
                     fixed_lookup_elements += math.prod(out.aval.shape)
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
@@ -268,12 +269,14 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         attention_flops=attention_flops,
         attention_axis=X,
         lookups=lookups,
+        lookup_elements=lookup_elements,
         fixed_lookup_elements=fixed_lookup_elements,
         norms=norms.groups(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
         regathers=tuple(Regather(f"{op} input", size / tokens, axis, split_over=others, rows_axis=rows,
-                                 grad=grad and (i in whole_uses.elements or i not in whole_uses.covered),
+                                 grad=grad and (i in whole_uses.elements
+                                                or i not in whole_uses.covered | whole_uses.shared),
                                  grad_per_token=whole_uses.elements.get(i, size) / tokens, whole_rows=whole,
                                  scattered_rows=of_rows)
                         for i, (op, size, axis, others, rows, grad, whole, of_rows)
@@ -360,6 +363,9 @@ class _WholeUses:
         #: regathers met by a layer splitting its output over their axis, whose input
         #: gradient all-reduce (priced with the layer) is the regather's gradient
         self.covered: set[int] = set()
+        #: regathers whose whole values were sliced together with a later one's: that
+        #: one all-reduce (priced with the later regather) is their gradient too
+        self.shared: set[int] = set()
         self.pending: list[tuple[int, float]] = []  # met by the layer of the current equation
 
     def layer(self, whole_input: bool) -> None:
@@ -384,15 +390,21 @@ class _WholeUses:
     def follow(self, eqn) -> None:
         self.layer(whole_input=False)  # met by an equation that was no layer: sliced there
         for var in {v for v in eqn.invars if not R.is_literal(v) and v in self.whole}:
+            sliced: dict[str, int] = {}  # axis -> the latest regather ``var`` was computed from
             for index, axis in self.whole[var]:  # every regather it was computed from, while whole
-                met = any(self._split(v, axis) for v in (*eqn.invars, *eqn.outvars) if v is not var)
-                if met and self._layer_output_axis(eqn, axis):
-                    self.pending.append((index, math.prod(R.shape_of(var))))  # :meth:`layer` decides
-                elif met:
-                    self.elements[index] += math.prod(R.shape_of(var))
+                if any(self._split(v, axis) for v in eqn.outvars):  # its result split: ``var`` sliced
+                    sliced[axis] = max(index, sliced.get(axis, index))
                 else:
                     for v in eqn.outvars:
                         self.whole[v].add((index, axis))
+            # ``var`` is sliced once, its gradient all-reduced once: charged to one regather
+            # (the stream whole from two residual adds is one value where it meets a split one)
+            for axis, index in sliced.items():
+                self.shared |= {i for i, a in self.whole[var] if a == axis and i != index}
+                if self._layer_output_axis(eqn, axis):
+                    self.pending.append((index, math.prod(R.shape_of(var))))  # :meth:`layer` decides
+                else:
+                    self.elements[index] += math.prod(R.shape_of(var))
 
     def _layer_output_axis(self, eqn, axis: str) -> bool:
         """Whether ``eqn`` is a layer whose weight splits its output features over ``axis``
