@@ -173,7 +173,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
                 if any(set(axes) & set(BATCH_AXES) for axes in layouts.get(out, ())):
                     lookups += 1  # rows of the batch
                     lookup_elements += math.prod(out.aval.shape)
-                else:  # indexed by position (a relative-position bias): its size is the batch's own
+                else:  # indexed by position (a relative-position bias): the same for any batch
                     fixed_lookup_elements += math.prod(out.aval.shape)
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
             conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path,
@@ -345,14 +345,17 @@ class _NormStatistics:
 
 
 class _WholeUses:
-    """Where each regathered value, still whole over its axis, first meets one split over it.
+    """Where each regathered value, still whole over its axis, is first sliced: read by an
+    equation whose result is split over that axis.
 
     There the program slices the whole value to the device's part, so backward it
     all-reduces the gradient of what it sliced: the regathered value itself (a CNN's
     flattened features meeting the head's split kernel, the pieces of a split fused qkv
     product), or what was computed from it while whole (Llama's key/value heads repeated
-    for the query heads on x=4). Followed equation by equation like the other flows;
-    ``elements[i]``: the elements sliced at regather ``i``'s meetings.
+    for the query heads on x=4). An equation that gathers its split operand to meet the
+    whole one (a residual add after a relayout) slices nothing. Followed equation by
+    equation like the other flows; ``elements[i]``: the elements sliced at regather ``i``'s
+    meetings.
     """
 
     def __init__(self, layouts, origin: dict):
