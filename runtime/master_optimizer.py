@@ -387,13 +387,13 @@ class MasterOptimizer:
                                                      for i in range(len(master_leaves))])  # fmt: skip
             s_tree = jax.tree.unflatten(inner_tree, [states.get(k) for k in range(len(inner_leaves))])
             m_out, s_out = self._step(g_tree, s_tree, m_tree, finite, grad_scale)
-            m_out = jax.tree.leaves(m_out, is_leaf=lambda x: x is None)
-            s_out = jax.tree.leaves(s_out, is_leaf=lambda x: x is None)
-            if len(s_out) != len(inner_leaves):
+            try:  # back to the leaves of the whole trees (a pipeline stage's: None where not its own)
+                m_out, s_out = param_tree.flatten_up_to(m_out), inner_tree.flatten_up_to(s_out)
+            except (ValueError, TypeError) as err:
                 raise ValueError(
                     f"{type(self.optimizer).__name__} changed the structure of its state for a "
                     "bucket of parameters. Remedy: update_on='host'."
-                )
+                ) from err
             for i in bucket:
                 new_master[i] = jax.device_put(m_out[i], host_shardings[i])
                 new_device[i] = self.precision.to_device(m_out[i])

@@ -223,12 +223,12 @@ def compare_params(got, ref, init, ref_grads, what: str) -> list[str]:
 def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
              schedules=("message",), trajectory_microbatches: int = TRAJECTORY_MICROBATCHES,
              offload: bool = False, refs: dict[int, Reference] | None = None,
-             trajectory_schedule: str = "message") -> list[str]:  # fmt: skip
+             trajectory_schedule: str = "message", update_on: str = "host") -> list[str]:  # fmt: skip
     """Grads for each microbatch count and schedule, then 5 AdamW steps; failure messages.
 
     ``offload=True`` runs the 5 steps with fp32 master weights and AdamW state in
-    host memory (the same arithmetic, so the same bounds); ``trajectory_schedule`` runs
-    them. ``refs`` (from
+    host memory (the same arithmetic, so the same bounds), updated where ``update_on``
+    says; ``trajectory_schedule`` runs them. ``refs`` (from
     :func:`load_references`) saves recomputing the reference in each process.
     """
     case, pm = partitioned(name, grid)
@@ -249,13 +249,13 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
     m = trajectory_microbatches
     batch, ref = case.batch(m), refs[m]
     step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m,
-                         offload=offload, schedule=trajectory_schedule)  # fmt: skip
+                         offload=offload, update_on=update_on, schedule=trajectory_schedule)  # fmt: skip
     params, opt_state = step.init(pm.shard(ref.init))
     losses = []
     for _ in range(STEPS):
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
-    what = f"{name} {grid} m={m} AdamW {trajectory_schedule}" + (" offloaded" if offload else "")
+    what = f"{name} {grid} m={m} AdamW {trajectory_schedule}" + (f" offloaded ({update_on})" if offload else "")
     if not np.allclose(losses, ref.losses, rtol=1e-5):
         failures.append(f"{what} losses {losses} != {ref.losses}")
     failures += compare_params(pm.gather(params), ref.final, ref.init, ref.grads, what)
