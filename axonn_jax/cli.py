@@ -30,8 +30,9 @@ GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     from axonn_jax import __version__
-    from axonn_jax.perf.options import SCHEDULES, UPDATE_ON
+    from axonn_jax.perf.options import SCHEDULES
     from axonn_jax.partitioner.grid import PLACEMENTS
+    from axonn_jax.search import OFFLOAD_CHOICES, RECOMPUTE_CHOICES, UPDATE_ON_CHOICES
 
     ap = argparse.ArgumentParser(prog="axonn-jax", description="AxoNN for JAX: grid planner and tools")
     ap.add_argument("--version", action="version", version=f"axonn-jax {__version__}")
@@ -55,12 +56,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed",
                       help="mixed: bf16 weights and gradients, fp32 master + Adam (16 B/param, 12 "
                            "offloadable); fp32: 16 B/param (8 offloadable)")  # fmt: skip
-    plan.add_argument("--recompute", choices=("auto", "on", "off"), default="auto",
+    plan.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                       help="activation checkpointing of every block (auto: searched, default)")  # fmt: skip
     plan.add_argument("--no-recompute", action="store_true", help="the same as --recompute off")
-    plan.add_argument("--offload", choices=("auto", "on", "off"), default="auto",
+    plan.add_argument("--offload", choices=OFFLOAD_CHOICES, default="auto",
                       help="optimizer state in host memory (auto: whichever is faster and fits)")  # fmt: skip
-    plan.add_argument("--update-on", choices=("auto", *UPDATE_ON), default="auto",
+    plan.add_argument("--update-on", choices=UPDATE_ON_CHOICES, default="auto",
                       help="where an offloaded update runs: host, or device (the host state streamed "
                            "through it in buckets); auto: both are priced")  # fmt: skip
     plan.add_argument("--no-pipeline", action="store_true", help="only grids with pipeline = 1")
