@@ -90,6 +90,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                            "on this machine's devices, drop those whose compiled bytes exceed "
                            "the device memory, and reorder the rest by the step time their compiled "
                            "programs imply (CPU: --gpus devices are simulated)")  # fmt: skip
+    plan.add_argument("--trial", type=int, nargs="?", const=10, default=0, metavar="STEPS",
+                      help="with --check: also run each checked configuration STEPS (default 10) "
+                           "timed steps on this machine's devices (twice, in opposite orders) and "
+                           "reorder by the measured median step; run it where the job will run")  # fmt: skip
 
     prof = sub.add_parser("profile", help="measure this machine and write a profile JSON",
                           description="Collective bandwidth/latency by group, GEMM rate, memory.")  # fmt: skip
@@ -146,6 +150,10 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         machine = machine.with_efficiency(args.efficiency)
     if args.check < 0:
         parser.error(f"--check must be >= 0, got {args.check}")
+    if args.trial < 0:
+        parser.error(f"--trial must be >= 0 (timed steps per configuration), got {args.trial}")
+    if args.trial and not args.check:
+        parser.error("--trial times the configurations --check compiles; remedy: add --check [K]")
     if args.no_recompute and args.recompute != "auto":
         parser.error(f"--no-recompute is --recompute off; it cannot be combined with --recompute {args.recompute}")
     recompute = "off" if args.no_recompute else args.recompute
@@ -169,7 +177,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     if model is not None and result.ranked:
         from axonn_jax.compiled_check import rerank
 
-        checks = _check(model, result, args.check, machine)
+        checks = _check(model, result, args.check, machine, args.trial)
         kept = rerank(checks)
         result = dataclasses.replace(result, ranked=tuple(c.prediction for c in kept))
     # grids where the partitioner falls back (a dim it does not divide): priced on their own plan
@@ -185,10 +193,12 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         if checks is not None:
             from axonn_jax.compiled_check import format_checks
 
+            by = (f"the median of {args.trial} steps run here (the lesser of two passes)" if args.trial
+                  else "the compiled ms")  # fmt: skip
             print(f"\ncompiled ahead of time on this machine's devices (limit "
                   f"{machine.memory_gib:g} GiB per device; compiled ms: XLA's FLOPs, bytes and "
                   f"collectives of the program on {machine.name}; the table above is reranked by "
-                  f"it):\n{format_checks(checks)}")  # fmt: skip
+                  f"{by}):\n{format_checks(checks)}")  # fmt: skip
         if result.ranked:
             print(_launch(result.ranked[0]))
     if not result.ranked:
@@ -210,13 +220,15 @@ def loss_rows(spec, loss: str = "planned") -> int:
     return spec.tokens if loss == "planned" and spec.split_outputs else 0
 
 
-def _check(model, result, k: int, machine):
-    """The compiled checks of the top ``k`` configurations, then the others unchecked."""
+def _check(model, result, k: int, machine, trial_steps: int = 0):
+    """The compiled checks (and ``trial_steps`` timed steps) of the top ``k`` configurations,
+    then the others unchecked."""
     from axonn_jax.compiled_check import CompiledCheck, check_compiled
 
     flax_model, inputs = model
     limit = machine.memory_gib * 2**30
-    checked = check_compiled(flax_model, inputs, result.ranked[:k], limit_bytes=limit, machine=machine)
+    checked = check_compiled(flax_model, inputs, result.ranked[:k], limit_bytes=limit, machine=machine,
+                             trial_steps=trial_steps)  # fmt: skip
     return checked + [CompiledCheck(p, limit, note=f"beyond the top {k}") for p in result.ranked[k:]]
 
 

@@ -14,9 +14,15 @@ prediction:
   collectives (:func:`axonn_jax.runtime.hlo.collectives`), priced with the
   machine profile (:class:`~axonn_jax.perf.compiled.ProgramCost`).
   :func:`rerank` orders the checked configurations by it.
+* with ``trial_steps``, a trial run: each compiled step runs that many times
+  on the devices (parameters from ``pm.init``, a synthetic batch of the
+  example's shapes) and its median step is kept as ``measured``;
+  :func:`rerank` then orders by the measured time. This is what
+  ``axonn-jax plan --check K --trial`` does: on the machine the job will run
+  on, the top K of the model are timed, not only priced.
 
 Parameters and optimizer state are created (``pm.init``, ``step.init``) to
-give the program its argument layouts; no step runs. A pipelined
+give the program its argument layouts; without a trial no step runs. A pipelined
 configuration runs one program per stage and task, not one step program: it
 is reported unchecked and kept in its place.
 
@@ -31,11 +37,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -54,15 +64,17 @@ RUNTIME_PRECISION = {"mixed": "bf16", "fp32": "fp32"}
 
 @dataclasses.dataclass(frozen=True)
 class CompiledCheck:
-    """One configuration's predicted and compiled bytes per device, and the step time its
-    compiled program implies (``compiled`` ``None``: not checked, ``note`` says why;
-    ``time`` ``None``: not checked, or no machine to price it with)."""
+    """One configuration's predicted and compiled bytes per device, the step time its
+    compiled program implies and, after a trial run, the step time measured (``compiled``
+    ``None``: not checked, ``note`` says why; ``time`` ``None``: not checked, or no machine
+    to price it with; ``measured`` ``None``: no trial)."""
 
     prediction: Prediction
     limit: float  # bytes per device
     compiled: int | None = None
     note: str = ""
     time: ProgramTime | None = None
+    measured: float | None = None  # seconds: the median step of the trial run
 
     @property
     def predicted(self) -> float:
@@ -78,7 +90,8 @@ class CompiledCheck:
                 "limit_bytes": self.limit, "fits": self.fits, "note": self.note,
                 "predicted_seconds": self.prediction.step_seconds,
                 "compiled_seconds": self.time and self.time.total,
-                "compiled_time": self.time and dataclasses.asdict(self.time)}  # fmt: skip
+                "compiled_time": self.time and dataclasses.asdict(self.time),
+                "measured_seconds": self.measured}  # fmt: skip
 
 
 def squares_loss(outputs, batch) -> jax.Array:
@@ -98,39 +111,60 @@ def check_compiled(
     loss_fn: Callable = squares_loss,
     optimizer: optax.GradientTransformation | None = None,
     devices: Sequence | None = None,
+    trial_steps: int = 0,
 ) -> list[CompiledCheck]:
-    """Compile each prediction's train step ahead of time: its bytes per device, and (given
-    the ``machine`` the predictions were priced for) the step time its program implies.
+    """Compile each prediction's train step ahead of time: its bytes per device, (given the
+    ``machine`` the predictions were priced for) the step time its program implies and (given
+    ``trial_steps``) the step time measured on the devices.
 
     ``example_args``: the model's inputs for one whole step (arrays or
     ShapeDtypeStructs; the global batch the predictions were made for).
     ``optimizer``: the step's (default AdamW, two fp32 slots, as the model
     prices). ``devices``: the devices at hand (default ``jax.devices()``; ``partition``
     meshes the first ``grid.size`` of the process's); a configuration needing more is
-    reported unchecked.
+    reported unchecked. ``trial_steps``: run each checked configuration that fits this many
+    timed steps after one warm-up, in two passes (the configurations in order, then in
+    reverse, each pass with fresh arguments, so a drift of the machine falls on both ends);
+    its ``measured`` time is the lesser of its two medians. The trial needs one
+    configuration's parameters, optimizer state and batch on the devices at a time.
     """
+    if trial_steps < 0:
+        raise ValueError(f"trial_steps must be >= 0 (timed steps per configuration), got {trial_steps}")
     devices = list(devices if devices is not None else jax.devices())
     optimizer = optimizer or optax.adamw(1e-3)
-    out = []
-    for pred in predictions:
+    out, trials = [], {}
+    for i, pred in enumerate(predictions):
         size = pred.grid.size
         if size > len(devices):
             out.append(CompiledCheck(pred, limit_bytes, note=f"needs {size} devices, {len(devices)} here"))
-        else:
-            out.append(_check_one(model, example_args, pred, limit_bytes, machine, loss_fn, optimizer))
+            continue
+        check, trial = _check_one(model, example_args, pred, limit_bytes, machine, loss_fn, optimizer)
+        out.append(check)
+        if trial is not None and check.fits:
+            trials[i] = trial
+    if trial_steps and trials:
+        medians = {i: [] for i in trials}
+        for order in (list(trials), list(reversed(trials))):
+            for i in order:
+                medians[i].append(trials[i].median_seconds(trial_steps))
+        out = [dataclasses.replace(c, measured=min(medians[i])) if i in medians else c for i, c in enumerate(out)]
     return out
 
 
 def rerank(checks: Sequence[CompiledCheck]) -> list[CompiledCheck]:
-    """The configurations that fit, the checked ones reordered by their compiled step time
-    among the places they hold; the others (unchecked, or not priced) keep their places.
+    """The configurations that fit, the checked ones reordered by their measured step time
+    (a trial ran) or else their compiled step time, among the places they hold; the others
+    (unchecked, not priced, not timed) keep their places.
 
     The analytical model ranks every configuration; the compiled program of each checked
-    one says more about it (every kernel and collective XLA kept), so it orders them.
+    one says more about it (every kernel and collective XLA kept), and a trial on the
+    devices more still, so they order them.
     """
     kept = [c for c in checks if c.fits]
-    places = [i for i, c in enumerate(kept) if c.time is not None]
-    for i, c in zip(places, sorted((kept[i] for i in places), key=lambda c: c.time.total)):
+    timed = any(c.measured is not None for c in kept)
+    seconds = (lambda c: c.measured) if timed else (lambda c: c.time and c.time.total)  # noqa: E731
+    places = [i for i, c in enumerate(kept) if seconds(c) is not None]
+    for i, c in zip(places, sorted((kept[i] for i in places), key=seconds)):
         kept[i] = c
     return kept
 
@@ -151,39 +185,91 @@ def program_cost(compiled, num_devices: int) -> ProgramCost:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Trial:
+    """What a trial run of one checked configuration needs: its compiled step and a maker of
+    fresh arguments (parameters, optimizer state, batch) for it."""
+
+    compiled: Any
+    make_args: Callable[[], tuple]
+
+    def median_seconds(self, steps: int) -> float:
+        """The median of ``steps`` timed steps after one warm-up (the arguments are made anew
+        and dropped after)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # as when the check made them
+            params, opt_state, batch = self.make_args()
+        params, opt_state, loss = self.compiled(params, opt_state, batch, None)
+        jax.block_until_ready(loss)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            params, opt_state, loss = self.compiled(params, opt_state, batch, None)
+            jax.block_until_ready((params, opt_state, loss))
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def synthetic_batch(example_args: Sequence, sharding, *, seed: int = 0):
+    """The step's batch for a trial: ``example_args``' arrays, or for a ShapeDtypeStruct
+    standard-normal floats and zeros of other dtypes (token ids, masks), put on ``sharding``.
+
+    Example:
+        >>> [x] = synthetic_batch([jax.ShapeDtypeStruct((2, 3), jnp.int32)], jax.devices()[0])
+        >>> x.shape, int(x.sum())
+        ((2, 3), 0)
+    """
+    rng = np.random.default_rng(seed)
+    out = []
+    for x in example_args:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            dtype = np.dtype(x.dtype)
+            floating = jnp.issubdtype(dtype, jnp.floating)
+            x = rng.standard_normal(x.shape).astype(dtype) if floating else np.zeros(x.shape, dtype)
+        out.append(jax.device_put(x, sharding))
+    return out
+
+
 def _check_one(model, example_args, pred: Prediction, limit: float, machine: Machine | None, loss_fn,
-               optimizer) -> CompiledCheck:  # fmt: skip
+               optimizer) -> tuple[CompiledCheck, _Trial | None]:  # fmt: skip
     """Compiled bytes per device (arguments + temporaries + outputs not aliased to arguments)
-    and, with a ``machine``, the program's step time on it."""
+    and, with a ``machine``, the program's step time on it; and what a trial run of it needs
+    (``None``: it is not one program)."""
     options = pred.options
     pm = partition(model, pred.grid, *example_args)
     step = pm.train_step(loss_fn, optimizer, precision=RUNTIME_PRECISION[options.precision],
                          offload=options.offload, update_on=options.update_on, bucket_bytes=options.bucket_bytes,
                          microbatches=options.microbatches, remat="full" if options.recompute else None)  # fmt: skip
     if not step.one_program:
-        return CompiledCheck(pred, limit, note="pipelined: one program per stage and task")
+        return CompiledCheck(pred, limit, note="pipelined: one program per stage and task"), None
+    sharding = NamedSharding(pm.mesh, P(BATCH_AXES))
+    one = (lambda xs: xs[0] if len(xs) == 1 else tuple(xs))  # noqa: E731  the step's batch argument
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # unusable donations, offload placement notes
         params, opt_state = step.init(pm.init(jax.random.key(0)))
-        sharding = NamedSharding(pm.mesh, P(BATCH_AXES))
         batch = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding) for x in example_args]
-        compiled = step.lower(params, opt_state, batch[0] if len(batch) == 1 else tuple(batch)).compile()
+        compiled = step.lower(params, opt_state, one(batch)).compile()
+    del params, opt_state
     b = compiled_bytes(compiled)
-    time = program_cost(compiled, pred.grid.size).time(machine) if machine is not None else None
-    return CompiledCheck(pred, limit, compiled=b["arguments"].device + b["temp"].device + b["outputs"].device
-                         - min(b["aliased"].device, b["outputs"].device), time=time)  # fmt: skip
+    priced = program_cost(compiled, pred.grid.size).time(machine) if machine is not None else None
+    check = CompiledCheck(pred, limit, compiled=b["arguments"].device + b["temp"].device + b["outputs"].device
+                          - min(b["aliased"].device, b["outputs"].device), time=priced)  # fmt: skip
+    return check, _Trial(compiled, lambda: (*step.init(pm.init(jax.random.key(0))),
+                                            one(synthetic_batch(example_args, sharding))))  # fmt: skip
 
 
 def format_checks(checks: Sequence[CompiledCheck]) -> str:
-    """A table in the planner's order: predicted and compiled step ms, the place :func:`rerank`
-    gives it, predicted and compiled MiB per device, their ratio, kept or dropped."""
-    rows = [("rank", "grid", "predicted ms", "compiled ms", "reranked", "predicted MiB", "compiled MiB",
-             "compiled/predicted MiB", "verdict")]  # fmt: skip
+    """A table in the planner's order: predicted, compiled and measured (a trial ran) step
+    ms, the place :func:`rerank` gives it, predicted and compiled MiB per device, their
+    ratio, kept or dropped."""
+    rows = [("rank", "grid", "predicted ms", "compiled ms", "measured ms", "reranked", "predicted MiB",
+             "compiled MiB", "compiled/predicted MiB", "verdict")]  # fmt: skip
     place = {id(c): i for i, c in enumerate(rerank(checks), 1)}
     for i, c in enumerate(checks, 1):
         g = c.prediction.grid
         grid = f"{g.x}×{g.y}×{g.z} data={g.data} pipe={g.pipeline}" + (f"×{g.virtual}" if g.virtual > 1 else "")
         times = (f"{c.prediction.step_seconds * 1e3:.4g}", f"{c.time.total * 1e3:.4g}" if c.time else "-",
+                 f"{c.measured * 1e3:.4g}" if c.measured is not None else "-",
                  str(place.get(id(c), "-")))  # fmt: skip
         if c.compiled is None:
             rows.append((str(i), grid, *times, f"{c.predicted / 2**20:.2f}", "-", "-",

@@ -18,7 +18,12 @@
    the step time their compiled programs imply (XLA's FLOPs, bytes accessed
    and collectives priced with the same profile,
    :mod:`axonn_jax.perf.compiled`); the analytical first and the compiled
-   estimate's own ranking are reported too. With how sure
+   estimate's own ranking are reported too. And the planner's timed pick, as
+   ``axonn-jax plan --check K --trial STEPS`` picks: the same top ``--check``
+   grids, each run ``--trial`` steps here by
+   :func:`axonn_jax.compiled_check.check_compiled` (its own train step and
+   timing, after the measurement below and apart from it), the fastest
+   first. With how sure
    the measurement is of its own ranking: resampling the rounds (the same
    rounds for every grid: a round is one stretch of time), the share of
    resamples in which each grid is the fastest. Grids the measurement cannot
@@ -245,6 +250,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=3,
                     help="the planner's pick: its top K reordered by compiled step time (default 3, "
                          "axonn-jax plan --check's)")  # fmt: skip
+    ap.add_argument("--trial", type=int, default=10,
+                    help="the planner's timed pick: its top K each run this many steps (plan --check K "
+                         "--trial STEPS; default 10, 0: none)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=1,
                     help="measure in this many processes, each compiling anew (default 1: this one)")  # fmt: skip
     ap.add_argument("--out", default="runs/grid_prediction.md")
@@ -252,6 +260,8 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     if a.runs < 1:
         ap.error(f"--runs must be >= 1, got {a.runs}")
+    if a.trial < 0:
+        ap.error(f"--trial must be >= 0, got {a.trial}")
     if a.samples_out:
         return measure_only(a)
 
@@ -286,14 +296,20 @@ def main(argv=None) -> dict:
              + f"in which the grid's figure is the least (≥ {TIE_SHARE:.0%}: tied with the measured best). "
              "Predicted: float32, AdamW, no recompute, one microbatch, as measured.", "",
              f"The planner's pick: the analytical top {a.check} reordered by the step time their "
-             "compiled programs imply (`axonn-jax plan --check`).", "",
+             "compiled programs imply (`axonn-jax plan --check`)"
+             + (f"; its timed pick: the same {a.check} each run {a.trial} steps here by the planner, "
+                f"twice (`axonn-jax plan --check {a.check} --trial {a.trial}`), after the measurement "
+                "and apart from it." if a.trial else "."), "",
              "| model | grids | the planner's pick | its measured rank | fastest in | tied for the fastest "
+             "| timed pick (measured rank, fastest in) "
              "| Spearman ρ analytical | ρ against medians | analytical first (measured rank) "
              "| ρ compiled | compiled first (measured rank) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for name, r in results.items():
+        timed = (f"{r['trial_pick']} (#{r['trial_pick_rank']}, {r['trial_pick_share']:.0%})"
+                 if r.get("trial_pick") else "-")  # fmt: skip
         lines.append(f"| {name} | {r['grids']} | {r['pick']} | #{r['best_rank']} | "
-                     f"{r['predicted_best_share']:.0%} | {', '.join(r['tied'])} | {r['spearman']:.3f} | "
+                     f"{r['predicted_best_share']:.0%} | {', '.join(r['tied'])} | {timed} | {r['spearman']:.3f} | "
                      f"{r['spearman_median']:.3f} | {r['analytical_first']} (#{r['analytical_first_rank']}) | "
                      f"{r['spearman_compiled']:.3f} | {r['compiled_first']} (#{r['compiled_first_rank']}) |")  # fmt: skip
     for r in results.values():
@@ -402,6 +418,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     rho = spearman([predicted[g].step_seconds for g in grids], [measured[g] for g in grids])
     pred_order = sorted(grids, key=lambda g: predicted[g].step_seconds)
     pick = min(pred_order[: a.check], key=compiled.__getitem__)  # axonn-jax plan --check's first
+    trial = timed_pick(case, [predicted[g] for g in pred_order[: a.check]], machine, a.trial) if a.trial else {}
     rank_of_pick, rank_of_first = order.index(pick) + 1, order.index(pred_order[0]) + 1
     compiled_order = sorted(grids, key=compiled.__getitem__)
     rho_compiled = spearman([compiled[g] for g in grids], [measured[g] for g in grids])
@@ -420,7 +437,11 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
         f"steps: {rho_median:.3f}), its first {_g(pred_order[0])} measured #{rank_of_first}; of the "
         f"compiled estimate over every grid: {rho_compiled:.3f}, its first {_g(compiled_order[0])} "
         f"measured #{order.index(compiled_order[0]) + 1}."
-        + (f" The fastest in each process: {', '.join(per_run_best)}." if len(runs) > 1 else ""),
+        + (f" The fastest in each process: {', '.join(per_run_best)}." if len(runs) > 1 else "")
+        + (f" **The planner's timed pick (the same top {a.check}, each run {a.trial} steps by "
+           f"`check_compiled`), {_g(trial['pick'])}, is measured #{order.index(trial['pick']) + 1}**, "
+           f"fastest in {shares[trial['pick']]:.0%} of the resamples; the planner measured "
+           + ", ".join(f"{_g(g)} {ms:.1f} ms" for g, ms in trial["ms"].items()) + "." if trial else ""),
         "",
         "| measured rank | grid (x,y,z,data) | measured ms | fastest in | best step ms | median step ms "
         "| predicted ms | predicted rank | predicted compute ms | predicted comm ms | compiled ms "
@@ -444,12 +465,29 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
             "compiled_first_rank": order.index(compiled_order[0]) + 1,
             "predicted_best": _g(pick), "measured_best": _g(order[0]), "grids": len(grids),
             "predicted_best_share": shares[pick], "tied": [_g(g) for g in tied],
+            **({"trial_pick": _g(trial["pick"]), "trial_pick_rank": order.index(trial["pick"]) + 1,
+                "trial_pick_share": shares[trial["pick"]], "trial_steps": a.trial,
+                "trial_ms": {_g(g): ms for g, ms in trial["ms"].items()}} if trial else {}),
             "runs": len(runs), "measured_best_per_run": per_run_best,
             "measured_ms": {_g(g): measured[g] * 1e3 for g in grids},
             "predicted_ms": {_g(g): predicted[g].step_seconds * 1e3 for g in grids},
             "compiled_ms": {_g(g): compiled[g] * 1e3 for g in grids},
             "compile_seconds": t_compile, "measure_seconds": t_measure,
             "markdown": "\n".join(lines)}  # fmt: skip
+
+
+def timed_pick(case: Case, predictions, machine, steps: int) -> dict:
+    """``axonn-jax plan --check K --trial steps``'s first of ``predictions`` (the analytical
+    top K): each configuration's train step compiled and run ``steps`` steps here by
+    :func:`~axonn_jax.compiled_check.check_compiled`, reordered by :func:`rerank`.
+    ``{"pick": grid, "ms": {grid: measured ms}}``."""
+    from axonn_jax.compiled_check import check_compiled, rerank
+
+    print(f"{case.name}: the planner's trial of its top {len(predictions)} ...", flush=True)
+    checks = check_compiled(case.model, (case.batch,), predictions, limit_bytes=float("inf"), machine=machine,
+                            loss_fn=case.loss, trial_steps=steps)  # fmt: skip
+    return {"pick": rerank(checks)[0].prediction.grid,
+            "ms": {c.prediction.grid: c.measured * 1e3 for c in checks if c.measured is not None}}  # fmt: skip
 
 
 def _g(grid) -> str:

@@ -107,12 +107,17 @@ def prediction_summary(r: dict) -> Rows:
                  f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
     models = r["models"]
     if "pick" in next(iter(models.values())):
-        return [(f"grid choice, {name}: the planner's pick (analytical top {m.get('check', 3)} reordered by "
+        rows = [(f"grid choice, {name}: the planner's pick (analytical top {m.get('check', 3)} reordered by "
                  f"compiled step time), its measured rank over {m['grids']} grids",
                  f"#{m['best_rank']} ({_slowdown(m):.2f}× the best's time, fastest in "
                  f"{m['predicted_best_share']:.0%} of resamples, tied: {len(m['tied'])} grids; Spearman ρ "
                  f"analytical {m['spearman']:.2f}, compiled {m['spearman_compiled']:.2f})")
                 for name, m in models.items()]  # fmt: skip
+        return rows + [(f"grid choice, {name}: the planner's timed pick (the same top {m['check']}, each run "
+                        f"{m['trial_steps']} steps: plan --check --trial), its measured rank",
+                        f"#{m['trial_pick_rank']} ({_slowdown(m, m['trial_pick']):.2f}× the best's time, "
+                        f"fastest in {m['trial_pick_share']:.0%} of resamples)")
+                       for name, m in models.items() if "trial_pick" in m]  # fmt: skip
     return [(f"grid choice, {name}: Spearman ρ, predicted vs measured step time over {m['grids']} grids",
              f"{m['spearman']:.2f} (predicted best is measured #{m['best_rank']}"
              + (f", {_slowdown(m):.2f}× the best's time" if "measured_ms" in m else "")
@@ -122,9 +127,9 @@ def prediction_summary(r: dict) -> Rows:
             for name, m in models.items()]  # fmt: skip
 
 
-def _slowdown(m: dict) -> float:
-    """The predicted best grid's measured time over the measured best's."""
-    return m["measured_ms"][m["predicted_best"]] / min(m["measured_ms"].values())
+def _slowdown(m: dict, grid: str | None = None) -> float:
+    """``grid``'s (default the predicted best's) measured time over the measured best's."""
+    return m["measured_ms"][grid or m["predicted_best"]] / min(m["measured_ms"].values())
 
 
 def prediction_section(r: dict) -> str:

@@ -347,3 +347,16 @@ def test_grid_prediction_summary_gives_the_predicted_best_time_against_the_best(
     ((label, value),) = FORMATTERS["grid_prediction"][0]({"models": {"mlp": m}})
     assert label.startswith("grid choice, mlp") and value == (
         "0.50 (predicted best is measured #2, 1.05× the best's time, fastest in 30% of resamples, tied: 2 grids)")
+
+
+def test_grid_prediction_summary_gives_the_timed_pick_beside_the_compiled_one():
+    """A run with the planner's trial: a row for the compiled pick and one for the timed pick,
+    each with its measured rank and its time against the measured best's."""
+    m = {"grids": 3, "spearman": 0.5, "spearman_compiled": 0.9, "best_rank": 2, "pick": "(8,1,1,1)",
+         "predicted_best": "(8,1,1,1)", "predicted_best_share": 0.3, "tied": ["(4,2,1,1)", "(8,1,1,1)"],
+         "check": 3, "trial_pick": "(4,2,1,1)", "trial_pick_rank": 1, "trial_pick_share": 0.7, "trial_steps": 10,
+         "measured_ms": {"(4,2,1,1)": 20.0, "(8,1,1,1)": 21.0, "(1,1,1,8)": 40.0}}  # fmt: skip
+    (_, compiled), (label, timed) = FORMATTERS["grid_prediction"][0]({"models": {"mlp": m}})
+    assert compiled.startswith("#2 (1.05× the best's time, fastest in 30% of resamples")
+    assert label.startswith("grid choice, mlp: the planner's timed pick (the same top 3, each run 10 steps")
+    assert timed == "#1 (1.00× the best's time, fastest in 70% of resamples)"

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 from axonn_jax.cli import _grid_flag, main
-from axonn_jax.compiled_check import CompiledCheck, check_compiled, format_checks, program_cost, rerank
+from axonn_jax.compiled_check import (CompiledCheck, check_compiled, format_checks, program_cost, rerank,
+                                      synthetic_batch)
 from axonn_jax.models import MLP
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf import machines
@@ -86,8 +87,8 @@ def test_cli_check_drops_what_does_not_fit_and_reorders_by_the_compiled_time(mon
 
     handed = []
 
-    def fake(model, inputs, predictions, *, limit_bytes, machine):
-        assert isinstance(model, MLP) and inputs == (INPUTS,) and len(predictions) == 3
+    def fake(model, inputs, predictions, *, limit_bytes, machine, trial_steps):
+        assert isinstance(model, MLP) and inputs == (INPUTS,) and len(predictions) == 3 and trial_steps == 0
         assert limit_bytes == machine.memory_gib * 2**30 and machine.name == "frontier"
         handed[:] = predictions
         # the second is faster compiled than the first; the third is over the limit by a byte
@@ -125,6 +126,70 @@ def test_rerank_orders_the_checked_among_the_places_they_hold():
     assert [x.prediction for x in rerank([timed(a, 1.0), timed(b, 2.0)])] == [a, b]
 
 
+def test_a_trial_times_each_checked_step_on_the_devices(devices):
+    """``trial_steps``: every one-program configuration that fits runs on the devices and gets
+    its median step; a pipelined one is not timed; the table shows the measured ms."""
+    spec = spec_from_model(MODEL, INPUTS)
+    frontier = machines.get("frontier")
+    preds = [predict(spec, g, frontier) for g in (Grid(x=2, y=2, z=2), Grid(data=8), Grid(x=2, pipeline=4))]
+    calls = []
+
+    class Counted:  # counts the steps run through each compiled program
+        def __init__(self, trial):
+            self.trial = trial
+
+        def __call__(self, *args):
+            calls.append(id(self))
+            return self.trial(*args)
+
+    import axonn_jax.compiled_check as compiled_check
+
+    real = compiled_check._Trial.__init__
+
+    def counted_init(self, compiled, make_args):
+        real(self, Counted(compiled), make_args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiled_check._Trial, "__init__", counted_init)
+        checks = check_compiled(MODEL, (INPUTS,), preds, limit_bytes=2**30, machine=frontier, devices=devices,
+                                trial_steps=3)  # fmt: skip
+    # two passes of a warm-up and 3 timed steps, for each of the two one-program configurations
+    assert len(calls) == 2 * 2 * (1 + 3) and len(set(calls)) == 2
+    assert all(c.measured > 0 for c in checks[:2]) and checks[2].measured is None
+    assert f"{checks[1].measured * 1e3:.4g}" in format_checks(checks).splitlines()[3]
+    assert check_compiled(MODEL, (INPUTS,), preds[:1], limit_bytes=2**30, devices=devices)[0].measured is None
+    with pytest.raises(ValueError, match="trial_steps must be >= 0"):
+        check_compiled(MODEL, (INPUTS,), preds, limit_bytes=2**30, trial_steps=-1)
+
+
+def test_rerank_follows_the_measured_time_over_the_compiled_one():
+    """After a trial the measured step orders the checked configurations, even against the
+    compiled estimate; one not timed keeps its place."""
+    spec = spec_from_model(MODEL, INPUTS)
+    frontier = machines.get("frontier")
+    a, p, b = (predict(spec, g, frontier) for g in (Grid(x=8), Grid(x=2, pipeline=4), Grid(y=8)))
+    timed = lambda pred, compiled_s, measured: CompiledCheck(pred, 1.0, compiled=1,  # noqa: E731
+                                                             time=ProgramTime(compiled_s, 0.0, 0.0),
+                                                             measured=measured)  # fmt: skip
+    checks = [timed(a, 1.0, 0.3), CompiledCheck(p, 1.0, note="pipelined"), timed(b, 2.0, 0.2)]
+    assert [x.prediction for x in rerank(checks)] == [b, p, a]
+    assert [x.as_dict()["measured_seconds"] for x in rerank(checks)] == [0.2, None, 0.3]
+
+
+def test_a_synthetic_batch_has_the_examples_shapes_and_sharding(devices):
+    """Floats are drawn, integers (token ids) are zeros, arrays are kept; all on the sharding."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    sharding = NamedSharding(Mesh(devices, ("b",)), P("b"))
+    given = jnp.arange(8.0)
+    floats, ints, kept = synthetic_batch([jax.ShapeDtypeStruct((8, 4), jnp.bfloat16),
+                                          jax.ShapeDtypeStruct((8, 3), jnp.int32), given], sharding)  # fmt: skip
+    assert floats.dtype == jnp.bfloat16 and floats.shape == (8, 4) and float(jnp.std(floats.astype(float))) > 0.1
+    assert ints.dtype == jnp.int32 and not ints.any() and (kept == given).all()
+    assert all(x.sharding == sharding for x in (floats, ints, kept))
+
+
 def test_the_compiled_time_prices_the_programs_flops_bytes_and_collectives(devices):
     """A compiled MLP step on x=2,y=2,z=2: XLA's FLOPs are one device's (the three matmuls of
     forward and backward, split 8 ways, within the elementwise work and the optimizer); its
@@ -142,6 +207,35 @@ def test_the_compiled_time_prices_the_programs_flops_bytes_and_collectives(devic
     assert t.comm == sum(frontier.seconds(c.wire_bytes, 1, c.inner, c.size) for c in cost.collectives) > 0
     data = program_cost(compile_apply_step(MODEL, INPUTS, Grid(data=8)), 8)  # gradients, loss: all 8
     assert {(c.kind, c.size, c.inner) for c in data.collectives} == {("all-reduce", 8, 1)}
+
+
+def test_cli_trial_reorders_by_the_measured_step(monkeypatch, capsys):
+    """``--trial`` hands its steps to check_compiled; the measured step orders the checked
+    configurations and the launch line; the JSON carries it. Without --check it is refused."""
+    import axonn_jax.compiled_check as compiled_check
+
+    def fake(model, inputs, predictions, *, limit_bytes, machine, trial_steps):
+        assert trial_steps == 4
+        # compiled says the first is faster; measured says the last
+        return [compiled_check.CompiledCheck(p, limit_bytes, compiled=1, time=ProgramTime(1.0 + i, 0.0, 0.0),
+                                             measured=0.5 - 0.1 * i) for i, p in enumerate(predictions)]  # fmt: skip
+
+    monkeypatch.setattr(compiled_check, "check_compiled", fake)
+    monkeypatch.setattr("axonn_jax.cli._factory", lambda parser, target: lambda: (MODEL, INPUTS))
+    argv = ["plan", "--gpus", "8", "--machine", "frontier", "--model", "tiny:make", "--no-pipeline", "--top", "3",
+            "--check", "2", "--trial", "4"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["compiled_check"]["measured_seconds"] for r in rows] == [0.4, 0.5, None]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "reranked by the median of 4 steps run here" in out
+    assert rows[0]["grid_flag"] in out.splitlines()[-1]
+    for bad, message in ((["--trial", "3"], "add --check"), (["--check", "--trial", "-1"], "--trial must be >= 0")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--gpus", "8", "--machine", "frontier", "--layers", "2", "--hidden", "128", "--heads",
+                  "4", "--seq", "64", "--batch", "16", "--vocab", "256", *bad])  # fmt: skip
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_cli_refuses_a_negative_check_count(capsys):
