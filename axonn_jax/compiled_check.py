@@ -55,6 +55,7 @@ from axonn_jax.partitioner.grid import BATCH_AXES
 from axonn_jax.perf.compiled import ProgramCollective, ProgramCost, ProgramTime, nesting
 from axonn_jax.perf.machines import Machine
 from axonn_jax.perf.step import Prediction
+from axonn_jax.runtime.collectives import host_comm
 from axonn_jax.runtime.hlo import collectives as hlo_collectives
 from axonn_jax.runtime.memory import compiled_bytes
 
@@ -125,8 +126,9 @@ def check_compiled(
     reported unchecked. ``trial_steps``: run each checked configuration that fits this many
     timed steps after one warm-up, in two passes (the configurations in order, then in
     reverse, each pass with fresh arguments, so a drift of the machine falls on both ends);
-    its ``measured`` time is the lesser of its two medians. The trial needs one
-    configuration's parameters, optimizer state and batch on the devices at a time.
+    its ``measured`` time is the lesser of its two medians (under MPI, the greatest of the
+    processes' figures, so every process ranks alike). The trial needs one configuration's
+    parameters, optimizer state and batch on the devices at a time.
     """
     if trial_steps < 0:
         raise ValueError(f"trial_steps must be >= 0 (timed steps per configuration), got {trial_steps}")
@@ -147,7 +149,11 @@ def check_compiled(
         for order in (list(trials), list(reversed(trials))):
             for i in order:
                 medians[i].append(trials[i].median_seconds(trial_steps))
-        out = [dataclasses.replace(c, measured=min(medians[i])) if i in medians else c for i, c in enumerate(out)]
+        # every process must rank alike (else they would launch different configurations):
+        # a step lasts as long as its slowest process
+        every = host_comm().allgather({i: min(m) for i, m in medians.items()})
+        seconds = {i: max(times[i] for times in every) for i in medians}
+        out = [dataclasses.replace(c, measured=seconds[i]) if i in seconds else c for i, c in enumerate(out)]
     return out
 
 

@@ -162,6 +162,20 @@ def test_a_trial_times_each_checked_step_on_the_devices(devices):
         check_compiled(MODEL, (INPUTS,), preds, limit_bytes=2**30, trial_steps=-1)
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(210)
+def test_a_trial_under_mpi_gives_every_rank_the_same_times():
+    """Two processes time the same steps a little differently; each configuration's measured
+    time is the slowest process's on every rank, so every rank reranks alike."""
+    from mpi_util import run_mpi
+
+    result = run_mpi(2, "trial_agreement.py", devices_per_process=4, timeout=180)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = sorted(line.split() for line in result.stdout.splitlines() if line.startswith("TRIAL"))
+    assert [line[1] for line in lines] == ["0", "1"], result.stdout
+    assert lines[0][2:] == lines[1][2:] and all(float(t) > 0 for t in lines[0][2:4]), lines
+
+
 def test_rerank_follows_the_measured_time_over_the_compiled_one():
     """After a trial the measured step orders the checked configurations, even against the
     compiled estimate; one not timed keeps its place."""
