@@ -39,6 +39,9 @@ loss reductions (loss_rows=)        all-reduce   x            forward (max; sums
                                                               logits; instead of the gather)
 stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
                                                               added to a scattered one)
+whole join gradient                 all-reduce   its axes     backward (a whole activation
+                                                              added to a feature-split one:
+                                                              ``WholeJoin``)
 activation regather                 all-gather   its axis     forward (a split activation
                                                               gathered whole for a reshape
                                                               or split: ``Regather``)
@@ -325,6 +328,15 @@ class _Step:
             self.add("stream join gradient", "all-reduce", (stream,), "backward",
                      _ring("all-reduce", grid.axis_size(stream)) * rows * spec.hidden / grid.y
                      * spec.stream_joins, spec.stream_joins * mb)  # fmt: skip
+        for j in spec.whole_joins:  # sliced over its rows, then its features: reduced in reverse
+            whole = rows * j.per_token / math.prod(grid.axis_size(a) for a in j.split_over)
+            r = j.rows_axis if j.rows_axis in self.scattered else None
+            for f in (f for f in j.features if grid.axis_size(f) > 1):
+                self.add("whole join gradient", "all-reduce", (f,), "backward",
+                         _ring("all-reduce", grid.axis_size(f)) * whole / (grid.axis_size(r) if r else 1), mb)
+            if r:
+                self.add("whole join gradient", "all-reduce", (r,), "backward",
+                         _ring("all-reduce", grid.axis_size(r)) * whole, mb)  # fmt: skip
 
     def _planned_loss(self) -> None:
         """Softmax cross-entropy over the x-split logits: the max (one all-reduce), then the

@@ -285,6 +285,33 @@ class PartialSums:
 
 
 @dataclasses.dataclass(frozen=True)
+class WholeJoin:
+    """A whole activation added to one whose features a tensor axis splits: HF T5's
+    position bias, looked up whole, meeting the attention scores split over heads. The
+    program slices it to the device's part — its rows where the default program holds
+    them reduce-scattered over ``rows_axis``, then its features over each of
+    ``features`` — so backward it all-reduces its gradient over each, in reverse: over
+    each feature axis (the rows already sliced), then over ``rows_axis`` (whole).
+
+    ``per_token``: its elements per token (the tensor axes in ``split_over`` still split
+    it). One value sliced at several joins (the bias of every block of a stack) is one
+    join: its uses' gradients are summed before the all-reduce.
+    """
+
+    name: str
+    per_token: float
+    features: tuple[str, ...]
+    rows_axis: str | None = None
+    split_over: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        owner = f"whole join {self.name!r}"
+        _check_axes(owner, "features", *self.features, optional=False)
+        _check_axes(owner, "split_over", *self.split_over, optional=False)
+        _check_axes(owner, "rows_axis", self.rows_axis)
+
+
+@dataclasses.dataclass(frozen=True)
 class NormGroup:
     """``count`` normalisations over a dim split by ``axis``, ``stats`` per-row statistics
     each (LayerNorm: mean and mean square, 2; RMSNorm 1), all-reduced over ``axis`` in one
@@ -339,6 +366,8 @@ class ModelSpec:
     #: whole activations (hidden/y per token) added to a scattered stream: the backward
     #: all-reduces their gradient over ``stream_axis`` (the embeddings meeting block 1's output)
     stream_joins: int = 0
+    #: whole activations added to ones whose features are split (sliced over those axes too)
+    whole_joins: tuple[WholeJoin, ...] = ()
     #: activations gathered whole over a tensor axis (replicated fallbacks of the partitioner)
     regathers: tuple[Regather, ...] = ()
     #: outputs computed in part on each device and summed (a graph's scatter-adds)

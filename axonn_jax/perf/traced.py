@@ -69,7 +69,7 @@ from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
 from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, MatMul, ModelSpec, NormGroup, Param, PartialSums,
-                                 Regather)
+                                 Regather, WholeJoin)
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
@@ -156,7 +156,9 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     flow = _ScatterFlow(jaxpr, origin, trained,
                         rows_of=(lambda v: _rows_axis(layouts.get(v, ()), unit)) if planned_for_grid else None,
                         sliced_over=(lambda whole, out: _sliced_axis(layouts.get(whole, ()), layouts.get(out, ()), unit))
-                        if planned_for_grid else None)  # fmt: skip
+                        if planned_for_grid else None,
+                        features_of=lambda whole, out: _feature_axes(layouts.get(whole, ()), layouts.get(out, ()),
+                                                                     unit or frozenset()))  # fmt: skip
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
         flow.follow(eqn)
@@ -274,6 +276,11 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         norms=norms.groups(flow.axis),
         stream_axis=flow.stream_axis,
         stream_joins=flow.joins,
+        # (an axis the join slices its rows over gathers them whole first: it no longer splits them)
+        whole_joins=tuple(WholeJoin(f"whole join {i}", math.prod(R.shape_of(v)) / tokens, features, rows_axis=rows,
+                                    split_over=tuple(a for a in _feature_axes((), layouts.get(v, ()), frozenset())
+                                                     if a != rows and a not in features))
+                          for i, (v, rows, features) in enumerate(flow.whole_joins)),  # fmt: skip
         regathers=tuple(Regather(f"{op} input", size / tokens, axis, split_over=others, rows_axis=rows,
                                  grad=grad and (i in whole_uses.elements
                                                 or i not in whole_uses.covered | whole_uses.shared),
@@ -435,10 +442,13 @@ class _ScatterFlow:
     joins of a whole activation with a scattered one (the residual stream meeting
     block 0's first output: its axis is the stream's), whose backward all-reduces the
     whole one's gradient where it has one (``trained``: computed from a parameter; not
-    a dropout's zeros, not the model's data added to the stream).
+    a dropout's zeros, not the model's data added to the stream). A join whose result's
+    features a tensor axis splits and the whole one's not (``features_of``: T5's position
+    bias meeting the head-split scores) is a whole join. A whole value joined again (the
+    bias every block of a stack adds) is sliced, and its gradient reduced, once.
     """
 
-    def __init__(self, jaxpr, origin: dict, trained: set, rows_of=None, sliced_over=None):
+    def __init__(self, jaxpr, origin: dict, trained: set, rows_of=None, sliced_over=None, features_of=None):
         self.origin = origin
         self.trained = trained
         #: where the plan is a grid's: the tensor axis a value's rows are scattered over, read
@@ -450,8 +460,13 @@ class _ScatterFlow:
         self.axis: dict = {}  # variable -> the tensor axis its batch is scattered over
         self.live = set(jaxpr.invars)  # computed from the inputs or parameters (not constants)
         self.params: dict[int, str] = {}
+        #: the tensor axes splitting a join's result's features and not its whole operand
+        self.features_of = features_of
         self.joins = 0
         self.stream_axis: str | None = None
+        self.joined: set = set()  # whole operands met so far
+        #: (whole operand, the axis its rows are scattered over, its feature axes)
+        self.whole_joins: list[tuple] = []
 
     def follow(self, eqn) -> None:
         ins = [v for v in eqn.invars if not R.is_literal(v)]
@@ -465,9 +480,15 @@ class _ScatterFlow:
             if v in self.origin:
                 self.params.setdefault(self.origin[v], self.rows_of(eqn.outvars[0]) if self.rows_of else axis)
             elif v not in self.axis and v in self.live and R.shape_of(v) == R.shape_of(eqn.outvars[0]):
-                self.joins += v in self.trained
-                self.stream_axis = (self.sliced_over(v, eqn.outvars[0]) or self.stream_axis) if self.sliced_over \
-                    else axis
+                out, first = eqn.outvars[0], v not in self.joined
+                self.joined.add(v)
+                features = self.features_of(v, out) if self.features_of else ()
+                if features:
+                    if first and v in self.trained:
+                        self.whole_joins.append((v, self.rows_of(out) if self.rows_of else axis, features))
+                    continue
+                self.joins += first and v in self.trained
+                self.stream_axis = (self.sliced_over(v, out) or self.stream_axis) if self.sliced_over else axis
 
     def layer(self, eqn, in_axis: str | None) -> None:
         """A layer's output: scattered over its input axis."""
@@ -638,6 +659,18 @@ def _sliced_axis(whole, out, unit: frozenset) -> str | None:
     """
     mine = {a for axes in whole for a in axes}
     return next((a for axes in out for a in axes if a in (X, Y) and a not in unit and a not in mine), None)
+
+
+def _feature_axes(whole, out, unit: frozenset) -> tuple[str, ...]:
+    """The tensor axes (larger than 1) splitting ``out``'s feature dims (those no batch axis
+    splits) and no dim of ``whole``: the ones a join slices its whole operand's features over.
+
+    >>> _feature_axes((("data",), (), ()), (("data",), ("x",), ()), frozenset()), _feature_axes((), ((), ("y",)), frozenset({"y"}))
+    (('x',), ())
+    """
+    mine = {a for axes in whole for a in axes}
+    return tuple(dict.fromkeys(a for axes in out if not set(axes) & set(BATCH_AXES) for a in axes
+                               if a in (X, Y) and a not in unit and a not in mine))  # fmt: skip
 
 
 def _tensor_axis(axes: tuple[str, ...], grid: Grid) -> str | None:
