@@ -37,11 +37,10 @@ output gather                       all-gather   x (and y)    forward (vocabular
                                                               output_axis: the split one)
 loss reductions (loss_rows=)        all-reduce   x            forward (max; sums and label
                                                               logits; instead of the gather)
-stream join gradient (default)      all-reduce   stream axis  backward (a whole activation
-                                                              added to a scattered one)
-whole join gradient                 all-reduce   its axes     backward (a whole activation
-                                                              added to a feature-split one:
-                                                              ``WholeJoin``)
+join gradient                       all-reduce   its feature  backward (a whole activation
+                                                 axes, its    added to a split one: the
+                                                 rows' axis   embeddings meeting the stream
+                                                 (default)    scattered over x; ``Join``)
 activation regather                 all-gather   its axis     forward (a split activation
                                                               gathered whole for a reshape
                                                               or split: ``Regather``)
@@ -321,21 +320,16 @@ class _Step:
             self.add("partial sums", "reduce-scatter", axes, "forward", _ring("reduce-scatter", g) * partial, mb)
             if ps.grad:
                 self.add("partial sums gradient", "all-gather", axes, "backward", _ring("all-gather", g) * partial, mb)
-        stream = spec.stream_axis if spec.stream_axis in self.scattered else None
         for group in spec.norms:
             self._norms(group)
-        if stream and spec.stream_joins:  # the transpose of slicing a whole activation's rows
-            self.add("stream join gradient", "all-reduce", (stream,), "backward",
-                     _ring("all-reduce", grid.axis_size(stream)) * rows * spec.hidden / grid.y
-                     * spec.stream_joins, spec.stream_joins * mb)  # fmt: skip
-        for j in spec.whole_joins:  # sliced over its rows, then its features: reduced in reverse
+        for j in spec.joins:  # sliced over its rows, then its features: reduced in reverse
             whole = rows * j.per_token / math.prod(grid.axis_size(a) for a in j.split_over)
             r = j.rows_axis if j.rows_axis in self.scattered else None
             for f in (f for f in j.features if grid.axis_size(f) > 1):
-                self.add("whole join gradient", "all-reduce", (f,), "backward",
+                self.add("join gradient", "all-reduce", (f,), "backward",
                          _ring("all-reduce", grid.axis_size(f)) * whole / (grid.axis_size(r) if r else 1), mb)
             if r:
-                self.add("whole join gradient", "all-reduce", (r,), "backward",
+                self.add("join gradient", "all-reduce", (r,), "backward",
                          _ring("all-reduce", grid.axis_size(r)) * whole, mb)  # fmt: skip
 
     def _planned_loss(self) -> None:
@@ -351,7 +345,7 @@ class _Step:
         grid, axis = self.grid, group.axis
         norms = group.count * (self.share if group.rows_axis else 1)  # whole rows: the first stage
         scattered = group.rows_axis in self.scattered
-        rows = self.rows / (grid.axis_size(group.rows_axis) if scattered else 1)
+        rows = self.rows * group.rows_per_token / (grid.axis_size(group.rows_axis) if scattered else 1)
         wire = _ring("all-reduce", grid.axis_size(axis)) * group.stats * norms * rows
         calls, stats = norms * self.mb, norms * self.mb * group.stats
         again = 2 if self.recompute else 1

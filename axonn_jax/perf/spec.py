@@ -285,27 +285,28 @@ class PartialSums:
 
 
 @dataclasses.dataclass(frozen=True)
-class WholeJoin:
-    """A whole activation added to one whose features a tensor axis splits: HF T5's
-    position bias, looked up whole, meeting the attention scores split over heads. The
-    program slices it to the device's part — its rows where the default program holds
-    them reduce-scattered over ``rows_axis``, then its features over each of
-    ``features`` — so backward it all-reduces its gradient over each, in reverse: over
-    each feature axis (the rows already sliced), then over ``rows_axis`` (whole).
+class Join:
+    """A whole activation with a gradient added to one the default program holds split:
+    the embeddings meeting block 0's output, whose rows are reduce-scattered onto the batch
+    (the residual stream), or HF T5's position bias, looked up whole, meeting the attention
+    scores split over heads. The program slices it to the device's part: its rows where
+    the default program holds them reduce-scattered over ``rows_axis``, then its features
+    over each of ``features``. Backward it all-reduces its gradient over each, in reverse:
+    over each feature axis (the rows already sliced), then over ``rows_axis`` (whole).
 
     ``per_token``: its elements per token (the tensor axes in ``split_over`` still split
-    it). One value sliced at several joins (the bias of every block of a stack) is one
-    join: its uses' gradients are summed before the all-reduce.
+    it: the stream's hidden, y). One value sliced at several joins (the bias every block
+    of a stack adds) is one join: its uses' gradients are summed before the all-reduce.
     """
 
     name: str
     per_token: float
-    features: tuple[str, ...]
+    features: tuple[str, ...] = ()
     rows_axis: str | None = None
     split_over: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        owner = f"whole join {self.name!r}"
+        owner = f"join {self.name!r}"
         _check_axes(owner, "features", *self.features, optional=False)
         _check_axes(owner, "split_over", *self.split_over, optional=False)
         _check_axes(owner, "rows_axis", self.rows_axis)
@@ -319,16 +320,21 @@ class NormGroup:
     program holds their rows reduce-scattered over (a transformer's stream: x); None for
     norms on whole rows (block 0's first, before any layer scatters the stream), which the
     first pipeline stage runs, while the others are shared out among the stages.
+    ``rows_per_token``: the rows each normalises, per token of the spec (1; Whisper's and
+    wav2vec2's stream has fewer rows than their inputs have frames).
     """
 
     count: int
     stats: float = 2
     axis: str = Y
     rows_axis: str | None = None
+    rows_per_token: float = 1.0
 
     def __post_init__(self) -> None:
         _check_axes("norm group", "axis", self.axis, optional=False)
         _check_axes("norm group", "rows_axis", self.rows_axis)
+        if not self.rows_per_token > 0:
+            raise ValueError(f"norm group: rows_per_token must be > 0, got {self.rows_per_token!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,14 +366,8 @@ class ModelSpec:
     #: whole (and their batch, reduce-scattered over the other tensor axis by the last layer)
     split_outputs: float = 0
     output_axis: str = X
-    #: the tensor axis the residual stream between blocks is reduce-scattered over in the
-    #: default program (the axis of the blocks' last, transposed layers: x)
-    stream_axis: str | None = None
-    #: whole activations (hidden/y per token) added to a scattered stream: the backward
-    #: all-reduces their gradient over ``stream_axis`` (the embeddings meeting block 1's output)
-    stream_joins: int = 0
-    #: whole activations added to ones whose features are split (sliced over those axes too)
-    whole_joins: tuple[WholeJoin, ...] = ()
+    #: whole activations added to split ones (the embeddings meeting the scattered stream)
+    joins: tuple[Join, ...] = ()
     #: activations gathered whole over a tensor axis (replicated fallbacks of the partitioner)
     regathers: tuple[Regather, ...] = ()
     #: outputs computed in part on each device and summed (a graph's scatter-adds)
@@ -533,6 +533,7 @@ def gpt_spec(
         norms=(NormGroup(2 * L, 2, Y, X), NormGroup(1, 2, Y, None)),
         lookups=1,  # the token embedding (vocabulary-parallel over x)
         split_outputs=vocab,  # the logits
-        stream_axis=X,  # attn/out and fc_out are transposed: they scatter over x
-        stream_joins=1,  # the embeddings + block 0's attention output
+        # the embeddings + block 0's attention output (attn/out and fc_out are transposed:
+        # they scatter the stream over x)
+        joins=(Join("embeddings", hidden, rows_axis=X, split_over=(Y,)),),
     )

@@ -69,7 +69,7 @@ from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
 from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, MatMul, ModelSpec, NormGroup, Param, PartialSums,
-                                 Regather, WholeJoin)
+                                 Regather, Join)
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
@@ -273,14 +273,12 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         lookups=lookups,
         lookup_elements=lookup_elements,
         fixed_lookup_elements=fixed_lookup_elements,
-        norms=norms.groups(flow.axis),
-        stream_axis=flow.stream_axis,
-        stream_joins=flow.joins,
+        norms=norms.groups(flow.axis, tokens),
         # (an axis the join slices its rows over gathers them whole first: it no longer splits them)
-        whole_joins=tuple(WholeJoin(f"whole join {i}", math.prod(R.shape_of(v)) / tokens, features, rows_axis=rows,
-                                    split_over=tuple(a for a in _feature_axes((), layouts.get(v, ()), frozenset())
-                                                     if a != rows and a not in features))
-                          for i, (v, rows, features) in enumerate(flow.whole_joins)),  # fmt: skip
+        joins=tuple(Join(f"join {i}", math.prod(R.shape_of(v)) / tokens, features, rows_axis=rows,
+                         split_over=tuple(a for a in _feature_axes((), layouts.get(v, ()), frozenset())
+                                          if a != rows and a not in features))
+                    for i, (v, rows, features) in enumerate(flow.joins)),  # fmt: skip
         regathers=tuple(Regather(f"{op} input", size / tokens, axis, split_over=others, rows_axis=rows,
                                  grad=grad and (i in whole_uses.elements
                                                 or i not in whole_uses.covered | whole_uses.shared),
@@ -332,6 +330,7 @@ class _NormStatistics:
         self.roots: dict = {}  # variable -> the value it is a cast or power of
         self.stats: dict = {}  # root -> statistics reduced from it
         self.axis: dict = {}  # root -> the axis its statistics are reduced over
+        self.rows: dict = {}  # root -> its rows (the elements of one statistic)
 
     def follow(self, eqn) -> None:
         name, ins = eqn.primitive.name, eqn.invars
@@ -343,12 +342,15 @@ class _NormStatistics:
                 root = self.roots.get(ins[0], ins[0])
                 self.stats[root] = self.stats.get(root, 0) + 1
                 self.axis[root] = axis
+                self.rows[root] = math.prod(R.shape_of(eqn.outvars[0]))
 
-    def groups(self, scattered: dict) -> tuple[NormGroup, ...]:
-        """The norms grouped by axis, statistics and the axis their rows are scattered over
-        (``scattered``: :class:`_ScatterFlow`'s)."""
-        counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root)) for root in self.stats)
-        return tuple(NormGroup(n, stats, axis, rows) for (axis, stats, rows), n in counts.items())
+    def groups(self, scattered: dict, tokens: int) -> tuple[NormGroup, ...]:
+        """The norms grouped by axis, statistics, the axis their rows are scattered over
+        (``scattered``: :class:`_ScatterFlow`'s) and their rows per token."""
+        counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root), self.rows[root] / tokens)
+                                     for root in self.stats)  # fmt: skip
+        return tuple(NormGroup(n, stats, axis, rows, rows_per_token=per_token)
+                     for (axis, stats, rows, per_token), n in counts.items())  # fmt: skip
 
 
 class _WholeUses:
@@ -440,11 +442,11 @@ class _ScatterFlow:
     until the next layer gathers it. Found on the way: the axis of the rows each
     parameter is applied on (its gradient is also reduced over it), and the
     joins of a whole activation with a scattered one (the residual stream meeting
-    block 0's first output: its axis is the stream's), whose backward all-reduces the
-    whole one's gradient where it has one (``trained``: computed from a parameter; not
-    a dropout's zeros, not the model's data added to the stream). A join whose result's
-    features a tensor axis splits and the whole one's not (``features_of``: T5's position
-    bias meeting the head-split scores) is a whole join. A whole value joined again (the
+    block 0's first output), whose backward all-reduces the whole one's gradient where it
+    has one (``trained``: computed from a parameter; not a dropout's zeros, not the
+    model's data added to the stream): over the axis its rows are sliced over, and over
+    the tensor axes splitting the result's features but not its own (``features_of``:
+    T5's position bias meeting the head-split scores). A whole value joined again (the
     bias every block of a stack adds) is sliced, and its gradient reduced, once.
     """
 
@@ -462,11 +464,9 @@ class _ScatterFlow:
         self.params: dict[int, str] = {}
         #: the tensor axes splitting a join's result's features and not its whole operand
         self.features_of = features_of
-        self.joins = 0
-        self.stream_axis: str | None = None
         self.joined: set = set()  # whole operands met so far
-        #: (whole operand, the axis its rows are scattered over, its feature axes)
-        self.whole_joins: list[tuple] = []
+        #: (whole operand, the axis its rows are sliced over, the axes its features are)
+        self.joins: list[tuple] = []
 
     def follow(self, eqn) -> None:
         ins = [v for v in eqn.invars if not R.is_literal(v)]
@@ -482,13 +482,13 @@ class _ScatterFlow:
             elif v not in self.axis and v in self.live and R.shape_of(v) == R.shape_of(eqn.outvars[0]):
                 out, first = eqn.outvars[0], v not in self.joined
                 self.joined.add(v)
-                features = self.features_of(v, out) if self.features_of else ()
-                if features:
-                    if first and v in self.trained:
-                        self.whole_joins.append((v, self.rows_of(out) if self.rows_of else axis, features))
+                if not first or v not in self.trained:
                     continue
-                self.joins += first and v in self.trained
-                self.stream_axis = (self.sliced_over(v, out) or self.stream_axis) if self.sliced_over else axis
+                features = self.features_of(v, out) if self.features_of else ()
+                # the rows: over the axis the result's are scattered over (a stream join: the one
+                # that splits the result and not the whole value, where the plan is a grid's)
+                rows = (self.rows_of(out) if features else self.sliced_over(v, out)) if self.rows_of else axis
+                self.joins.append((v, rows, features))
 
     def layer(self, eqn, in_axis: str | None) -> None:
         """A layer's output: scattered over its input axis."""
