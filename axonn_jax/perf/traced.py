@@ -29,7 +29,8 @@ grids where the one-device plan does not hold). From the plan and the jaxpr:
 
 * the default program's scattered batch (:class:`_ScatterFlow`): which
   matmul inputs come whole (no all-gather), the rows each parameter is
-  applied on, and whole activations joining a scattered stream. On a grid's
+  applied on, and whole activations joining split ones (the scattered stream;
+  T5's position bias meeting head-split scores: :class:`~axonn_jax.perf.spec.Join`). On a grid's
   own plan (``spec_from_model(grid=)``, :class:`PerGridSpec` where the
   partitioner falls back) the plan's layouts say it instead: a layer's input is
   gathered where its rule gathers it over the layer's output axis (rows an
@@ -68,8 +69,8 @@ from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
-from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, MatMul, ModelSpec, NormGroup, Param, PartialSums,
-                                 Regather, Join)
+from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, Join, MatMul, ModelSpec, NormGroup, Param, PartialSums,
+                                 Regather)
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
