@@ -130,14 +130,16 @@ def _param_consumers(jaxpr, num_params: int) -> dict[int, list[int]]:
 
 
 def crossing_bytes(jaxpr, num_params: int, state_outputs: Sequence[tuple[int, int]] = (),
-                   *, floating: bool = False) -> np.ndarray:  # fmt: skip
+                   *, floating: bool = False, elements: bool = False) -> np.ndarray:  # fmt: skip
     """Bytes of activations alive across the boundary after each equation.
 
     Parameters and their cast chains do not cross (each stage re-runs them),
     nor do the model outputs at ``state_outputs`` positions (updated model
     state stays on the stage computing it). ``floating=True`` counts only
     floating values: those whose gradients cross back in the backward pass.
+    ``elements=True`` counts their elements instead of their bytes.
     """
+    size = (lambda v: math.prod(v.aval.shape)) if elements else _nbytes  # noqa: E731
     n = len(jaxpr.eqns)
     param_like = set(param_like_producers(jaxpr, num_params))
     param_like.update(jaxpr.invars[:num_params], jaxpr.constvars)
@@ -163,8 +165,8 @@ def crossing_bytes(jaxpr, num_params: int, state_outputs: Sequence[tuple[int, in
         if floating and not jnp.issubdtype(v.aval.dtype, jnp.inexact):
             continue
         lo = max(start, 0)
-        diff[lo] += _nbytes(v)
-        diff[end] -= _nbytes(v)
+        diff[lo] += size(v)
+        diff[end] -= size(v)
     return np.cumsum(diff)[:n]
 
 

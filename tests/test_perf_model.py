@@ -695,7 +695,8 @@ def test_a_cnns_activations_are_its_channels_and_its_convolutions_outputs():
     from axonn_jax.perf.traced import spec_from_model
 
     spec = spec_from_model(CNN(channels=(16, 32)), jax.ShapeDtypeStruct((16, 16, 16, 3), jnp.float32))
-    assert spec.hidden == 3 and spec.tokens == 16 * 16 * 16
+    # what crosses between its two blocks: conv_0's 16 channels pooled onto a quarter of the positions
+    assert spec.hidden == 16 / 4 and spec.tokens == 16 * 16 * 16
     kept = {(a.name, a.per_token, a.axis, a.kind, a.rows_axis) for a in spec.activations}
     assert kept == {
         ("block input (a layer's input)", 3, None, "checkpoint", None),  # the images: conv_0's input
@@ -711,6 +712,23 @@ def test_a_cnns_activations_are_its_channels_and_its_convolutions_outputs():
     base = elementwise_bytes(spec, Grid(data=2), recompute=False, itemsize=4)
     on_y = elementwise_bytes(spec, Grid(y=2, data=2), recompute=False, itemsize=4)
     assert base - on_y == pytest.approx(4 * 4 * tokens * (8 / 2 + 2 / 2 + 10 / 256 / 2))
+
+
+def test_a_block_boundary_is_as_wide_as_what_crosses_it():
+    """``hidden``, what a pipeline stage sends on and receives the gradient of, is what is
+    alive between the first two blocks, per token: HF ViT's stream, 64 (it was 180.7, its
+    patch convolution's input pixels per token), an MLP's 1,024-wide hidden layer (it was
+    its 256 inputs); our GPT's as ``gpt_spec`` has it."""
+    from axonn_jax.models import GPT, MLP, GPTConfig
+    from axonn_jax.perf.spec import gpt_spec
+    from axonn_jax.perf.traced import PerGridSpec, spec_from_model
+
+    vit = _hf_entry("hf_vit")
+    assert PerGridSpec(vit.model, *vit.args, **vit.kwargs).base.hidden == vit.model.config.hidden_size == 64
+    assert spec_from_model(MLP((1024, 1024, 256)), jax.ShapeDtypeStruct((64, 256), jnp.float32)).hidden == 1024
+    config = GPTConfig(vocab_size=256, num_layers=2, hidden=128, num_heads=8, max_seq_len=64)
+    traced = spec_from_model(GPT(config), jax.ShapeDtypeStruct((16, 64), jnp.int32))
+    assert traced.hidden == gpt_spec(layers=2, hidden=128, heads=8, seq=64, batch=16, vocab=256).hidden == 128
 
 
 def test_a_dense_block_input_is_its_first_layers_input_kept_once():

@@ -24,8 +24,10 @@ grids where the one-device plan does not hold). From the plan and the jaxpr:
   batch over it, ``rows_axis``); a lower bound: other intermediates are not
   counted;
 * blocks (for pipeline stages): the most repeated numbered path component
-  (``block_3``, ``blocks/3``); boundary width: the input per token of the first
-  weight matmul (k for a dense layer, the input channels for a convolution).
+  (``block_3``, ``blocks/3``); boundary width: the floating elements per token
+  alive between the first two of them (what a pipeline stage sends on), else the
+  input per token of the first weight matmul (k for a dense layer, the input
+  channels for a convolution).
 
 * the default program's scattered batch (:class:`_ScatterFlow`): which
   matmul inputs come whole (no all-gather), the rows each parameter is
@@ -67,7 +69,7 @@ from axonn_jax.partitioner.layout import common_prefix, divides
 from axonn_jax.partitioner.program import plan_traced
 from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
-from axonn_jax.partitioner.stages import param_like_producers, param_origins
+from axonn_jax.partitioner.stages import crossing_bytes, param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
 from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, Join, MatMul, ModelSpec, NormGroup, Param, PartialSums,
                                  Regather)
@@ -253,9 +255,11 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     activations += [Activation("attention operand", size / tokens, X)
                     for size in attention_saved.values()]  # fmt: skip
     layers = _blocks(traced.param_paths)
-    # the width of what crosses a block boundary: the first layer's input per token (a
+    # the width of what crosses a block boundary: the floating elements alive between the first
+    # two blocks, per token; without two blocks, the first layer's input per token (a
     # convolution's input channels, not its k = channels × window, which is never materialised)
-    width = matmuls[0].input_per_row * matmuls[0].m / tokens
+    crossing = _boundary_elements(jaxpr, n_params, origin, plan.params)
+    width = (crossing if crossing is not None else matmuls[0].input_per_row * matmuls[0].m) / tokens
     hidden = int(width) if width == int(width) else width
     if layers > len(entries):  # blocks entered otherwise (a norm first): their input besides
         activations.append(Activation("block input", hidden, Y, count=layers - len(entries), kind="checkpoint"))
@@ -293,6 +297,29 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         **_split_outputs(jaxpr, layouts, grid, tokens),
     )
     return spec, layouts
+
+
+def _boundary_elements(jaxpr, n_params: int, origin: dict, params) -> float | None:
+    """The floating elements alive between the first two blocks of the most repeated kind
+    (what a pipeline stage sends on: the stream, and whatever else crosses; HF Whisper's
+    stream, not its input frames), or ``None`` where there are not two such blocks or
+    they interleave."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not R.is_literal(v) and v in origin and (block := block_of(params[origin[v]].path)):
+                first.setdefault(block, k)
+                last[block] = k
+    kind = lambda block: NUMBERED.sub(r"\1", block)  # noqa: E731  "encoder/layers/3" -> "encoder/layers/"
+    kinds = collections.Counter(map(kind, first))
+    if not kinds:
+        return None
+    blocks = sorted((b for b in first if kind(b) == kinds.most_common(1)[0][0]), key=first.get)
+    if len(blocks) < 2 or last[blocks[0]] >= first[blocks[1]]:
+        return None
+    alive = crossing_bytes(jaxpr, n_params, floating=True, elements=True)
+    return float(alive[last[blocks[0]]:first[blocks[1]]].min())
 
 
 def _block_entry_inputs(jaxpr, origin: dict, params) -> set:
