@@ -478,7 +478,7 @@ class _ScatterFlow:
     bias every block of a stack adds) is sliced, and its gradient reduced, once.
     """
 
-    def __init__(self, jaxpr, origin: dict, trained: set, rows_of=None, sliced_over=None, features_of=None):
+    def __init__(self, jaxpr, origin: dict, trained: set, features_of, rows_of=None, sliced_over=None):
         self.origin = origin
         self.trained = trained
         #: where the plan is a grid's: the tensor axis a value's rows are scattered over, read
@@ -512,7 +512,7 @@ class _ScatterFlow:
                 self.joined.add(v)
                 if not first or v not in self.trained:
                     continue
-                features = self.features_of(v, out) if self.features_of else ()
+                features = self.features_of(v, out)
                 # the rows: over the axis the result's are scattered over (a stream join: the one
                 # that splits the result and not the whole value, where the plan is a grid's)
                 rows = (self.rows_of(out) if features else self.sliced_over(v, out)) if self.rows_of else axis
