@@ -338,7 +338,7 @@ class Partitioned:
 
     def train_step(self, loss_fn: Callable, optimizer, *, precision: str = "fp32",
                    offload: bool = False, update_on: str = "host",
-                   bucket_bytes: int = 64 * 2**20, **options):  # fmt: skip
+                   bucket_bytes: int = 64 * 2**20, prefetch: bool = False, **options):  # fmt: skip
         """A complete step ``(params, opt_state, batch) → (params, opt_state, loss)``.
 
         ``optimizer`` is any optax ``GradientTransformation``; ``step.init(params)``
@@ -346,7 +346,8 @@ class Partitioned:
         "fp16" with dynamic loss scaling) sets the device dtype of parameters and
         gradients (fp32 master weights); ``offload=True`` keeps master weights and
         optimizer state in host memory (``update_on`` "host", or "device" streamed
-        in ``bucket_bytes`` buckets). Other options are those of :meth:`value_and_grad`.
+        in ``bucket_bytes`` buckets, one on the device at a time, two with
+        ``prefetch``). Other options are those of :meth:`value_and_grad`.
 
         Example:
             >>> step = pm.train_step(loss_fn, optax.adamw(1e-3), precision="bf16")  # doctest: +SKIP
@@ -354,7 +355,8 @@ class Partitioned:
             >>> params, opt_state, loss = step(params, opt_state, tokens)          # doctest: +SKIP
         """
         return self.engine.train_step(loss_fn, optimizer, precision=precision, offload=offload,
-                                      update_on=update_on, bucket_bytes=bucket_bytes, **options)  # fmt: skip
+                                      update_on=update_on, bucket_bytes=bucket_bytes, prefetch=prefetch,
+                                      **options)  # fmt: skip
 
     # --- reports ----------------------------------------------------------
     def report(self, *args, optimizer_slots: int = 2, loss_fn: Callable | None = None, batch=None,

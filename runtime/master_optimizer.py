@@ -16,11 +16,14 @@ gradients in that dtype; float32 master weights and the optimizer's state live
     parameters. Works for every transformation (global-norm clipping included);
   - ``update_on="device"``: streamed through the device bucket by bucket
     (``bucket_bytes`` of float32 master weights per bucket): load a bucket's
-    master and state, update, write them back, then the next bucket. Buckets go
-    in reverse parameter order (roughly the order in which gradients become
-    ready), so XLA can overlap them with the gradient reduction. Requires a
-    transformation that treats parameters independently (adam, adamw, sgd, …):
-    coupled ones are detected and refused.
+    master and state, update, write them back, then the next bucket. Each load
+    waits for the previous bucket's write-back, so the device holds one bucket
+    at a time; ``prefetch=True`` loads the next bucket while the previous one
+    is written back instead (the two transfers overlap; at most two buckets on
+    the device: a load waits for the write-back of the bucket two before it). Buckets go in reverse parameter order (roughly the order in
+    which gradients become ready), so XLA can overlap them with the gradient
+    reduction. Requires a transformation that treats parameters independently
+    (adam, adamw, sgd, …): coupled ones are detected and refused.
 
 Skipped steps: ``update(..., finite=flag)`` with a false flag returns the
 parameters, master weights and optimizer state unchanged (the step counter
@@ -187,6 +190,10 @@ class MasterOptimizer:
         update_on: with ``offload``, run the update on the "host" or stream it
             through the "device" in buckets.
         bucket_bytes: float32 master bytes per device in one bucket (streaming).
+        prefetch: when streaming, load bucket k+1 while bucket k is written back
+            (faster where the link moves both ways at once; the device then holds
+            at most two buckets). By default each load waits for the previous
+            write-back and the device holds one bucket.
     """
 
     def __init__(
@@ -198,6 +205,7 @@ class MasterOptimizer:
         offload: bool = False,
         update_on: str = "host",
         bucket_bytes: int = 64 * 2**20,
+        prefetch: bool = False,
     ):
         if not hasattr(optimizer, "init") or not hasattr(optimizer, "update"):
             raise TypeError(
@@ -220,6 +228,7 @@ class MasterOptimizer:
         self.offload = bool(offload)
         self.update_on = update_on
         self.bucket_bytes = bucket_bytes
+        self.prefetch = bool(prefetch)
         self.param_shardings = param_shardings
         self._mesh = shardings[0].mesh
         self._separable: dict = {}
@@ -372,12 +381,12 @@ class MasterOptimizer:
         new_master: list = [None] * len(master_leaves)
         new_device: list = [None] * len(master_leaves)
         new_inner: list = [None] * len(inner_leaves)
-        previous = None
+        previous = written_back = None
         for bucket in self.buckets(state.master):
             members = set(bucket)
             slots = [k for k, label in enumerate(labels) if label in members or label < 0]
             loads = ([master_leaves[i] for i in bucket], [inner_leaves[k] for k in slots])
-            if previous is not None:  # load this bucket only once the previous one is computed
+            if previous is not None:
                 loads, _ = lax.optimization_barrier((loads, previous))
             masters = {i: jax.device_put(x, device_shardings[i]) for x, i in zip(loads[0], bucket)}
             states = {k: jax.device_put(x, inner_device[k]) for x, k in zip(loads[1], slots)}
@@ -397,10 +406,13 @@ class MasterOptimizer:
             for i in bucket:
                 new_master[i] = jax.device_put(m_out[i], host_shardings[i])
                 new_device[i] = self.precision.to_device(m_out[i])
-            for k in slots:
-                if new_inner[k] is None:  # shared leaves (counters): equal in every bucket
-                    new_inner[k] = jax.device_put(s_out[k], inner_host[k])
-            previous = [m_out[i] for i in bucket]
+            written = [k for k in slots if new_inner[k] is None]  # shared leaves (counters): equal in every bucket
+            for k in written:
+                new_inner[k] = jax.device_put(s_out[k], inner_host[k])
+            done = ([new_master[i] for i in bucket], [new_device[i] for i in bucket], [new_inner[k] for k in written])
+            # the next load waits for this write-back; with prefetch, for this compute and the one before's write-back
+            previous = ([m_out[i] for i in bucket], written_back) if self.prefetch else done
+            written_back = done
         master = jax.tree.unflatten(param_tree, new_master)
         device = jax.tree.unflatten(param_tree, new_device)
         return device, MasterState(master, jax.tree.unflatten(inner_tree, new_inner))

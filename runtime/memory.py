@@ -155,7 +155,8 @@ def planned_bytes(opt: MasterOptimizer, params) -> dict[str, Bytes]:
 
     Kinds: ``params`` and ``grads`` (precision dtype, on the device), ``master``
     and ``optimizer`` (where ``opt`` keeps them), ``buffers`` (the largest
-    streaming bucket's masters and state, loaded on the device).
+    streaming bucket's masters and state, loaded on the device; with
+    ``prefetch``, the largest two consecutive buckets').
     """
     shardings = opt.state_shardings(params)
     n = local_param_count(params, opt.param_shardings)
@@ -175,11 +176,11 @@ def planned_bytes(opt: MasterOptimizer, params) -> dict[str, Bytes]:
     buffers = 0
     if opt.offload and opt.update_on == "device":
         per_param = (master + optimizer) / max(n, 1)
-        buffers = max(
-            int(per_param * local_param_count([jax.tree.leaves(params)[i] for i in b],
-                                              [jax.tree.leaves(opt.param_shardings)[i] for i in b]))
-            for b in opt.buckets(params)
-        )  # fmt: skip
+        leaves, leaf_shardings = jax.tree.leaves(params), jax.tree.leaves(opt.param_shardings)
+        sizes = [int(per_param * local_param_count([leaves[i] for i in b], [leaf_shardings[i] for i in b]))
+                 for b in opt.buckets(params)]  # fmt: skip
+        together = 2 if opt.prefetch else 1  # buckets on the device at once
+        buffers = max(sum(sizes[k:k + together]) for k in range(len(sizes)))
     return {
         "params": Bytes(half, 0),
         "grads": Bytes(n * opt.precision.grad_dtype.itemsize, 0),

@@ -60,18 +60,20 @@ class MasterSettings:
     """The device parameters' precision, and where the float32 masters and optimizer state live.
 
     See :class:`~axonn_jax.runtime.master_optimizer.MasterOptimizer` for ``offload``,
-    ``update_on`` and ``bucket_bytes``.
+    ``update_on``, ``bucket_bytes`` and ``prefetch``.
     """
 
     precision: Precision
     offload: bool = False
     update_on: str = "host"
     bucket_bytes: int = 64 * 2**20
+    prefetch: bool = False
 
     def wrap(self, optimizer: optax.GradientTransformation, param_shardings) -> MasterOptimizer:
         """``optimizer`` with these settings over parameters laid out as ``param_shardings``."""
         return MasterOptimizer(optimizer, param_shardings, precision=self.precision, offload=self.offload,
-                               update_on=self.update_on, bucket_bytes=self.bucket_bytes)  # fmt: skip
+                               update_on=self.update_on, bucket_bytes=self.bucket_bytes,
+                               prefetch=self.prefetch)  # fmt: skip
 
 
 class UpdateProgram(NamedTuple):
@@ -99,19 +101,19 @@ class TrainStep(abc.ABC):
         optimizer: any optax ``GradientTransformation``.
         precision: "fp32" (default), "bf16" or "fp16" parameters and gradients on device.
         offload: master weights and optimizer state in host memory.
-        update_on, bucket_bytes: see :class:`~axonn_jax.runtime.master_optimizer.MasterOptimizer`.
+        update_on, bucket_bytes, prefetch: see :class:`~axonn_jax.runtime.master_optimizer.MasterOptimizer`.
         **options: those of :meth:`~axonn_jax.Partitioned.value_and_grad`.
     """
 
     def __init__(self, engine: Engine, loss_fn: Callable, optimizer: optax.GradientTransformation, *,
                  precision: str | Precision = "fp32", offload: bool = False, update_on: str = "host",
-                 bucket_bytes: int = 64 * 2**20, **options):  # fmt: skip
+                 bucket_bytes: int = 64 * 2**20, prefetch: bool = False, **options):  # fmt: skip
         self.engine, self.loss_fn, self.optimizer = engine, loss_fn, optimizer
         self.placed: PlacedModel = engine.placed
         self.call: ModelCall = engine.call
         self.plan = engine.plan
         check_optimizer(optimizer)
-        self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes)
+        self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes, prefetch)
         self.options = options
         if offload:
             check_offloadable(optimizer)

@@ -118,13 +118,14 @@ def test_on_device_path_is_plain_optax(on_device):
     np.testing.assert_allclose(on_device[0], _reference(CURVE_STEPS), rtol=1e-5)
 
 
-@pytest.mark.parametrize("update_on", ["host", "device"])
-def test_offload_equals_on_device_after_20_adamw_steps(update_on, on_device):
+@pytest.mark.parametrize("update_on,prefetch", [("host", False), ("device", False), ("device", True)])
+def test_offload_equals_on_device_after_20_adamw_steps(update_on, prefetch, on_device):
     losses, master, params, state = _train(
-        dict(x=2, z=2, data=2), STEPS, offload=True, update_on=update_on, bucket_bytes=16 * 1024
+        dict(x=2, z=2, data=2), STEPS, offload=True, update_on=update_on, bucket_bytes=16 * 1024,
+        prefetch=prefetch,
     )
     np.testing.assert_allclose(losses, on_device[0][:STEPS], rtol=1e-6)
-    _assert_params_equal(master, on_device[1], f"offload update_on={update_on}")
+    _assert_params_equal(master, on_device[1], f"offload update_on={update_on} prefetch={prefetch}")
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves((state.master, state.inner))}
     assert kinds == {HOST}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(params)} == {"device"}
@@ -206,6 +207,60 @@ def test_buckets_respect_size_and_cover_every_parameter():
     for bucket in buckets:
         sizes = [4 * np.prod(shardings[i].shard_shape(leaves[i].shape)) for i in bucket]
         assert len(bucket) == 1 or sum(sizes) <= 4096
+
+
+def _stream_transfers(opt, params, state):
+    """The streamed update's loads (host → device ``device_put``s) as (bucket, the buckets
+    whose write-backs it waits for), and the number of buckets.
+
+    Buckets are traced in order, each one's loads before its write-backs (device → host),
+    so a load after a write-back starts the next bucket."""
+    jaxpr = jax.make_jaxpr(lambda g, s, p: opt.update(g, s, p))(params, state, params).jaxpr
+    kinds = lambda eqn: {getattr(d, "memory_kind", None) for d in eqn.params["devices"]}  # noqa: E731
+    after: dict = {}  # variable -> buckets whose write-backs it depends on
+    loads, bucket, writing = [], -1, True
+    for eqn in jaxpr.eqns:
+        waits = frozenset().union(*(after.get(v, frozenset()) for v in eqn.invars if not hasattr(v, "val")))
+        if eqn.primitive.name == "device_put" and kinds(eqn) == {"device"}:
+            bucket, writing = bucket + writing, False
+            loads.append((bucket, waits))
+        elif eqn.primitive.name == "device_put" and kinds(eqn) == {HOST}:
+            writing, waits = True, waits | {bucket}
+        for v in eqn.outvars:
+            after[v] = waits
+    return loads, bucket + 1
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_a_bucket_loads_after_the_previous_bucket_is_written_back(prefetch):
+    """The device holds one bucket at a time: bucket j loads once every bucket before it
+    is written back. With prefetch it holds at most two: bucket j's load overlaps bucket
+    j-1's write-back and waits for the write-backs before that."""
+    _, pm, initial = _partitioned((("data", 2), ("x", 2), ("z", 2)))
+    opt = MasterOptimizer(optax.adamw(LR), pm.param_shardings, precision="bf16", offload=True,
+                          update_on="device", bucket_bytes=4 * 1024, prefetch=prefetch)  # fmt: skip
+    params, state = opt.init(initial)
+    loads, buckets = _stream_transfers(opt, params, state)
+    assert buckets == len(opt.buckets(initial)) > 3
+    for bucket, waits in loads:
+        done = set(range(bucket - 1 if prefetch else bucket))
+        assert waits == done, f"bucket {bucket} loads after the write-backs of {sorted(waits)}, not {sorted(done)}"
+
+
+def test_prefetch_plans_two_buckets_of_buffers():
+    from axonn_jax.runtime.memory import local_param_count, planned_bytes
+
+    _, pm, initial = _partitioned((("data", 2), ("x", 2), ("z", 2)))
+    plans = {}
+    for prefetch in (False, True):
+        opt = MasterOptimizer(optax.adamw(LR), pm.param_shardings, offload=True, update_on="device",
+                              bucket_bytes=4 * 1024, prefetch=prefetch)  # fmt: skip
+        plans[prefetch] = planned_bytes(opt, initial)["buffers"].device
+    leaves, shardings = jax.tree.leaves(initial), jax.tree.leaves(pm.param_shardings)
+    per_bucket = [12 * local_param_count([leaves[i] for i in b], [shardings[i] for i in b])
+                  for b in opt.buckets(initial)]  # fmt: skip  (fp32 master + Adam m, v)
+    assert plans[False] == max(per_bucket)
+    assert plans[True] == max(a + b for a, b in zip(per_bucket, per_bucket[1:])) > plans[False]
 
 
 @pytest.mark.parametrize("offload,update_on", [(False, "host"), (True, "host"), (True, "device")])
@@ -344,20 +399,22 @@ def test_a_pipeline_stage_streams_its_update_through_its_devices():
     """A pipeline stage's optimizer sees the whole parameter tree with ``None`` where the
     other stage's leaves are; streaming its update in buckets took those for a change of
     the state's structure and refused every optimizer. Now both stages stream, and equal
-    the update on the host, bit for bit."""
+    the update on the host, bit for bit (with ``prefetch`` too)."""
     grid = axonn_jax.Grid(x=2, z=2, pipeline=2)
     pm = axonn_jax.partition(GPT(CONFIG), grid, _batches(1)[0])
     loss_fn = lambda logits, t: next_token_loss(logits, t)  # noqa: E731
     runs = {}
-    for update_on in ("host", "device"):
+    for update_on, prefetch in (("host", False), ("device", False), ("device", True)):
         step = pm.train_step(loss_fn, optax.adamw(LR), precision="bf16", offload=True, update_on=update_on,
-                             bucket_bytes=4 * 1024, microbatches=2)  # fmt: skip
+                             bucket_bytes=4 * 1024, microbatches=2, prefetch=prefetch)  # fmt: skip
         params, opt_state = step.init(pm.init(jax.random.key(0)))
         for batch in _batches(2):
             params, opt_state, loss = step(params, opt_state, batch)
-        runs[update_on] = (float(loss), pm.gather(params))
-    assert runs["device"][0] == runs["host"][0]
-    jax.tree.map(np.testing.assert_array_equal, runs["device"][1], runs["host"][1])
+        assert {program.optimizer.prefetch for program in step._programs.values()} == {prefetch}
+        runs[update_on, prefetch] = (float(loss), pm.gather(params))
+    for streamed in (("device", False), ("device", True)):
+        assert runs[streamed][0] == runs["host", False][0]
+        jax.tree.map(np.testing.assert_array_equal, runs[streamed][1], runs["host", False][1])
 
 
 @pytest.mark.parametrize("update_on", ["host", "device"])
