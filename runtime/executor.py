@@ -214,6 +214,7 @@ class Executor:
     def __init__(self, program: Program, *, overlap: Overlap = Overlap()):
         self.jaxpr, self.consts, self.grid = program.jaxpr, list(program.consts), program.grid
         self.param_storage = list(program.param_storage)
+        self._trainable = program.traced.trainable or (True,) * len(self.param_storage)
         self.arg_layouts = list(program.arg_layouts)
         self.out_layouts = list(program.output_layouts)
         self.overlap = overlap
@@ -252,7 +253,11 @@ class Executor:
         for i, x in zip(param_vars, params):
             storage = self.param_storage[i]
             var = self.jaxpr.invars[i]
-            env[var], lay[var] = _Stored(x, storage), use_layout(storage)
+            if self._trainable[i]:
+                env[var], lay[var] = _Stored(x, storage), use_layout(storage)
+            else:  # state (BatchNorm statistics, caches): no gradient, so not marked varying over
+                # the batch; its updates stay typed invariant there and leave without a gather
+                env[var], lay[var] = relayout(x, storage, use_layout(storage), self.grid), use_layout(storage)
         for j, x in zip(arg_vars, args):
             var = self.jaxpr.invars[n + j]
             env[var], lay[var] = x, self.arg_layouts[j]

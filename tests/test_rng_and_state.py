@@ -184,6 +184,30 @@ def test_batchnorm_train_steps_match_plain(grid, bn_plain, devices):
                                rtol=1e-4, atol=1e-5)  # fmt: skip
 
 
+class _DenseBN(nn.Module):
+    """Dense, ``BatchNorm(axis_name="batch")`` written for pmap, Dense."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.BatchNorm(use_running_average=False, axis_name="batch")(nn.Dense(16)(x))
+        return nn.Dense(4)(x)
+
+
+def test_batchnorm_statistics_leave_a_data_parallel_step_without_a_gather(devices):
+    """State is not differentiated, so it is not marked varying over the batch as a parameter
+    is: the updated running statistics, reduced over the batch already, leave the step as they
+    are. They used to be typed varying over data and all-gathered there (one call per statistic)."""
+    from compiled_steps import compile_apply_step
+
+    from axonn_jax.runtime.hlo import collectives
+
+    x = np.random.default_rng(0).standard_normal((8, 8)).astype(np.float32)
+    compiled = compile_apply_step(_DenseBN(), (x,), axonn_jax.Grid(data=8), kwargs={"mutable": ["batch_stats"]})
+    found = [c for c in collectives(compiled.as_text(), num_devices=8) if not c.trivial]
+    assert not [c for c in found if c.kind == "all-gather"], [(c.kind, c.op_name) for c in found]
+    assert {c.kind for c in found} == {"all-reduce"}  # the statistics, their backward, the gradients
+
+
 def test_variables_dict_and_params_tree_are_the_same(devices):
     """pm.shard / apply / gather take the linen variables dict as well as the params tree."""
     x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
