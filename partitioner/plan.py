@@ -82,7 +82,7 @@ class Plan:
             arg_layouts=layouts.args,
             out_layouts=layouts.outs,
             fallbacks=layouts.fallbacks,
-            notes=layouts.notes + (split.notes + _shared_stage_notes(split.stages) if split else ()),
+            notes=traced.notes + layouts.notes + (split.notes + _shared_stage_notes(split.stages) if split else ()),
             stages=split.stages if split else (),
             stage_costs=split.costs if split else None,
             stage_boundaries=split.boundaries if split else None,

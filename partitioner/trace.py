@@ -65,6 +65,7 @@ class TracedModel:
     #: the model's own collective axis names (``BatchNorm(axis_name='batch')``), bound with
     #: size 1 while tracing: the model is traced over the whole batch (see bound_axis_names)
     axis_names: tuple = ()
+    notes: tuple[str, ...] = ()  # what tracing found that the plan warns about
 
     @property
     def num_params(self) -> int:
@@ -273,12 +274,14 @@ def args_like(tree):
 def _trace_nnx(model, abstract_args) -> TracedModel:
     from flax import nnx
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # values stored with sow (nnx.Intermediate) are not state: a call starts without them
+    graphdef, params, stored, rest = nnx.split(model, nnx.Param, nnx.Intermediate, ...)
     stateful = bool(jax.tree.leaves(nnx.to_pure_dict(rest)))
+    sown: list[str] = []  # what the traced call stores with sow
 
     def current_values():
         """The module's values now (weights loaded after partition() included)."""
-        _, now, now_rest = nnx.split(model, nnx.Param, ...)
+        _, now, _, now_rest = nnx.split(model, nnx.Param, nnx.Intermediate, ...)
         if not stateful:
             return nnx.to_pure_dict(now)
         return {"params": nnx.to_pure_dict(now),
@@ -292,8 +295,11 @@ def _trace_nnx(model, abstract_args) -> TracedModel:
         nnx.replace_by_pure_dict(param_state, tree["params"] if stateful else tree)
         if stateful:
             nnx.replace_by_pure_dict(rest_state, _wrap_keys(tree["state"], key_impls))
-        module = nnx.merge(graphdef, param_state, rest_state)
+        module = nnx.merge(graphdef, param_state, nnx.clone(stored), rest_state)
+        nnx.pop(module, nnx.Intermediate)
         out = module(*call_args, **call_kwargs)
+        sown[:] = sorted({path_string(p).rsplit("/", 1)[0] for p, _ in
+                          jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.pop(module, nnx.Intermediate)))[0]})
         if not stateful:
             return out
         _, _, new_rest = nnx.split(module, nnx.Param, ...)
@@ -306,7 +312,10 @@ def _trace_nnx(model, abstract_args) -> TracedModel:
     abstract_params = jax.tree.map(abstract, current_values())
     traced = _finish("nnx", abstract_params, abstract_args, apply, init, returns_updates=stateful)
     keys = {f"state/{path}" for path in key_impls}
-    return dataclasses.replace(traced, rng_state=frozenset(
+    notes = (f"the model stores {', '.join(sown)} with sow (nnx.Intermediate); pm.apply returns the "
+             "model's outputs and state, not values kept on the module: return them from __call__ to "
+             "get them",) if sown else ()  # fmt: skip
+    return dataclasses.replace(traced, notes=notes, rng_state=frozenset(
         i for i, path in enumerate(traced.param_paths) if path in keys))
 
 

@@ -324,6 +324,46 @@ def test_nnx_dropout_and_batchnorm_match_plain(grid, devices):
         variables = {**variables, **updates}
 
 
+class _SowingNet(nnx.Module):
+    """Stores its hidden layer with ``sow`` (nnx's intermediates pattern); BatchNorm optional."""
+
+    def __init__(self, norm: bool, rngs: nnx.Rngs):
+        self.inner = nnx.Linear(16, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs) if norm else None
+        self.outer = nnx.Linear(32, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.inner(x))
+        h = self.norm(h) if self.norm is not None else h
+        self.sow(nnx.Intermediate, "hidden", h)
+        return self.outer(h)
+
+
+@pytest.mark.filterwarnings("ignore:Using 'Module.sow\\(\\)' outside")
+@pytest.mark.parametrize("norm", [False, True], ids=["stateless", "batchnorm"])
+def test_nnx_values_stored_with_sow_are_not_state_and_the_plan_says_so(norm, devices):
+    """Values a call stores with ``sow`` (nnx.Intermediate) are neither state nor outputs: the
+    plan warns that pm.apply does not return them, the state it returns feeds the next call,
+    and values an earlier plain call left on the module are not planned as state. They used
+    to be dropped silently (no state), or returned as state the next call refused."""
+    x = np.random.default_rng(3).standard_normal((BATCH, 16)).astype(np.float32)
+    model = _SowingNet(norm, nnx.Rngs(0))
+    model(x)  # a plain call first: the module now holds a stored value
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, data=4), x)
+    assert any("stores hidden with sow" in w for w in pm.plan.warnings), pm.plan.warnings
+    assert not [p.path for p in pm.plan.params if "hidden" in p.path]
+    variables = pm.init(jax.random.key(0))
+    first = pm.apply(variables, x)
+    if not norm:
+        assert not isinstance(first, tuple)
+        np.testing.assert_allclose(np.asarray(first), np.asarray(model(x)), rtol=1e-5, atol=1e-6)
+        return
+    out, updates = first
+    assert set(_leaves(updates["state"])) == {"norm/mean", "norm/var"}
+    again, _ = pm.apply({**variables, **updates}, x)  # the returned state feeds the next call
+    np.testing.assert_allclose(np.asarray(again), np.asarray(out), rtol=1e-5, atol=1e-6)
+
+
 def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devices):
     x = np.zeros((BATCH, 16), np.float32)
     model = BNNet()
