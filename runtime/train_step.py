@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
 from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, check_offloadable, check_optimizer
+from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.stage_update import StageUpdate, describe
@@ -142,9 +143,17 @@ class TrainStep(abc.ABC):
     #: one per stage and task
     one_program = False
 
-    @abc.abstractmethod
     def __call__(self, params, opt_state: OptState, batch, rngs=None):
-        """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step)."""
+        """One step; ``rngs={'dropout': key}`` feeds the model's RNG streams (a new key per step).
+
+        ``params`` as :meth:`init` returned them (linen's ``{'params': tree}`` too)."""
+        tree, wrapped = self.engine.plan_tree(params)
+        tree, opt_state, loss = self._step(tree, opt_state, batch, rngs)
+        return wrap_params(tree, wrapped), opt_state, loss
+
+    @abc.abstractmethod
+    def _step(self, params, opt_state: OptState, batch, rngs):
+        """One step on ``params`` as the plan holds them."""
 
     # --- pieces -----------------------------------------------------------------
     def _groups(self) -> dict[int, list[int]]:
@@ -166,11 +175,13 @@ class TrainStep(abc.ABC):
 
     # --- the public calls -----------------------------------------------------------
     def init(self, params) -> tuple[Any, OptState]:
-        """``(device params, opt_state)`` from full-precision ``params`` (``pm.init``).
+        """``(device params, opt_state)`` from full-precision ``params`` (``pm.init``; a
+        stateless linen model's ``{'params': tree}`` too, returned in that form).
 
         Collective under MPI: first checks that every rank runs the same
         optimizer (hyperparameters included) and step options.
         """
+        params, wrapped = self.engine.plan_tree(params)
         self.placed.check_params(params, dtypes=False)  # another model's params: refused here, by name
         self._check_ranks_agree()
         self._check_exact()
@@ -184,7 +195,8 @@ class TrainStep(abc.ABC):
         scale = None
         if self.settings.precision.loss_scaling:
             scale = jax.device_put(self.settings.precision.loss_scale(), self._scale_sharding())
-        return jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(states), scale)
+        device = wrap_params(jax.tree.unflatten(self.plan.param_tree, out), wrapped)
+        return device, OptState(self.engine.pack_states(states), scale)
 
     # --- checkpoints: one form for every grid, pipeline and offload mode ----------------
     def checkpoint_state(self, params, opt_state: OptState) -> tuple[Any, dict]:
@@ -199,11 +211,12 @@ class TrainStep(abc.ABC):
         ``restore_train_state`` do all three).
         """
         _check_step_inputs(params, opt_state)
+        params, wrapped = self.engine.plan_tree(params)
         states = self.engine.unpack_states(opt_state.optimizer)
         saved = {"inner": _first_held(*(states[s].inner for s in sorted(states)))}
         if opt_state.loss_scale is not None:
             saved["loss_scale"] = opt_state.loss_scale
-        return master_params(self.engine, params, opt_state), saved
+        return wrap_params(master_params(self.engine, params, opt_state), wrapped), saved
 
     def checkpoint_target(self, params, opt_state: OptState) -> tuple[Any, dict]:
         """Restore targets for :meth:`checkpoint_state`'s form, from a fresh :meth:`init`.
@@ -285,7 +298,7 @@ class SingleMeshStep(TrainStep):
 
         return step
 
-    def __call__(self, params, opt_state: OptState, batch, rngs=None):
+    def _step(self, params, opt_state: OptState, batch, rngs):
         _check_step_inputs(params, opt_state, batch)
         return self._program(0).run(params, opt_state, batch, rngs)
 
@@ -295,7 +308,7 @@ class SingleMeshStep(TrainStep):
         """The step's one program lowered ahead of time for these arguments (``.compile()``,
         then ``.memory_analysis()``: what :func:`axonn_jax.compiled_check.check_compiled` reads)."""
         _check_step_inputs(params, opt_state, batch)
-        return self._program(0).run.lower(params, opt_state, batch, rngs)
+        return self._program(0).run.lower(self.engine.plan_tree(params)[0], opt_state, batch, rngs)
 
 
 class PipelinedStep(TrainStep):
@@ -336,7 +349,7 @@ class PipelinedStep(TrainStep):
     def _check_exact(self) -> None:
         self.across_stages  # noqa: B018 - analysed once; raises what cannot be exact
 
-    def __call__(self, params, opt_state: OptState, batch, rngs=None):
+    def _step(self, params, opt_state: OptState, batch, rngs):
         _check_step_inputs(params, opt_state, batch)
         placed, scale = self.placed, opt_state.loss_scale
         grad_scale = None if scale is None else np.asarray(scale.scale)  # a host value: any stage's mesh

@@ -225,6 +225,41 @@ def test_variables_dict_and_params_tree_are_the_same(devices):
                                rtol=1e-5, atol=1e-6)
 
 
+class _FourDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.relu(nn.Dense(16)(x))
+        return nn.Dense(4)(x)
+
+
+@pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(pipeline=2, x=2, z=2)], ids=grid_id)
+def test_training_takes_the_variables_dict_as_well_as_the_params_tree(grid, devices):
+    """pm.value_and_grad and pm.train_step (init, step, checkpoint_state) take a stateless
+    linen model's ``{'params': tree}`` as pm.shard returns it, and give back that form with
+    the values the params tree gives. The pipeline's gradient and both engines' train steps
+    used to refuse it, naming ``model.init(...)['params']`` as the remedy."""
+    x = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+    model = _FourDense()
+    variables = model.init(jax.random.key(0), x)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), x)
+    loss_fn = lambda out, batch: jnp.mean(out**2)  # noqa: E731
+    by_tree = pm.value_and_grad(loss_fn)(pm.shard(variables["params"]), x)
+    loss, grads = pm.value_and_grad(loss_fn)(pm.shard(variables), x)
+    assert float(loss) == float(by_tree[0]) and set(grads) == {"params"}
+    jax.tree.map(np.testing.assert_array_equal, pm.gather(grads)["params"], pm.gather(by_tree[1]))
+    runs = {}
+    for form, given in (("tree", variables["params"]), ("dict", variables)):
+        step = pm.train_step(loss_fn, optax.adam(1e-2))
+        params, opt_state = step.init(pm.shard(given))
+        params, opt_state, loss = step(params, opt_state, x)
+        saved, _ = step.checkpoint_state(params, opt_state)
+        runs[form] = (float(loss), pm.gather(params), pm.gather(saved))
+    assert set(runs["dict"][1]) == set(runs["dict"][2]) == {"params"}
+    assert runs["dict"][0] == runs["tree"][0]
+    jax.tree.map(np.testing.assert_array_equal, runs["dict"][1]["params"], runs["tree"][1])
+
+
 def _hf_vision(name):
     import transformers as hf
     from transformers.models.regnet import modeling_flax_regnet as regnet

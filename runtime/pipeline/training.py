@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from axonn_jax.partitioner.program import call_signature
 from axonn_jax.runtime.loss_program import BATCH_KEYWORD, not_planned_note, scaled_loss
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
-from axonn_jax.runtime.model_call import ModelCall
+from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
 from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
@@ -113,6 +113,7 @@ class PipelinedValueAndGrad:
     # --- one step ---------------------------------------------------------------
     def __call__(self, params, batch, rngs=None, *, loss_scale=None) -> tuple[Any, Any]:
         placed, m, opts = self.placed, self.options.microbatches, self.options
+        params, wrapped = unwrap_params(params, placed.plan.param_tree)  # linen's {'params': tree}
         microbatch = loss_microbatch = batch_slices(batch, m, placed.grid)
         if loss_scale is not None:  # the loss's batch: (microbatch, scale); the scale replicated
             scale = place(loss_scale, NamedSharding(placed.meshes[-1], P()))
@@ -143,7 +144,7 @@ class PipelinedValueAndGrad:
         loss = self._loss(result)
         grads = jax.tree.unflatten(placed.plan.param_tree, grads)
         if not self.call.stateful:
-            return loss, grads
+            return loss, wrap_params(grads, wrapped)
         new_state = [u if u is not None else x for u, x in zip(updated, leaves)]
         _, state = self.call.split(jax.tree.unflatten(placed.plan.param_tree, new_state))
         return (loss, state), self.call.split(grads)[0]
