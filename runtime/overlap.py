@@ -230,6 +230,8 @@ def contraction(
         return run(a.value, b.value), (a.value, b.value)
 
     def bwd(residuals, ct):
+        if isinstance(ct, jax.custom_derivatives.SymbolicZero):  # the product only fed stop_gradient
+            return None, None
         a, b = residuals
         a_v, b_v = vary(a, lhs_missing), vary(b, rhs_missing)
         d_lhs = None

@@ -256,6 +256,22 @@ class ResNetBN(nn.Module):
         return nn.Dense(self.num_classes)(jnp.mean(x, axis=(1, 2)))
 
 
+# --- a GAN discriminator with spectral normalisation (flax's nn.SpectralNorm) ---------------
+
+
+class SpectralDiscriminator(nn.Module):
+    """Spectrally normalised convolutions and head, as GAN discriminators write them: the
+    power iteration multiplies each kernel under ``stop_gradient`` (its ``u`` and ``sigma``
+    are ``batch_stats``, updated with ``update_stats=True``)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        for features in (16, 32):
+            x = nn.SpectralNorm(nn.Conv(features, (3, 3), strides=2))(x, update_stats=train)
+            x = nn.leaky_relu(x, 0.2)
+        return nn.SpectralNorm(nn.Dense(1))(x.reshape(x.shape[0], -1), update_stats=train)
+
+
 # --- index updates and batched lookups ----------------------------------------------------
 
 RNG = np.random.default_rng(11)

@@ -19,7 +19,8 @@ import pytest
 from conftest import spread
 from flax import linen as nn
 from flax import nnx
-from idiom_cases import IMAGES, GemmaBlock, GraphNet, ResNetBN, gemma_inputs, gpt_with_dropout, graph_batch
+from idiom_cases import (IMAGES, GemmaBlock, GraphNet, ResNetBN, SpectralDiscriminator, gemma_inputs,
+                         gpt_with_dropout, graph_batch)  # fmt: skip
 from partition_cases import (LR, STEPS, Case, _leaves, adamw_param_failures, adamw_trajectory,
                              assert_matches_reference, optimizer_state, reference_apply)  # fmt: skip
 
@@ -263,3 +264,33 @@ def test_a_collective_without_a_one_device_meaning_is_refused():
 
     with pytest.raises(ValueError, match=r"reduce_scatter over its own axis \('batch',\).*Remedy"):
         axonn_jax.partition(Scatter(), Grid(x=2, z=4), np.zeros((8, 4), np.float32))
+
+
+@pytest.mark.parametrize("grid", ["z=2,data=4", "x=2,y=2,z=2"])
+def test_a_spectrally_normalised_discriminator_trains_as_the_plain_one(grid, devices):
+    """nn.SpectralNorm's power iteration reads each kernel in a product whose result only
+    feeds ``stop_gradient``: its cotangent is a symbolic zero, which the backward of a
+    weight product (``runtime.overlap.contraction``) used to reject on grids with z
+    (``SymbolicZero is not a valid JAX type``). The loss, every gradient and the updated
+    ``u``/``sigma`` statistics equal the plain model's."""
+    model = SpectralDiscriminator()
+    variables = model.init(jax.random.key(0), IMAGES)
+    stats = {"mutable": ["batch_stats"]}
+
+    def loss_of(apply, variables):
+        def loss(params):
+            logits, updates = apply({**variables, "params": params}, IMAGES, **stats)
+            return jnp.mean(jax.nn.softplus(-logits)), updates  # the real-image term of the GAN loss
+
+        return jax.value_and_grad(loss, has_aux=True)(variables["params"])
+
+    (ref_loss, ref_updates), ref_grads = jax.jit(lambda v: loss_of(model.apply, v))(variables)
+    pm = axonn_jax.partition(model, Grid.parse(grid), IMAGES, **stats)
+    (loss, updates), grads = jax.jit(lambda v: loss_of(pm.apply, v))(pm.shard(variables))
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    got = _leaves(pm.gather({**variables, "params": grads, **updates}))
+    want = _leaves({**variables, "params": ref_grads, **ref_updates})
+    assert set(got) == set(want)
+    for path, ref in want.items():
+        np.testing.assert_allclose(got[path], ref, rtol=1e-5, atol=1e-6 * float(np.abs(ref).max()) + 1e-8,
+                                   err_msg=path)
