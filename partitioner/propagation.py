@@ -461,14 +461,19 @@ class _Walk:
         path, shape = self.traced.param_paths[p], self.traced.param_avals[p].shape
         lay = self.decided.get(p, ())
         for axis in (in_axis, out_axis):
-            if self.grid.axis_size(axis) > 1 and axis not in used_axes(lay):
+            size = self.grid.axis_size(axis)
+            if size > 1 and axis not in used_axes(lay):
+                if all(d % size == 0 for d in shape):  # it could be split: its activation is not
+                    why = (f"its dims divide by {size}, but the activation it multiplies is not split "
+                           f"over {axis} there (a transpose or reshape before it moved the split)")
+                    remedy = f"none needed if the layer is small (its work repeats over {axis}); else a grid with a smaller {axis}"
+                else:
+                    why = (f"the dim that should be is not divisible by {size}, or the activation it "
+                           f"multiplies is not split over {axis} there")
+                    remedy = f"make the layer's feature dims multiples of {size}, or choose a grid with a smaller {axis}"
                 self._problem(
-                    f"parameter '{path}' {tuple(shape)}: no dim of it is split over "
-                    f"{axis}={self.grid.axis_size(axis)} (the dim that should be is not "
-                    f"divisible, or its activation is not split); that part of the layer "
-                    f"is replicated over {axis}. Remedy: make the layer's feature dims "
-                    f"multiples of {self.grid.axis_size(axis)}, or choose a grid with a "
-                    f"smaller {axis}."
+                    f"parameter '{path}' {tuple(shape)}: no dim of it is split over {axis}={size} "
+                    f"({why}); that part of the layer is replicated over {axis}. Remedy: {remedy}."
                 )
 
     def _check_stacked(self, p: int, lay: Layout) -> None:

@@ -59,6 +59,27 @@ def test_indivisible_dim_is_replicated_with_warning(devices):
     assert "narrow/kernel" in text and "(12, 6)" in text and "x=4" in text
 
 
+class _TokenMixing(nn.Module):
+    """MLP-Mixer's block: a token-mixing MLP between two transposes, then a channel MLP."""
+
+    @nn.compact
+    def __call__(self, x):  # [batch, tokens, channels]
+        y = jnp.swapaxes(nn.LayerNorm()(x), 1, 2)
+        x = x + jnp.swapaxes(nn.Dense(16)(nn.gelu(nn.Dense(16)(y))), 1, 2)
+        return x + nn.Dense(32)(nn.gelu(nn.Dense(64)(nn.LayerNorm()(x))))
+
+
+def test_an_unsplit_layer_is_named_with_its_cause():
+    """A layer left whole says why: a dim that does not divide the axis (make them multiples),
+    or, where every dim divides, a transpose that left its activation split otherwise (the
+    warning used to name divisibility there too, with the multiples remedy that cannot help)."""
+    narrow = axonn_jax.partition(Narrow(), Grid(x=4, z=2), X).plan.warnings
+    assert any("not divisible by 4" in w and "multiples of 4" in w for w in narrow), narrow
+    mixer = axonn_jax.partition(_TokenMixing(), Grid(y=2, data=4), np.zeros((8, 16, 32), np.float32)).plan.warnings
+    assert mixer and all("its dims divide by 2, but the activation it multiplies is not split over y" in w
+                         and "multiples" not in w for w in mixer), mixer
+
+
 def test_indivisible_dim_raises_in_strict_mode(devices):
     with pytest.raises(ValueError, match=r"'narrow/kernel' \(12, 6\).*x=4.*Remedy"):
         axonn_jax.partition(Narrow(), Grid(x=4, z=2), X, strict=True)
