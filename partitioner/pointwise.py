@@ -54,8 +54,11 @@ def jvp_rule(params: dict, num_primals: int) -> tuple:
 
 
 def is_pointwise(jaxpr, shape: tuple[int, ...]) -> bool:
-    """Every value of ``jaxpr`` has ``shape`` or is a scalar; every operation is elementwise."""
+    """Every value of ``jaxpr`` has ``shape``, is a scalar or is one scalar broadcast (a
+    fill, possibly broadcast again: ``jax.vmap`` of relu's rule fills a zero at the
+    unbatched shape, then broadcasts it over the batch); every operation is elementwise."""
     values = [*jaxpr.invars, *jaxpr.constvars, *jaxpr.outvars]
+    fills = set()  # broadcasts of one scalar
     for eqn in jaxpr.eqns:
         values += [v for v in eqn.invars if not is_literal(v)] + list(eqn.outvars)
         name = eqn.primitive.name
@@ -63,11 +66,12 @@ def is_pointwise(jaxpr, shape: tuple[int, ...]) -> bool:
             if not is_pointwise(call_body(eqn)[0], shape):
                 return False
         elif name == "broadcast_in_dim":
-            if any(shape_of(v) != () for v in eqn.invars):
+            if any(shape_of(v) != () and v not in fills for v in eqn.invars):
                 return False
+            fills.update(eqn.outvars)
         elif name not in ELEMENTWISE:
             return False
-    return all(shape_of(v) in (shape, ()) for v in values)
+    return all(shape_of(v) in (shape, ()) or v in fills for v in values)
 
 
 def replaced_rules(closed) -> tuple[str, ...]:

@@ -24,9 +24,11 @@ from axonn_jax.partitioner.pointwise import jvp_rule
 from axonn_jax.runtime.varying import match_vma
 
 
-def evaluate(jaxpr, consts, args: Sequence, shape: tuple[int, ...]) -> list:
-    """Evaluate a pointwise ``jaxpr`` on values of ``shape`` (or scalars)."""
+def evaluate(jaxpr, consts, args: Sequence, shape: tuple[int, ...], whole: tuple[int, ...]) -> list:
+    """Evaluate a pointwise ``jaxpr`` traced at the global shape ``whole`` on values of the
+    local ``shape`` (or scalars)."""
     env = {}
+    fills = {}  # a broadcast of one scalar to another shape (jax.vmap's rules): that scalar
 
     def read(v):
         return v.val if isinstance(v, jex_core.Literal) else env[v]
@@ -34,16 +36,20 @@ def evaluate(jaxpr, consts, args: Sequence, shape: tuple[int, ...]) -> list:
     env.update(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     for eqn in jaxpr.eqns:
-        values = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in CALL_PRIMITIVES:  # an inner custom rule is not the one in force
+        if eqn.primitive.name == "broadcast_in_dim":  # a scalar (or a fill) to the global shape
+            (v,) = eqn.invars
+            literal = isinstance(v, jex_core.Literal)
+            scalar = read(v) if literal or v not in fills else fills[v]
+            if tuple(eqn.outvars[0].aval.shape) != tuple(whole):  # a fill broadcast again later
+                fills[eqn.outvars[0]] = scalar
+                continue
+            outs = [lax.broadcast_in_dim(scalar, shape, ())]
+        elif eqn.primitive.name in CALL_PRIMITIVES:  # an inner custom rule is not the one in force
             inner, inner_consts = call_body(eqn)
-            outs = evaluate(inner, inner_consts, values[-len(inner.invars):], shape)
+            outs = evaluate(inner, inner_consts, [read(v) for v in eqn.invars][-len(inner.invars):], shape, whole)
         else:
-            params = dict(eqn.params)
-            if eqn.primitive.name == "broadcast_in_dim":  # a scalar to the global shape
-                params["shape"] = shape
-            values = match_vma(values, [v.aval.dtype for v in eqn.invars])
-            outs = eqn.primitive.bind(*values, **params)
+            values = match_vma([read(v) for v in eqn.invars], [v.aval.dtype for v in eqn.invars])
+            outs = eqn.primitive.bind(*values, **eqn.params)
             outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
@@ -54,16 +60,17 @@ def bind_custom_jvp(params: dict, values: Sequence[jax.Array]) -> list:
     call = params["call_jaxpr"]
     num_consts = params["num_consts"]
     shape = next(v.shape for v in values if getattr(v, "ndim", 0))
+    whole = tuple(call.jaxpr.outvars[0].aval.shape)
 
     @jax.custom_jvp
     def call_local(*args):
-        return evaluate(call.jaxpr, call.consts, args, shape)
+        return evaluate(call.jaxpr, call.consts, args, shape, whole)
 
     @call_local.defjvp
     def call_local_jvp(primals, tangents):
         primals, tangents = primals[num_consts:], tangents[num_consts:]
         rule, rule_consts, out_zeros = jvp_rule(params, len(primals))
-        outs = evaluate(rule, rule_consts, [*primals, *tangents], shape)
+        outs = evaluate(rule, rule_consts, [*primals, *tangents], shape, whole)
         out_primals, nonzero = outs[: len(out_zeros)], iter(outs[len(out_zeros):])
         out_tangents = [lax.zeros_like_array(p) if zero else next(nonzero)
                         for p, zero in zip(out_primals, out_zeros)]  # fmt: skip

@@ -86,6 +86,32 @@ def test_pointwise_rule_is_kept_on_every_grid(activation, grid, devices):
     assert not [w for w in pm.plan.warnings if "inlined" in w], pm.plan.warnings
 
 
+class _Heads(nn.Module):
+    """An ensemble of relu MLP heads under ``nn.vmap`` (one set of weights per head)."""
+
+    @nn.compact
+    def __call__(self, x):
+        head = nn.vmap(Net, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                       out_axes=0, axis_size=4)  # fmt: skip
+        return jnp.mean(head(nn.relu)(x), axis=0)
+
+
+@pytest.mark.parametrize("grid", [dict(z=2, data=4), dict(x=2, y=2, z=2)], ids=lambda g: ",".join(
+    f"{k}={v}" for k, v in g.items()))  # fmt: skip
+def test_a_batched_relu_keeps_its_rule(grid, devices):
+    """Under ``vmap`` relu's rule fills its zero tangent at the unbatched shape and broadcasts
+    it over the batch: still pointwise. It used to be inlined (with a warning), so on the
+    zero rows the gradients were autodiff of max(x, 0)'s (relu'(0) = 0.5), not relu's."""
+    model, x = _Heads(), _inputs()
+    params = model.init(jax.random.key(0), x)["params"]
+    ref = _grads(lambda p, a: model.apply({"params": p}, a), params, x)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(**grid), x)
+    assert not [w for w in pm.plan.warnings if "inlined" in w], pm.plan.warnings
+    got = pm.gather(_grads(pm.apply, pm.shard(params), x))
+    for path, (err, bound) in _max_errors(got, ref).items():
+        assert err <= bound, f"{path} on {grid}: {err:.3e} > {bound:.3e}"
+
+
 def test_kept_call_is_one_equation_split_like_its_operand():
     model, x = Net(nn.relu), _inputs()
     traced = trace_model(model, x)
