@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -202,14 +201,17 @@ def main(argv=None) -> int:
     if ckpt.all_steps() and not args.resume:
         if not args.fresh:
             raise SystemExit(_occupied_message(ckpt_dir, ckpt.all_steps(), previous, run))
-        ckpt.close()
-        host = host_comm()  # every process closed it before one deletes
+        if info.is_main:
+            print(f"--fresh: deleting the checkpoints in {ckpt_dir} (steps {ckpt.all_steps()} and "
+                  f"{RUN_RECORD}; other files stay)")
+        for step in ckpt.all_steps():
+            ckpt.delete(step)
+        host = host_comm()  # every process deleted before the record goes
         host.barrier()
         if info.is_main:
-            print(f"--fresh: deleting the checkpoints in {ckpt_dir}")
-            shutil.rmtree(ckpt_dir)
+            (ckpt_dir / RUN_RECORD).unlink(missing_ok=True)
         host.barrier()
-        ckpt, previous = Checkpointer(ckpt_dir, max_to_keep=2, takeover=args.resume), None
+        previous = None
     resuming = args.resume and ckpt.latest_step() is not None
     if resuming and previous is not None:
         check_resumable(previous, run, ckpt_dir)

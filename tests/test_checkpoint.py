@@ -245,6 +245,50 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(devices,
     _assert_bitwise(checkpoint.restore(directory, params=layout).params, values(2))
 
 
+def test_delete_removes_one_committed_step_and_nothing_else(devices, tmp_path):
+    directory, layout = tmp_path / "ckpt", shardings(devices)
+    directory.mkdir()
+    (directory / "notes.txt").write_text("the user's")
+    with Checkpointer(directory, max_to_keep=None) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, place(values(step), layout))
+        ckpt.delete(1)  # waits for step 2's save first
+        assert ckpt.all_steps() == [2]
+        with pytest.raises(CheckpointError, match=r"no committed step 5 .*\[2\]"):
+            ckpt.delete(5)
+    assert sorted(p.name for p in directory.iterdir() if not p.name.startswith(".")) == ["2", "notes.txt"]
+    with Checkpointer(directory, read_only=True) as reader, pytest.raises(ValueError, match="read-only"):
+        reader.delete(2)
+
+
+def test_folders_that_only_look_like_steps_are_never_deleted(devices, tmp_path):
+    """The user's folders named with digits in the checkpoint directory (``7``, ``0042``) are
+    no steps: a writer refuses the directory, naming them (orbax counted them as steps, and
+    its ``max_to_keep`` deleted ``7`` with the user's files in it), and a reader lists only
+    the real steps. A step folder a killed save left behind still counts as the writer's."""
+    directory = tmp_path / "ckpt"
+    layout = shardings(devices)
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(1, place(values(1), layout))
+    for name in ("7", "0042"):
+        (directory / name).mkdir()
+        (directory / name / "data.csv").write_text("the user's")
+    with pytest.raises(ValueError, match=r"not checkpoints: 0042, 7\..*Remedy: move them out"):
+        Checkpointer(directory, max_to_keep=1)
+    assert (directory / "7" / "data.csv").read_text() == (directory / "0042" / "data.csv").read_text() == "the user's"
+    with Checkpointer(directory, read_only=True) as reader:
+        assert reader.all_steps() == [1] and reader.latest_step() == 1
+    _assert_bitwise(checkpoint.restore(directory, params=layout).params, values(1))
+    shutil.rmtree(directory / "7")
+    shutil.rmtree(directory / "0042")
+    (directory / "5" / "params").mkdir(parents=True)  # what a killed save can leave: the writer's own
+    Checkpointer(directory, max_to_keep=1).close()
+    file = tmp_path / "a_file"
+    file.write_text("")
+    with pytest.raises(NotADirectoryError, match="is a file. Remedy"):
+        Checkpointer(file)
+
+
 # --- damaged checkpoints -------------------------------------------------------------
 
 

@@ -80,6 +80,13 @@ def test_rerunning_without_resume_is_refused_before_training(tmp_path):
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert again.returncode == 1 and "already holds checkpoints (steps [1])" in again.stderr
     assert "--resume to continue" in again.stderr and "--fresh" in again.stderr
+    # --fresh deletes the checkpoints and the run record, not the user's files beside them
+    # (it used to delete the whole --ckpt-dir)
+    (tmp_path / "ckpt" / "notes.txt").write_text("the user's")
+    fresh = run_example(tmp_path, "--steps", "1", *SMALL, "--grid", "data=8", "--batch", "8", "--fresh")
+    assert "--fresh: deleting the checkpoints" in fresh.stdout and "other files stay" in fresh.stdout
+    assert (tmp_path / "ckpt" / "notes.txt").read_text() == "the user's"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name[0].isdigit()) == ["1"]
 
 
 def _metrics(out) -> list[dict]:

@@ -56,6 +56,24 @@ class Restored:
     extra: dict
 
 
+def foreign_step_folders(directory: Path) -> list[str]:
+    """Folders of ``directory`` named like a step (digits: orbax reads ``0042`` as step 42)
+    that hold nothing a save writes (no item folder, no orbax step metadata or commit
+    marker, as a killed save may leave): the user's own.
+
+    Orbax would list them as steps, and delete them once ``max_to_keep`` newer steps exist.
+
+    Example:
+        >>> foreign_step_folders(Path("runs/ckpt"))  # doctest: +SKIP
+        ['7']
+    """
+    if not directory.is_dir():
+        return []
+    written = (*_ITEMS, "meta", "_CHECKPOINT_METADATA", "commit_success.txt")
+    return sorted(d.name for d in directory.iterdir() if d.is_dir() and d.name.isdigit()
+                  and not any((d / name).exists() for name in written))  # fmt: skip
+
+
 def _create_directory(directory: Path) -> None:
     """Process 0 creates ``directory``; every process returns once it exists (collective)."""
     made = None
@@ -101,6 +119,17 @@ class Checkpointer:
             )
         self.directory = Path(directory).absolute()
         self._read_only = read_only
+        if self.directory.exists() and not self.directory.is_dir():
+            raise NotADirectoryError(f"the checkpoint directory {self.directory} is a file. Remedy: "
+                                     "name a directory (it is created if missing).")
+        foreign = foreign_step_folders(self.directory)
+        if foreign and not read_only:
+            raise ValueError(
+                f"{self.directory} holds folders named like checkpoint steps that are not "
+                f"checkpoints: {', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}. Orbax "
+                "would count them as steps and delete them when it keeps the newest max_to_keep. "
+                "Remedy: move them out, or give the Checkpointer a directory of its own."
+            )
         processes = jax.process_count()
         if processes > 1 and not read_only:
             _create_directory(self.directory)
@@ -226,13 +255,35 @@ class Checkpointer:
 
     # --- listing ----------------------------------------------------------
     def all_steps(self) -> list[int]:
-        """Committed steps on disk, oldest first (in-flight or killed saves are not listed)."""
-        return sorted(ocp.path.step.checkpoint_steps(self.directory))
+        """Committed steps on disk, oldest first (in-flight or killed saves, and folders that
+        only look like steps, are not listed)."""
+        foreign = {int(name) for name in foreign_step_folders(self.directory)}
+        return sorted(set(ocp.path.step.checkpoint_steps(self.directory)) - foreign)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``."""
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def delete(self, step: int) -> None:
+        """Delete committed ``step`` (after the pending save), and nothing else of the directory.
+
+        Collective under MPI, like :meth:`save`. Example: start over in place, keeping the
+        files beside the checkpoints::
+
+            for step in ckpt.all_steps():
+                ckpt.delete(step)
+        """
+        check_step(step, "delete")
+        if self._read_only:
+            raise ValueError(f"this Checkpointer of {self.directory} is read-only. Remedy: open it "
+                             "with read_only=False to delete steps.")
+        self.wait()
+        steps = self.all_steps()
+        if int(step) not in steps:
+            raise CheckpointError(f"no committed step {int(step)} in {self.directory} to delete "
+                                  f"(committed: {steps}). Remedy: delete one of those.")
+        self._manager.delete(int(step))
 
     # --- restoring --------------------------------------------------------
     def restore(self, step: int | None = None, *, params, opt_state=None,
