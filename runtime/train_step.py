@@ -28,6 +28,7 @@ import abc
 import dataclasses
 import functools
 import re
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -148,12 +149,48 @@ class TrainStep(abc.ABC):
 
         ``params`` as :meth:`init` returned them (linen's ``{'params': tree}`` too)."""
         tree, wrapped = self.engine.plan_tree(params)
+        _check_step_inputs(tree, opt_state, batch)
+        self._check_issued(tree, opt_state)
         tree, opt_state, loss = self._step(tree, opt_state, batch, rngs)
+        self._issue(tree, opt_state)
         return wrap_params(tree, wrapped), opt_state, loss
+
+    # --- params that belong to their masters ------------------------------------------
+    def _master_leaf(self, opt_state):
+        """One float32 master of ``opt_state`` (``None``: the step keeps no masters)."""
+        states = self.engine.unpack_states(getattr(opt_state, "optimizer", None)) or {}
+        for s in sorted(states):
+            leaves = jax.tree.leaves(getattr(states[s], "master", None))
+            if leaves:
+                return leaves[0]
+        return None
+
+    def _issue(self, params, opt_state) -> None:
+        """Remember that ``params`` are the device copies of ``opt_state``'s masters."""
+        master = self._master_leaf(opt_state)
+        if master is not None:
+            self._issued = (weakref.ref(master), [id(x) for x in jax.tree.leaves(params)])
+
+    def _check_issued(self, params, opt_state) -> None:
+        """Refuse params other than those issued with ``opt_state``'s masters: the step updates
+        the masters, so other values (weights loaded into params) would be silently dropped."""
+        master, issued = self._master_leaf(opt_state), getattr(self, "_issued", None)
+        if master is None or issued is None or issued[0]() is not master:
+            return  # no masters, or an opt_state this step did not issue: nothing to compare
+        if [id(x) for x in jax.tree.leaves(params)] != issued[1]:
+            raise ValueError(
+                f"params are not the ones step.init / the last step returned with this opt_state. "
+                f"With precision={self.settings.precision.name!r}"
+                f"{' and offload' if self.settings.offload else ''} the step keeps float32 master "
+                "weights in opt_state and updates those, so values put into params (loaded "
+                "weights) would be lost after one step. Remedy: params, opt_state = "
+                "step.init(new_params) to start from new weights (a fresh optimizer state), or "
+                "step.from_checkpoint(new_params, saved) to keep a saved optimizer state."
+            )
 
     @abc.abstractmethod
     def _step(self, params, opt_state: OptState, batch, rngs):
-        """One step on ``params`` as the plan holds them."""
+        """One step on ``params`` as the plan holds them (inputs checked)."""
 
     # --- pieces -----------------------------------------------------------------
     def _groups(self) -> dict[int, list[int]]:
@@ -195,8 +232,9 @@ class TrainStep(abc.ABC):
         scale = None
         if self.settings.precision.loss_scaling:
             scale = jax.device_put(self.settings.precision.loss_scale(), self._scale_sharding())
-        device = wrap_params(jax.tree.unflatten(self.plan.param_tree, out), wrapped)
-        return device, OptState(self.engine.pack_states(states), scale)
+        device, opt_state = jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(states), scale)
+        self._issue(device, opt_state)
+        return wrap_params(device, wrapped), opt_state
 
     # --- checkpoints: one form for every grid, pipeline and offload mode ----------------
     def checkpoint_state(self, params, opt_state: OptState) -> tuple[Any, dict]:
@@ -299,7 +337,6 @@ class SingleMeshStep(TrainStep):
         return step
 
     def _step(self, params, opt_state: OptState, batch, rngs):
-        _check_step_inputs(params, opt_state, batch)
         return self._program(0).run(params, opt_state, batch, rngs)
 
     one_program = True
@@ -350,7 +387,6 @@ class PipelinedStep(TrainStep):
         self.across_stages  # noqa: B018 - analysed once; raises what cannot be exact
 
     def _step(self, params, opt_state: OptState, batch, rngs):
-        _check_step_inputs(params, opt_state, batch)
         placed, scale = self.placed, opt_state.loss_scale
         grad_scale = None if scale is None else np.asarray(scale.scale)  # a host value: any stage's mesh
         loss, grads = self.value_and_grad(params, batch, rngs, loss_scale=grad_scale)

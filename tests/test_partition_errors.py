@@ -241,6 +241,39 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
         step(params, opt_state, X)  # the first step donated these
 
 
+@pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(pipeline=2, x=2, z=2)],
+                         ids=["x2z2data2", "pipeline2"])  # fmt: skip
+def test_weights_loaded_into_params_beside_float32_masters_are_refused(grid, devices):
+    """With bf16 parameters the step keeps float32 masters in opt_state and updates those:
+    weights loaded into params afterwards used to be used for one loss and then silently
+    replaced by the old masters. Refused, naming the remedy, which works; with fp32 (no
+    masters) the params given are the weights, as before, and the step takes them."""
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid(**grid), X)
+    target = np.ones((8, 8), np.float32)
+
+    def loss(out, batch):
+        return jnp.mean((out - target) ** 2)
+
+    loaded = Narrow().init(jax.random.key(123), X)["params"]
+    step = pm.train_step(loss, optax.sgd(0.0), precision="bf16")
+    params, opt_state = step.init(pm.init(jax.random.key(0)))
+    params, opt_state, _ = step(params, opt_state, X)  # what a step returned: accepted
+    with pytest.raises(ValueError, match=r"params are not the ones.*float32 master.*step\.init\(new_params\)"):
+        step(pm.shard(loaded), opt_state, X)
+    params, opt_state = step.init(pm.shard(loaded))  # the remedy
+    params, opt_state, _ = step(params, opt_state, X)
+    after = jax.tree.leaves(pm.gather(params, opt_state))  # lr 0: the loaded weights stay
+    for got, want in zip(after, jax.tree.leaves(loaded)):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=0, atol=0)
+    fp32 = pm.train_step(loss, optax.sgd(0.0))
+    _, state32 = fp32.init(pm.init(jax.random.key(0)))
+    new, _, _ = fp32(pm.shard(loaded), state32, X)
+    for got, want in zip(jax.tree.leaves(pm.gather(new)), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(got, np.asarray(want))
+
+
 @pytest.mark.parametrize("grid", [dict(x=2, y=2, z=2), dict(pipeline=2, x=2, z=2)],
                          ids=["x2y2z2", "pipeline2"])  # fmt: skip
 def test_train_step_misuse_is_named_with_the_remedy(grid, devices):
