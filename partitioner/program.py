@@ -148,7 +148,17 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
             "parameter layout than the example inputs given to partition(). Remedy: partition "
             "with example inputs of these shapes."
         )
-    return _program(traced, with_cuts(closed, plan.scan_cuts), grid, plan, layouts)
+    closed = with_cuts(closed, plan.scan_cuts)
+    if len(plan.stages) > 1 and len(closed.jaxpr.eqns) != plan.stages[-1].stop:
+        raise ValueError(
+            f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} make the model run other "
+            f"operations ({len(closed.jaxpr.eqns)} where the example inputs given to partition() ran "
+            f"{plan.stages[-1].stop}, e.g. a slice of position embeddings for a shorter sequence), so "
+            f"the {len(plan.stages)} pipeline stages cut for the example do not fit them. Remedy: "
+            "call with inputs of the example's shapes (pad to its length), or partition with "
+            "example inputs of these shapes."
+        )
+    return _program(traced, closed, grid, plan, layouts)
 
 
 def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions = PlanOptions(),

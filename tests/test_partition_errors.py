@@ -241,6 +241,25 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
         step(params, opt_state, X)  # the first step donated these
 
 
+def test_a_pipeline_refuses_inputs_that_make_the_model_run_other_operations(devices):
+    """A GPT planned on pipeline=2 for 16 tokens, called with 15 (its position embeddings are
+    sliced: one more operation), used to fail deep inside with a KeyError, and a second call
+    with an AttributeError. Refused with the remedy, every time; another batch size runs."""
+    from axonn_jax.models import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, num_layers=2, hidden=32, num_heads=4, max_seq_len=16))
+    pm = axonn_jax.partition(model, Grid(pipeline=2, x=2, z=2), np.zeros((4, 16), np.int32))
+    params = pm.init(jax.random.key(0))
+    tokens = np.random.default_rng(1).integers(0, 64, (8, 16)).astype(np.int32)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"shapes \[\(4, 15\)\] make the model run other operations.*"
+                                             r"pipeline stages.*Remedy: call with inputs of the example's shapes"):
+            pm.apply(params, tokens[:4, :15])
+    out = pm.apply(params, tokens)  # 8 rows where the example had 4: the same operations
+    np.testing.assert_allclose(np.asarray(out), np.asarray(model.apply({"params": pm.gather(params)}, tokens)),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
 @pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(pipeline=2, x=2, z=2)],
                          ids=["x2z2data2", "pipeline2"])  # fmt: skip
 def test_weights_loaded_into_params_beside_float32_masters_are_refused(grid, devices):

@@ -161,10 +161,11 @@ def test_fp16_pipelined_steps_scale_the_loss_skip_overflows_and_compile_once(gpt
         err = float(np.linalg.norm(np.asarray(got) - np.asarray(w)))
         assert err <= 1e-3 * step_norm + 1e-6 * max(moved), (err, step_norm)
 
-    # an fp16 weight that overflowed (inf): every gradient downstream is non-finite
-    device, state = _fp16_state(step, pm, init, 2.0**8)
-    path = next(p for p, _ in jax.tree_util.tree_leaves_with_path(device) if "norm_final" in str(p))
-    device = jax.tree_util.tree_map_with_path(lambda p, x: jnp.full_like(x, jnp.inf) if p == path else x, device)
+    # an fp16 weight that overflowed (inf): every gradient downstream is non-finite (set in the
+    # weights the step starts from: a step refuses device params other than its masters' copies)
+    path = next(p for p, _ in jax.tree_util.tree_leaves_with_path(init) if "norm_final" in str(p))
+    overflowed = jax.tree_util.tree_map_with_path(lambda p, x: jnp.full_like(x, jnp.inf) if p == path else x, init)
+    device, state = _fp16_state(step, pm, overflowed, 2.0**8)
     before = pm.gather(master_params(pm.engine, device, state))
     new_device, new_state, _ = step(device, state, batch)
     assert (float(new_state.loss_scale.scale), int(new_state.loss_scale.good_steps)) == (2.0**7, 0)
