@@ -76,18 +76,45 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
                               replicated: NamedSharding):  # fmt: skip
     """Shardings of ``optimizer``'s state: parameter-like leaves follow their parameter.
 
-    Everything else (step counters, …) takes ``replicated``. ``params`` may be
-    arrays or ShapeDtypeStructs; ``None`` leaves (other stages) stay ``None``.
+    Everything else (step counters, …) takes ``replicated``, and so does state kept per
+    parameter in another shape (Adafactor's factored row and column statistics).
+    ``params`` may be arrays or ShapeDtypeStructs; ``None`` leaves (other stages) stay
+    ``None``, and so do the masked-out parameters of ``optax.masked`` /
+    ``optax.multi_transform`` (``MaskedNode``).
 
     Example:
         >>> optimizer_state_shardings(optax.adam(1e-3), params, pm.param_shardings,   # doctest: +SKIP
         ...                           NamedSharding(pm.mesh, P()))
     """
     abstract = jax.eval_shape(optimizer.init, params)
+
+    def follow(leaf, sharding, param):
+        if sharding is None or isinstance(leaf, optax.MaskedNode):
+            return leaf if sharding is not None else None
+        return sharding if np.shape(leaf) == np.shape(param) else replicated
+
     return optax.tree_map_params(
-        optimizer, lambda _, sharding: sharding, abstract, param_shardings,
-        transform_non_params=lambda _: replicated, is_leaf=lambda x: x is None,
+        optimizer, follow, abstract, param_shardings, params,
+        transform_non_params=lambda _: replicated, is_leaf=_kept_whole,
     )  # fmt: skip
+
+
+def _check_streamable(optimizer, state) -> None:
+    """Refuse state with masked-out parameters for the streamed update: its bucket-by-bucket
+    view of the trees leaves other buckets' parameters out, which ``optax.masked`` and
+    ``optax.multi_transform`` cannot tell from their own masked-out ones."""
+    if any(isinstance(x, optax.MaskedNode) for x in jax.tree.leaves(state, is_leaf=_kept_whole)):
+        raise ValueError(
+            f"update_on='device' streams the update in buckets of parameters, but the state of "
+            f"{type(optimizer).__name__} masks parameters out (optax.masked / optax.multi_transform), "
+            "which a bucket's partial view of the parameters cannot keep apart. Remedy: "
+            "update_on='host' (pm.train_step(..., offload=True, update_on='host'))."
+        )
+
+
+def _kept_whole(x) -> bool:
+    """Subtrees mapped as one leaf over a state: holes (``None``) and masked-out parameters."""
+    return x is None or isinstance(x, optax.MaskedNode)
 
 
 def state_labels(optimizer: optax.GradientTransformation, state, params) -> list[int]:
@@ -103,8 +130,8 @@ def state_labels(optimizer: optax.GradientTransformation, state, params) -> list
         [-1, 0, 1, 0, 1]
     """
     index = jax.tree.unflatten(jax.tree.structure(params), list(range(len(jax.tree.leaves(params)))))
-    labels = optax.tree_map_params(optimizer, lambda _, i: i, state, index,
-                                   transform_non_params=lambda _: -1)  # fmt: skip
+    labels = optax.tree_map_params(optimizer, lambda leaf, i: leaf if isinstance(leaf, optax.MaskedNode) else i,
+                                   state, index, transform_non_params=lambda _: -1, is_leaf=_kept_whole)  # fmt: skip
     return list(jax.tree.leaves(labels))
 
 
@@ -269,6 +296,8 @@ class MasterOptimizer:
         """
         self._check_structure(params, "params")
         shardings = self.state_shardings(params)
+        if self.offload and self.update_on == "device":
+            _check_streamable(self.optimizer, shardings.inner)
         to_master = lambda p: cast_floating(p, self.precision.master_dtype)  # noqa: E731
         master = None
         if self.keeps_master:
