@@ -31,5 +31,17 @@ class ProgramCache:
         """The :class:`Program` for a call with these inputs (traced once per signature)."""
         key = call_signature(args, kwargs)
         if key not in self._programs:
-            self._programs[key] = program_for(self.model, self.plan, *args, options=self.options, **kwargs)
+            try:
+                self._programs[key] = program_for(self.model, self.plan, *args, options=self.options, **kwargs)
+            except TypeError as err:
+                example = len(self.example.traced.example_call()[0])
+                if "positional argument" not in str(err) or len(args) == example:
+                    raise
+                raise TypeError(
+                    f"{err}: the model was called with {len(args)} positional inputs where the example "
+                    f"call given to partition() had {example}. A training call passes the whole batch "
+                    "unless told which part the model takes. Remedy: inputs=, e.g. "
+                    f"pm.train_step(loss_fn, optimizer, inputs=lambda batch: batch[:{example}]) (or "
+                    "pm.value_and_grad(loss_fn, inputs=...)) for a batch of (inputs, targets)."
+                ) from err
         return self._programs[key]

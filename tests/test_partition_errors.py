@@ -232,8 +232,14 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
             pm.value_and_grad(loss, microbatches=bad)
     with pytest.raises(TypeError, match=r"the batch is a dict \(keys \['x'\]\).*inputs="):
         pm.value_and_grad(loss)(pm.init(jax.random.key(0)), {"x": X})
+    with pytest.raises(TypeError, match=r"inputs must be a function of the batch.*got a tuple.*Remedy"):
+        pm.train_step(loss, optax.sgd(0.1), inputs=(X,))  # at construction, not at the first step
     step = pm.train_step(loss, optax.sgd(0.1))
     params, opt_state = step.init(pm.init(jax.random.key(0)))
+    # an (inputs, targets) batch without inputs=: Flax's "takes 2 positional arguments", and the remedy
+    with pytest.raises(TypeError, match=r"takes 2 positional arguments.*called with 2 positional inputs where "
+                                        r"the example call.*had 1.*inputs=lambda batch: batch\[:1\]"):
+        step(params, opt_state, (X, target))
     with pytest.raises(TypeError, match=r"opt_state must be what step.init\(params\) returned"):
         step(params, optax.sgd(0.1).init(params), X)
     new_params, opt_state, _ = step(params, opt_state, X)

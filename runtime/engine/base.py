@@ -145,6 +145,12 @@ class Engine(abc.ABC):
                        asynchronous: bool = True) -> Callable:  # fmt: skip
         """``(params, batch, rngs=None) → (loss, grads)`` (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
         check_differentiable(self.plan.params)
+        if inputs is not None and not callable(inputs):
+            raise TypeError(
+                f"inputs must be a function of the batch that returns the model's inputs, got a "
+                f"{type(inputs).__name__}. Remedy: inputs=lambda batch: (batch[0],) "
+                "(positional inputs) or inputs=lambda batch: {'x': batch['x']} (keywords)."
+            )
         if inputs is None:  # the batch, its items, or (a dict batch) the keyword inputs of partition()'s call
             inputs = functools.partial(default_inputs, keywords=self.call.keywords)
         return self._value_and_grad(loss_fn, inputs, microbatches, resolve_remat(remat),
