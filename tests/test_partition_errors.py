@@ -195,6 +195,17 @@ def test_apply_refuses_a_tree_with_other_names_shapes_or_dtypes(devices):
     np.testing.assert_array_equal(np.asarray(pm.apply(half, X)), np.asarray(pm.apply(cast, X)))
 
 
+def test_apply_takes_params_laid_out_for_another_grid(devices):
+    """Params another grid's plan laid out (pm_other.init) used to fail inside JAX with an
+    IndivisibleError; pm.apply moves them into its own layout and gives its own result."""
+    mine = axonn_jax.partition(Narrow(), Grid(x=2, z=2, data=2), X)
+    params = mine.init(jax.random.key(0))
+    want = np.asarray(mine.apply(params, X))
+    for grid in (Grid(x=2, y=2, z=2), Grid(data=8)):
+        other = axonn_jax.partition(Narrow(), grid, X).shard(mine.gather(params))
+        np.testing.assert_allclose(np.asarray(mine.apply(other, X)), want, rtol=1e-6, atol=1e-7)
+
+
 def test_nnx_weights_loaded_after_partition_are_used(devices):
     """pm.init of an nnx module reads the module's values when it is called, not at partition()."""
     from flax import nnx
