@@ -79,10 +79,12 @@ class MasterSettings:
 
 
 class UpdateProgram(NamedTuple):
-    """One local stage's optimizer and its jitted program (the whole step on one mesh)."""
+    """One local stage's optimizer, its jitted program (the whole step on one mesh) and the
+    shardings of the :class:`MasterState` it takes and returns."""
 
     optimizer: MasterOptimizer
     run: Callable
+    state_shardings: MasterState
 
 
 def _none(x) -> bool:
@@ -150,10 +152,36 @@ class TrainStep(abc.ABC):
         ``params`` as :meth:`init` returned them (linen's ``{'params': tree}`` too)."""
         tree, wrapped = self.engine.plan_tree(params)
         _check_step_inputs(tree, opt_state, batch)
+        self._check_state(opt_state)
         self._check_issued(tree, opt_state)
         tree, opt_state, loss = self._step(tree, opt_state, batch, rngs)
         self._issue(tree, opt_state)
         return wrap_params(tree, wrapped), opt_state, loss
+
+    def _check_state(self, opt_state) -> None:
+        """Refuse an opt_state made for another step: another optimizer (its state has other
+        parts) or other options (offloaded where this step keeps it on the device, or back)."""
+        states = self.engine.unpack_states(opt_state.optimizer) or {}
+        for s, state in states.items():
+            want = self._program(s).state_shardings
+            given = jax.tree.structure(state, is_leaf=_none)
+            if given != jax.tree.structure(want, is_leaf=_none):
+                raise ValueError(
+                    "opt_state was made for another step: its optimizer state does not have the parts "
+                    "this step's optimizer keeps (another optimizer, or other step options). "
+                    "Remedy: params, opt_state = step.init(params) with this step, or restore a "
+                    "checkpoint with step.from_checkpoint."
+                )
+            for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(state),
+                                              jax.tree.leaves(want)):  # fmt: skip
+                kind, wanted = getattr(leaf.sharding, "memory_kind", None), sharding.memory_kind
+                if isinstance(leaf, jax.Array) and wanted is not None and kind is not None and kind != wanted:
+                    raise ValueError(
+                        f"opt_state leaf '{jax.tree_util.keystr(path)}' is in {kind} memory, but this "
+                        f"step keeps it in {wanted} memory (offload={self.settings.offload}): the "
+                        "opt_state was made by a step with other offload options. Remedy: "
+                        "step.init(params) with this step, or step.from_checkpoint(params, saved)."
+                    )
 
     # --- params that belong to their masters ------------------------------------------
     def _master_leaf(self, opt_state):
@@ -207,7 +235,7 @@ class TrainStep(abc.ABC):
             abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
             # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
             out = (optimizer.param_shardings, optimizer.state_shardings(self._stage_tree(abstract, stage)))
-            self._programs[stage] = UpdateProgram(optimizer, self._compile(optimizer, out))
+            self._programs[stage] = UpdateProgram(optimizer, self._compile(optimizer, out), out[1])
         return self._programs[stage]
 
     # --- the public calls -----------------------------------------------------------

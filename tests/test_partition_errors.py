@@ -258,6 +258,31 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
         step(params, opt_state, X)  # the first step donated these
 
 
+def test_an_opt_state_made_for_another_step_is_refused_with_the_remedy(devices):
+    """Another optimizer's state, or state offloaded where the step keeps it on the device (and
+    back), used to fail inside optax ("the number of updates and states has to be the same in
+    chain") or JAX (memory kinds); refused before anything runs, and the remedy runs."""
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid(x=2, z=2, data=2), X)
+
+    def loss(out, batch):
+        return jnp.mean(out**2)
+
+    adamw = pm.train_step(loss, optax.adamw(1e-3), precision="bf16")
+    offloaded = pm.train_step(loss, optax.adamw(1e-3), precision="bf16", offload=True)
+    sgd = pm.train_step(loss, optax.sgd(0.1), precision="bf16")
+    params, state = adamw.init(pm.init(jax.random.key(0)))
+    with pytest.raises(ValueError, match=r"opt_state was made for another step.*Remedy: params, opt_state = step.init"):
+        sgd(params, state, X)
+    for step, other in ((offloaded, adamw), (adamw, offloaded)):
+        params, state = other.init(pm.init(jax.random.key(0)))
+        with pytest.raises(ValueError, match=r"is in (pinned_host|device) memory, but this step keeps it in .*Remedy"):
+            step(params, state, X)
+        params, state = step.init(pm.init(jax.random.key(0)))  # the remedy
+        step(params, state, X)
+
+
 def test_a_pipeline_refuses_inputs_that_make_the_model_run_other_operations(devices):
     """A GPT planned on pipeline=2 for 16 tokens, called with 15 (its position embeddings are
     sliced: one more operation), used to fail deep inside with a KeyError, and a second call
