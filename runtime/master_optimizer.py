@@ -20,10 +20,11 @@ gradients in that dtype; float32 master weights and the optimizer's state live
     waits for the previous bucket's write-back, so the device holds one bucket
     at a time; ``prefetch=True`` loads the next bucket while the previous one
     is written back instead (the two transfers overlap; at most two buckets on
-    the device: a load waits for the write-back of the bucket two before it). Buckets go in reverse parameter order (roughly the order in
-    which gradients become ready), so XLA can overlap them with the gradient
-    reduction. Requires a transformation that treats parameters independently
-    (adam, adamw, sgd, …): coupled ones are detected and refused.
+    the device: a load waits for the write-back of the bucket two before it).
+    Buckets go in reverse parameter order (roughly the order in which gradients
+    become ready), so XLA can overlap them with the gradient reduction.
+    Requires a transformation that treats parameters independently (adam,
+    adamw, sgd, …): coupled ones are detected and refused.
 
 Skipped steps: ``update(..., finite=flag)`` with a false flag returns the
 parameters, master weights and optimizer state unchanged (the step counter
@@ -89,8 +90,10 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     abstract = jax.eval_shape(optimizer.init, params)
 
     def follow(leaf, sharding, param):
-        if sharding is None or isinstance(leaf, optax.MaskedNode):
-            return leaf if sharding is not None else None
+        if sharding is None:  # another stage's parameter
+            return None
+        if isinstance(leaf, optax.MaskedNode):
+            return leaf
         return sharding if np.shape(leaf) == np.shape(param) else replicated
 
     return optax.tree_map_params(

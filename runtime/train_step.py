@@ -123,6 +123,8 @@ class TrainStep(abc.ABC):
             check_offloadable(optimizer)
         self.value_and_grad = engine.value_and_grad(loss_fn, **options)
         self._programs: dict[int, UpdateProgram] = {}  # local stage → its optimizer and program
+        #: (a weak reference to one master of the opt_state last issued, the ids of its params)
+        self._issued: tuple | None = None
 
     @property
     def loss_notes(self) -> dict:
@@ -174,8 +176,10 @@ class TrainStep(abc.ABC):
                 )
             for (path, leaf), sharding in zip(jax.tree_util.tree_leaves_with_path(state),
                                               jax.tree.leaves(want)):  # fmt: skip
+                if not isinstance(leaf, jax.Array):
+                    continue
                 kind, wanted = getattr(leaf.sharding, "memory_kind", None), sharding.memory_kind
-                if isinstance(leaf, jax.Array) and wanted is not None and kind is not None and kind != wanted:
+                if wanted is not None and kind is not None and kind != wanted:
                     raise ValueError(
                         f"opt_state leaf '{jax.tree_util.keystr(path)}' is in {kind} memory, but this "
                         f"step keeps it in {wanted} memory (offload={self.settings.offload}): the "
@@ -202,7 +206,7 @@ class TrainStep(abc.ABC):
     def _check_issued(self, params, opt_state) -> None:
         """Refuse params other than those issued with ``opt_state``'s masters: the step updates
         the masters, so other values (weights loaded into params) would be silently dropped."""
-        master, issued = self._master_leaf(opt_state), getattr(self, "_issued", None)
+        master, issued = self._master_leaf(opt_state), self._issued
         if master is None or issued is None or issued[0]() is not master:
             return  # no masters, or an opt_state this step did not issue: nothing to compare
         if [id(x) for x in jax.tree.leaves(params)] != issued[1]:
