@@ -211,7 +211,26 @@ APPLY_KWARGS = ("rngs", "mutable")
 
 def _split_apply_kwargs(kwargs: dict) -> tuple[dict, dict]:
     call = {k: v for k, v in kwargs.items() if k not in APPLY_KWARGS}
+    check_rngs(kwargs.get("rngs"))
     return call, {k: kwargs[k] for k in APPLY_KWARGS if k in kwargs}
+
+
+def check_rngs(rngs) -> None:
+    """Refuse ``rngs`` that are not a dict of named streams, naming the remedy.
+
+    Flax also takes one bare key (as ``{'params': key}``, the other streams folded
+    from it); here each stream is an input of its own, so it is named:
+
+        >>> check_rngs(jax.random.key(0))  # doctest: +SKIP
+        TypeError: rngs must be a dict of named RNG streams ... rngs={'dropout': key}
+    """
+    if rngs is not None and not isinstance(rngs, Mapping):
+        raise TypeError(
+            f"rngs must be a dict of named RNG streams, got "
+            f"{'one key' if hasattr(rngs, 'dtype') else 'a ' + type(rngs).__name__} (Flax reads one "
+            "bare key as {'params': key}). Remedy: name the streams the model draws, e.g. "
+            "rngs={'dropout': key}, in the call given to partition() and in later calls."
+        )
 
 
 def _trace_linen(model, abstract_args) -> TracedModel:

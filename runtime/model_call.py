@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from axonn_jax.partitioner.trace import APPLY_KWARGS, TracedModel, is_static
+from axonn_jax.partitioner.trace import APPLY_KWARGS, TracedModel, check_rngs, is_static
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,7 @@ class ModelCall:
 
     def kwargs(self, rngs: Mapping[str, jax.Array] | None, microbatch, microbatches: int) -> dict:
         """Keyword arguments of the model call for one microbatch."""
+        check_rngs(rngs)
         kw = dict(self.static_kwargs)
         if rngs:
             kw["rngs"] = microbatch_rngs(rngs, microbatch, microbatches)

@@ -107,6 +107,21 @@ def test_raw_keys_and_unsplit_key_inputs(devices):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
+def test_one_bare_rng_key_is_refused_with_the_remedy(devices):
+    """Flax reads ``rngs=key`` as ``{'params': key}``; here every stream is an input of its
+    own, so a bare key is refused by name (it failed with "len() of unsized object")."""
+    model, args, params, keys, _ = plain_dropout_run(1)
+    with pytest.raises(TypeError, match=r"rngs must be a dict of named RNG streams, got one key.*"
+                                        r"Remedy: .*rngs=\{'dropout': key\}"):
+        axonn_jax.partition(model, axonn_jax.Grid(x=2, z=2, data=2), *args, deterministic=False, rngs=KEY)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, z=2, data=2), *args, deterministic=False,
+                             rngs={"dropout": KEY})  # fmt: skip
+    with pytest.raises(TypeError, match="got one key"):
+        pm.apply(pm.shard(params), *args, deterministic=False, rngs=KEY)
+    with pytest.raises(TypeError, match="got one key"):
+        pm.value_and_grad(dropout_loss)(pm.shard(params), args[0], rngs=KEY)
+
+
 def test_missing_rng_stream_names_the_remedy(devices):
     class Drop(nn.Module):
         @nn.compact
