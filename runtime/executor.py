@@ -214,7 +214,7 @@ class Executor:
     def __init__(self, program: Program, *, overlap: Overlap = Overlap()):
         self.jaxpr, self.consts, self.grid = program.jaxpr, list(program.consts), program.grid
         self.param_storage = list(program.param_storage)
-        self._trainable = program.traced.trainable or (True,) * len(self.param_storage)
+        self._trainable = program.traced.trainable  # one flag per variable leaf (partitioner.trace)
         self.arg_layouts = list(program.arg_layouts)
         self.out_layouts = list(program.output_layouts)
         self.overlap = overlap
