@@ -18,6 +18,9 @@ weight re-gather                    all-gather   z            backward, under re
 whole-read weight gather            all-gather   its axis     forward, per microbatch (a
                                                               kernel stored split, read
                                                               whole: ``Param.read_whole``)
+whole-read weight gradient          all-reduce   its axis     backward (a kernel gathered,
+                                                              then sliced on another dim:
+                                                              ``Param.read_whole_grad``)
 weight-gradient scatter             reduce-scat  z            backward, per microbatch
 layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
 layer output (default)              reduce-scat  in axis      forward (×2 recompute;
@@ -30,7 +33,12 @@ input gradient                      all-reduce   out axis     backward (default:
                                                               model's data: input_grad)
 input gradient (default)            reduce-scat  out axis     backward: the gathered
                                                               input's transpose (OAR)
+sliced output gradient              all-reduce   in axis      backward (a convolution's
+                                                              whole output sliced over its
+                                                              in axis: ``sliced_output``)
 norm statistics                     all-reduce   its axis (y) forward (×2 recompute), bwd
+batch statistics                    all-reduce   the batch    forward (×2 recompute), bwd
+                                                 axes         (BatchNorm: ``BatchStatistics``)
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
 output gather                       all-gather   x (and y)    forward (vocabulary-parallel
                                                               logits; default: their batch;
@@ -206,6 +214,10 @@ class _Step:
                 for phase in ("forward", "backward") if self.recompute and p.per_block else ("forward",):
                     self.add("whole-read weight gather", "all-gather", (p.read_whole,), phase, wire, calls,
                              repeats=True)  # fmt: skip
+                if p.read_whole_grad:  # each device's slice of the whole gradient, summed
+                    self.add("whole-read weight gradient", "all-reduce", (p.read_whole,), "backward",
+                             _ring("all-reduce", g) * p.use_elements(grid) * g * copies * mb, calls,
+                             repeats=True)  # fmt: skip
             if p.depth and grid.z > 1:
                 full = p.use_elements(grid)
                 wire = _ring("all-gather", grid.z) * full * copies * mb
@@ -221,6 +233,8 @@ class _Step:
                 self.add("weight-gradient shard", "all-reduce", (DATA,), "step",
                          _ring("all-reduce", grid.data) * full / grid.z * copies,
                          copies / p.fused * shared, False)  # fmt: skip
+                continue
+            if not p.trainable:  # model state: no gradient
                 continue
             local = p.local_elements(grid) * copies
             self.add("other parameter gradients", "all-reduce", (DATA, Z), "step",
@@ -243,7 +257,7 @@ class _Step:
         for m in self.spec.matmuls:
             rows = self.rows * m.m / self.spec.tokens  # a convolution's positions, a pooler's rows
             copies = m.count * (self.share if m.recomputed else 1.0)  # recomputed: inside a block
-            g_in = grid.axis_size(m.in_axis) if m.in_axis else 1
+            g_in = m.in_split(grid)
             g_out = grid.axis_size(m.out_axis) if m.out_axis else 1
             again = 2 if self.recompute and m.recomputed else 1
             calls = copies * self.mb
@@ -257,9 +271,12 @@ class _Step:
                 self.add("layer output gradient", "all-gather", (m.in_axis,), "backward",
                          _ring("all-gather", g_in) * output * copies, calls / m.fused)  # fmt: skip
             elif m.in_axis:
-                self.add("layer output", "all-reduce", (m.in_axis,), "forward",
+                self.add("layer output", "all-reduce", m.in_axes, "forward",
                          _ring("all-reduce", g_in) * output * copies * again,
                          calls / m.fused * again, transfers=calls * again)  # fmt: skip
+                for axis, share in m.sliced_output:  # the whole output sliced over the axis again later
+                    self.add("sliced output gradient", "all-reduce", (axis,), "backward",
+                             _ring("all-reduce", grid.axis_size(axis)) * output * share * copies, calls)  # fmt: skip
             layer_input = rows * m.input_per_row / g_in
             whole = copies
             if m.out_axis in self.scattered and m.scatters:  # the input, scattered by an earlier layer, gathered
@@ -322,6 +339,8 @@ class _Step:
                 self.add("partial sums gradient", "all-gather", axes, "backward", _ring("all-gather", g) * partial, mb)
         for group in spec.norms:
             self._norms(group)
+        for b in spec.batch_statistics:
+            self._batch_statistics(b)
         for j in spec.joins:  # sliced over its rows, then its features: reduced in reverse
             whole = rows * j.per_token / math.prod(grid.axis_size(a) for a in j.split_over)
             r = j.rows_axis if j.rows_axis in self.scattered else None
@@ -352,6 +371,18 @@ class _Step:
         self.add("norm statistics", "all-reduce", (axis,), "forward", wire * again, calls * again,
                  transfers=stats * again)  # fmt: skip
         self.add("norm statistics", "all-reduce", (axis,), "backward", wire, calls, transfers=stats)
+
+    def _batch_statistics(self, b) -> None:
+        """A :class:`~axonn_jax.perf.spec.BatchStatistics`' all-reduces over the batch axes."""
+        grid = self.grid
+        g = math.prod(grid.axis_size(a) for a in b.axes)
+        values = b.elements / math.prod(grid.axis_size(a) for a in b.split_over)
+        wire = _ring("all-reduce", g) * values * b.stats * b.count * self.mb
+        calls = b.stats * b.count * self.mb
+        again = 2 if self.recompute else 1
+        self.add("batch statistics", "all-reduce", b.axes, "forward", wire * again, calls * again)
+        if b.grad:
+            self.add("batch statistics", "all-reduce", b.axes, "backward", wire, calls)
 
     def pipeline(self) -> None:
         grid, mb = self.grid, self.mb

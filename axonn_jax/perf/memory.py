@@ -182,7 +182,7 @@ def matmul_w_elements(spec: ModelSpec, grid: Grid) -> float:
     total = 0.0
     for mm in spec.matmuls:
         copies = mm.count / grid.pipeline if mm.count % spec.layers == 0 else mm.count
-        inputs = mm.input_per_row / (grid.axis_size(mm.in_axis) if mm.in_axis else 1) / mm.fused
+        inputs = mm.input_per_row / mm.in_split(grid) / mm.fused
         grads = mm.n / (grid.axis_size(mm.out_axis) if mm.out_axis else 1)
         total += copies * (inputs + grads)
     return total

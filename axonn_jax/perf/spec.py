@@ -77,6 +77,13 @@ class Param:
     #: channels, split like the activations' but meeting whole images, ``rules.conv``):
     #: all-gathered over it at every use; its gradient is computed whole and sliced
     read_whole: str | None = None
+    #: the use splits another dim over :attr:`read_whole` (a convolution kernel stored with
+    #: its output channels split over the axis that splits the input channels it meets):
+    #: its gradient, of one slice on each device, is all-reduced whole over that axis
+    read_whole_grad: bool = False
+    #: False for model state (BatchNorm's running statistics): stored, never differentiated,
+    #: so no gradient of it is reduced
+    trainable: bool = True
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -142,7 +149,7 @@ class MatMul:
     once per kernel tap); 0 means ``k``. ``input_grad``: the backward computes
     the input's gradient (False where the input depends on no parameter, the
     model's data: nothing reads that gradient, so the compiled step has neither
-    its matmul nor its all-reduce).
+    its matmul nor its all-reduce). ``sliced_output``: see the field.
     """
 
     name: str
@@ -158,6 +165,27 @@ class MatMul:
     scatters: bool = True
     input_width: float = 0.0
     input_grad: bool = True
+    #: a convolution's output, all-reduced whole over :attr:`in_axes`, that a later equation
+    #: slices over one of them (a BatchNorm or a residual add of channels split over it):
+    #: per axis, the share of its elements sliced there, whose gradient is all-reduced over it
+    sliced_output: tuple[tuple[str, float], ...] = ()
+    #: a second tensor axis splitting the input channels with ``in_axis`` (a convolution
+    #: after one whose output channels are split over x·y): the partial sums are reduced
+    #: over both
+    in_also: str | None = None
+
+    @property
+    def in_axes(self) -> tuple[str, ...]:
+        """The axes splitting k, whose partial sums the forward reduces."""
+        return tuple(a for a in (self.in_axis, self.in_also) if a)
+
+    def in_split(self, grid: Grid) -> int:
+        """Devices splitting k on ``grid``.
+
+        >>> MatMul("conv", 8, 16, 16, "x", None, in_also="y").in_split(Grid(x=2, y=4))
+        8
+        """
+        return math.prod(grid.axis_size(a) for a in self.in_axes)
 
     @property
     def passes(self) -> int:
@@ -338,6 +366,33 @@ class NormGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchStatistics:
+    """``count`` normalisations over the batch (BatchNorm): ``stats`` statistics each
+    (mean and mean square: 2), each of ``elements`` values (its channels) reduced over the
+    batch dims, which ``axes`` split (the batch axes; a tensor axis too where the rows are
+    reduce-scattered onto the batch over it). Each statistic is all-reduced over ``axes``
+    once per microbatch forward (twice under recompute), and where it has a gradient
+    (``grad``) once backward: the transpose of its broadcast over the rows. The tensor axes
+    in ``split_over`` split its elements (channels split like their activation).
+
+    Example:
+        >>> BatchStatistics(6, 2, 16.0, ("data", "z")).axes
+        ('data', 'z')
+    """
+
+    count: int
+    stats: int
+    elements: float
+    axes: tuple[str, ...]
+    grad: bool = True
+    split_over: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_axes("batch statistics", "axes", *self.axes, optional=False, allowed=VALUE_SPLITS)
+        _check_axes("batch statistics", "split_over", *self.split_over, optional=False)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """Everything the performance model reads about a model (see module docstring)."""
 
@@ -372,10 +427,12 @@ class ModelSpec:
     regathers: tuple[Regather, ...] = ()
     #: outputs computed in part on each device and summed (a graph's scatter-adds)
     partial_sums: tuple[PartialSums, ...] = ()
+    #: normalisations over the batch: statistics all-reduced over the batch axes (BatchNorm)
+    batch_statistics: tuple[BatchStatistics, ...] = ()
 
     def __post_init__(self) -> None:
         for m in self.matmuls:
-            _check_axes(f"matmul {m.name!r}", "axis", m.in_axis, m.out_axis)
+            _check_axes(f"matmul {m.name!r}", "axis", m.in_axis, m.out_axis, m.in_also)
         if self.batch < 1 or self.tokens < 1 or self.layers < 1:
             raise ValueError(
                 f"spec {self.name!r}: batch={self.batch}, tokens={self.tokens}, "

@@ -146,9 +146,7 @@ def flops_per_device(spec: ModelSpec, grid: Grid, *, recompute: bool) -> float:
     total = 0.0
     for m in spec.matmuls:
         passes = m.passes + (1 if recompute and m.recomputed else 0)
-        split = (grid.axis_size(m.in_axis) if m.in_axis else 1) * (
-            grid.axis_size(m.out_axis) if m.out_axis else 1
-        )
+        split = m.in_split(grid) * (grid.axis_size(m.out_axis) if m.out_axis else 1)
         total += m.count * m.flops * passes / split / (grid.pipeline if m.recomputed else 1)
     heads = grid.axis_size(spec.attention_axis) if spec.attention_axis else 1
     total += spec.attention_flops * (4 if recompute else 3) / heads / grid.pipeline

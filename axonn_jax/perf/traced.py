@@ -71,8 +71,8 @@ from axonn_jax.partitioner.roles import ParamRole
 from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import crossing_bytes, param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
-from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, Join, MatMul, ModelSpec, NormGroup, Param, PartialSums,
-                                 Regather)
+from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, BatchStatistics, Join, MatMul, ModelSpec, NormGroup,
+                                 Param, PartialSums, Regather)
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
@@ -145,6 +145,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
 
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
+    read_whole_grad: set[int] = set()  # parameters gathered whole and sliced on another dim
     norms = _NormStatistics(layouts, grid)
     ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
     whole_uses = _WholeUses(layouts, origin)
@@ -181,11 +182,18 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
                 else:  # indexed by position (a relative-position bias): the same for any batch
                     fixed_lookup_elements += math.prod(out.aval.shape)
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
-            conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path,
+            kernel_use = _rule_step(eqn, layouts, ctx).targets[1]
+            conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path, kernel_use,
                                 input_grad=eqn.invars[0] in trained)  # fmt: skip
-            kernel_in = _tensor_axis(layouts[eqn.invars[1]][eqn.params["dimension_numbers"].rhs_spec[1]], grid)
-            if kernel_in and kernel_in != conv.in_axis:  # stored split, gathered to meet whole channels
-                read_whole[origin[eqn.invars[1]]] = kernel_in
+            gathered = _kernel_read_whole(layouts[eqn.invars[1]], kernel_use, grid)
+            if gathered:  # stored split, gathered to meet whole channels (or relaid out)
+                read_whole[origin[eqn.invars[1]]] = gathered
+                if any(gathered in axes for axes in kernel_use):  # and sliced on another dim
+                    read_whole_grad.add(origin[eqn.invars[1]])
+            whole_uses.layer(whole_input=True)  # its input gradient is all-reduced with it
+            summed = [a for a in conv.in_axes if not any(a in axes for axes in layouts.get(eqn.outvars[0], ()))]
+            for axis in summed:  # its output, all-reduced whole over the axis
+                whole_uses.all_reduced(eqn.outvars[0], ("conv", len(matmuls), axis), axis)
             matmuls.append((None, conv))
             weight_of.append((eqn.invars[0], origin[eqn.invars[1]]))  # a layer of the gather groups
             saved.setdefault(eqn.invars[0], (math.prod(R.shape_of(eqn.invars[0])), conv.in_axis))
@@ -230,8 +238,13 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
         outputs.append((math.prod(R.shape_of(eqn.outvars[0])), out_axis, in_axis))  # scattered over in_axis
+    whole_uses.layer(whole_input=False)  # the last equation's pending meetings
     readers = collections.Counter(var for var, _ in matmuls if var is not None)
     matmuls = [mm if var is None else dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
+    matmuls = [dataclasses.replace(mm, sliced_output=tuple(
+        (a, whole_uses.elements[("conv", j, a)] / (mm.m * mm.n)) for a in mm.in_axes
+        if ("conv", j, a) in whole_uses.elements and ("conv", j, a) not in whole_uses.covered))
+        for j, mm in enumerate(matmuls)]  # fmt: skip
 
     if not matmuls:
         raise ValueError(
@@ -242,7 +255,8 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
     params = [
         Param(p.path, p.shape, tuple(_tensor_axis(d, grid) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
-              per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i))  # fmt: skip
+              per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i),
+              read_whole_grad=i in read_whole_grad, trainable=p.trainable)  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
     params = _gathered_together(params, weight_of)
@@ -279,6 +293,7 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
         lookup_elements=lookup_elements,
         fixed_lookup_elements=fixed_lookup_elements,
         norms=norms.groups(flow.axis, tokens),
+        batch_statistics=norms.batch_groups(trained),
         # (an axis the join slices its rows over gathers them whole first: it no longer splits them)
         joins=tuple(Join(f"join {i}", math.prod(R.shape_of(v)) / tokens, features, rows_axis=rows,
                          split_over=tuple(a for a in _feature_axes((), layouts.get(v, ()), frozenset())
@@ -359,14 +374,24 @@ class _NormStatistics:
         self.stats: dict = {}  # root -> statistics reduced from it
         self.axis: dict = {}  # root -> the axis its statistics are reduced over
         self.rows: dict = {}  # root -> its rows (the elements of one statistic)
+        #: root -> (the axes its batch statistics are reduced over, their elements, the
+        #: tensor axes splitting them): a BatchNorm's
+        self.batch_stats: dict = {}
 
     def follow(self, eqn) -> None:
         name, ins = eqn.primitive.name, eqn.invars
         if ins and not R.is_literal(ins[0]) and (name in self.UNARY or name == "mul" and ins[0] is ins[1]):
             self.roots[eqn.outvars[0]] = self.roots.get(ins[0], ins[0])
         elif name == "reduce_sum" and not R.is_literal(ins[0]) and ins[0] in self.layouts:
-            axis = _tensor_axis(tuple(a for d in eqn.params["axes"] for a in self.layouts[ins[0]][d]), self.grid)
-            if axis:
+            reduced = tuple(a for d in eqn.params["axes"] for a in self.layouts[ins[0]][d])
+            axis = _tensor_axis(reduced, self.grid)
+            if set(reduced) & set(BATCH_AXES):  # over the batch: BatchNorm's statistics
+                root = self.roots.get(ins[0], ins[0])
+                over = tuple(a for a in VALUE_SPLITS if a in reduced)
+                split = tuple(a for axes in self.layouts.get(eqn.outvars[0], ()) for a in axes if a in (X, Y))
+                self.batch_stats[root] = (over, math.prod(R.shape_of(eqn.outvars[0])), split)
+                self.stats[root] = self.stats.get(root, 0) + 1
+            elif axis:
                 root = self.roots.get(ins[0], ins[0])
                 self.stats[root] = self.stats.get(root, 0) + 1
                 self.axis[root] = axis
@@ -376,9 +401,17 @@ class _NormStatistics:
         """The norms grouped by axis, statistics, the axis their rows are scattered over
         (``scattered``: :class:`_ScatterFlow`'s) and their rows per token."""
         counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root), self.rows[root] / tokens)
-                                     for root in self.stats)  # fmt: skip
+                                     for root in self.stats if root not in self.batch_stats)  # fmt: skip
         return tuple(NormGroup(n, stats, axis, rows, rows_per_token=per_token)
                      for (axis, stats, rows, per_token), n in counts.items())  # fmt: skip
+
+    def batch_groups(self, trained: set) -> tuple[BatchStatistics, ...]:
+        """The normalisations over the batch, grouped alike; ``trained``: the values with a
+        gradient (a statistic of one has a backward all-reduce)."""
+        counts = collections.Counter((*self.batch_stats[root], self.stats[root], root in trained)
+                                     for root in self.batch_stats)  # fmt: skip
+        return tuple(BatchStatistics(n, stats, elements, over, grad=grad, split_over=split)
+                     for (over, elements, split, stats, grad), n in counts.items())  # fmt: skip
 
 
 class _WholeUses:
@@ -392,7 +425,9 @@ class _WholeUses:
     for the query heads on x=4). An equation that gathers its split operand to meet the
     whole one (a residual add after a relayout) slices nothing. Followed equation by
     equation like the other flows; ``elements[i]``: the elements sliced at regather ``i``'s
-    meetings.
+    meetings. A convolution's output, all-reduced whole over its input axis, is followed
+    the same way (:meth:`all_reduced`, keyed ``("conv", matmul index)``): a BatchNorm of
+    channels split over that axis slices it.
     """
 
     def __init__(self, layouts, origin: dict):
@@ -407,6 +442,11 @@ class _WholeUses:
         #: one all-reduce (priced with the later regather) is their gradient too
         self.shared: set[int] = set()
         self.pending: list[tuple[int, float]] = []  # met by the layer of the current equation
+        self.order: dict = {}  # regather index or convolution key -> when it was made whole
+
+    def _made_whole(self, key, var, axis: str) -> None:
+        self.order.setdefault(key, len(self.order))
+        self.whole[var] = {(key, axis)}
 
     def layer(self, whole_input: bool) -> None:
         """The current equation is a layer; ``whole_input``: its input gradient is all-
@@ -425,7 +465,12 @@ class _WholeUses:
             self.elements[index] += math.prod(R.shape_of(operand))  # sliced where gathered
         else:  # (an operand gathered over several axes: the last one's)
             for v in eqn.outvars:
-                self.whole[v] = {(index, axis)}
+                self._made_whole(index, v, axis)
+
+    def all_reduced(self, var, key: tuple, axis: str) -> None:
+        """``var`` (a convolution's output) was all-reduced whole over ``axis`` (also)."""
+        self.order.setdefault(key, len(self.order))
+        self.whole[var].add((key, axis))
 
     def follow(self, eqn) -> None:
         self.layer(whole_input=False)  # met by an equation that was no layer: sliced there
@@ -433,7 +478,7 @@ class _WholeUses:
             sliced: dict[str, int] = {}  # axis -> the latest regather ``var`` was computed from
             for index, axis in self.whole[var]:  # every regather it was computed from, while whole
                 if any(self._split(v, axis) for v in eqn.outvars):  # its result split: ``var`` sliced
-                    sliced[axis] = max(index, sliced.get(axis, index))
+                    sliced[axis] = max(index, sliced.get(axis, index), key=self.order.__getitem__)
                 else:
                     for v in eqn.outvars:
                         self.whole[v].add((index, axis))
@@ -448,8 +493,15 @@ class _WholeUses:
 
     def _layer_output_axis(self, eqn, axis: str) -> bool:
         """Whether ``eqn`` is a layer whose weight splits its output features over ``axis``
-        (Llama's o_proj on x=8, reading the attention of heads gathered whole)."""
-        if eqn.primitive.name != "dot_general" or axis not in (X, Y):
+        (Llama's o_proj on x=8, reading the attention of heads gathered whole; a convolution
+        after one of the other orientation)."""
+        if axis not in (X, Y):
+            return False
+        if eqn.primitive.name == "conv_general_dilated":
+            kernel = eqn.invars[1]
+            out_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+            return kernel in self.origin and axis in self.layouts.get(kernel, ((),) * (out_dim + 1))[out_dim]
+        if eqn.primitive.name != "dot_general":
             return False
         (lc, rc), _ = eqn.params["dimension_numbers"]
         for w, contracting in zip(eqn.invars, (lc, rc)):
@@ -543,7 +595,7 @@ def _from_params(jaxpr, n_params: int) -> set:
     return out
 
 
-def _conv_matmul(eqn, layouts, grid: Grid, path: str, input_grad: bool = True) -> MatMul:
+def _conv_matmul(eqn, layouts, grid: Grid, path: str, kernel_use, input_grad: bool = True) -> MatMul:
     """A convolution with a parameter kernel as the matmul it computes (implicit GEMM).
 
     m output positions (batch × spatial), k = input channels per group × kernel
@@ -554,7 +606,9 @@ def _conv_matmul(eqn, layouts, grid: Grid, path: str, input_grad: bool = True) -
     the one splitting the input's channels: ``rules.conv`` makes the kernel's
     input channels follow the activation's (``w[ri] = act[lf]``), so a
     convolution of whole channels (the model's images) contracts them whole,
-    with nothing to reduce, even where the kernel is stored split.
+    with nothing to reduce, even where the kernel is stored split. Its output
+    channels are split as the kernel is used (``kernel_use``, the rule's target):
+    whole where the stored axis already splits the input channels.
     """
     lhs, rhs = eqn.invars
     dn = eqn.params["dimension_numbers"]
@@ -564,9 +618,24 @@ def _conv_matmul(eqn, layouts, grid: Grid, path: str, input_grad: bool = True) -
     k = math.prod(kernel) // n
     m = math.prod(out) // n
     in_axis = _tensor_axis(layouts[lhs][dn.lhs_spec[1]], grid)
-    return MatMul(path, m, k, n, in_axis, _tensor_axis(layouts[rhs][out_ch_dim], grid),
+    also = next((a for a in layouts[lhs][dn.lhs_spec[1]] if a in (X, Y) and a != in_axis), None)
+    used = kernel_use if kernel_use is not None else layouts[rhs]
+    return MatMul(path, m, k, n, in_axis, _tensor_axis(used[out_ch_dim], grid), in_also=also,
                   recomputed=_in_block(path), whole_inputs=1, scatters=False,
                   input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
+
+
+def _kernel_read_whole(stored, used, grid: Grid) -> str | None:
+    """The tensor axis a convolution kernel stored as ``stored`` is all-gathered over to be
+    used as ``used`` (the rule's target): one that splits a dim where it is stored and not
+    where it is used. Its input channels meeting whole images (a ViT's patch convolution),
+    or its output channels split over the axis that splits the input channels where the
+    convolution reads them (a ResNet block after one of the same orientation: it is
+    gathered, and sliced over that axis on the other dim)."""
+    if used is None:
+        return None
+    dropped = tuple(a for have, keep in zip(stored, used) for a in have if a not in keep)
+    return _tensor_axis(dropped, grid)
 
 
 #: reductions priced elsewhere: norm statistics (``_NormStatistics``), vocabulary-parallel lookups
@@ -729,12 +798,14 @@ def _blocks(paths) -> int:
 def _merge_params(params) -> tuple[Param, ...]:
     groups: dict[tuple, list[Param]] = collections.defaultdict(list)
     for p in params:
-        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket, p.read_whole)].append(p)
+        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket, p.read_whole,
+                p.read_whole_grad, p.trainable)].append(p)
     return tuple(
         Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
               ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
               scatter_axis=ps[0].scatter_axis, fused=ps[0].fused, bucket=ps[0].bucket,
-              read_whole=ps[0].read_whole)  # fmt: skip
+              read_whole=ps[0].read_whole, read_whole_grad=ps[0].read_whole_grad,
+              trainable=ps[0].trainable)  # fmt: skip
         for ps in groups.values()
     )
 
@@ -772,13 +843,14 @@ def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
     groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
     for m in matmuls:
         groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused, m.scatters,
-                m.input_width, m.input_grad)].append(m)
+                m.input_width, m.input_grad, m.sliced_output, m.in_also)].append(m)
     return tuple(
         MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
                ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
                recomputed=ms[0].recomputed, fused=ms[0].fused, scatters=ms[0].scatters,
                input_width=ms[0].input_width, input_grad=ms[0].input_grad,
-               whole_inputs=sum(m.whole_inputs for m in ms))  # fmt: skip
+               whole_inputs=sum(m.whole_inputs for m in ms), sliced_output=ms[0].sliced_output,
+               in_also=ms[0].in_also)  # fmt: skip
         for ms in groups.values()
     )
 
