@@ -223,7 +223,7 @@ def plan_stages(
     seconds = np.array([costs.equation_seconds(e, devices) for e in eqns], dtype=np.float64)
     users = _param_consumers(jaxpr, n_params)
     points = cut_points(jaxpr, n_params, flops, seconds, traced.state_outputs)
-    if num_stages == 1:
+    if num_stages == 1 and not boundaries:
         return StagePlan(_stages(traced, flops, seconds, users, [], costs, devices), costs)
     if boundaries is not None:
         cuts = _explicit_cuts(traced, users, points, boundaries, num_stages, where)
@@ -294,7 +294,8 @@ def _explicit_cuts(traced, users, points: list[CutPoint], boundaries, num_stages
         raise ValueError(
             f"{on}stages= gives {len(boundaries)} boundaries for {num_stages} pipeline stages "
             f"(pipeline × virtual); it needs {num_stages - 1} (one parameter-path pattern per "
-            "stage after the first)."
+            f"stage after the first). Remedy: {num_stages - 1} patterns, or a grid with "
+            f"pipeline × virtual = {len(boundaries) + 1} for these."
         )
     cuts: list[CutPoint] = []
     for k, pattern in enumerate(boundaries):

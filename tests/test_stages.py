@@ -202,10 +202,14 @@ def test_state_updates_do_not_count_as_crossing():
                              r"uses before \(or right where\) 'Dense_2' \(stages\[0\]\) starts stage 1\. "
                              r"Remedy: list the boundaries in the order"),
     (["Dense_1", "BatchNorm_1/scale|Dense_1"], r"not in model order"),
-    (["Dense_1"], r"stages= gives 1 boundaries for 3 pipeline stages .*it needs 2"),
+    (["Dense_1"], r"stages= gives 1 boundaries for 3 pipeline stages .*it needs 2 .*Remedy: 2 patterns, or a grid "
+                  r"with pipeline × virtual = 2 for these"),
+    # a grid without a pipeline: the boundaries used to be ignored without a word
+    (["Dense_1"], r"on Grid\(x=2, y=1, z=2, data=1, pipeline=1\): stages= gives 1 boundaries for 1 pipeline "
+                  r"stages .*it needs 0 .*pipeline × virtual = 2"),
 ])  # fmt: skip
 def test_stages_that_cannot_be_honoured_are_refused(stages, message):
-    pipeline = 3 if message.startswith("stages= gives") or len(stages) == 2 else 2
+    pipeline = 3 if "for 3 pipeline" in message or len(stages) == 2 else 1 if "pipeline=1" in message else 2
     with pytest.raises(ValueError, match=message):
         axonn_jax.partition(BatchNormMLP(), Grid(pipeline=pipeline, x=2, z=2), BN_INPUT,
                             stages=stages, **BN_CALL)  # fmt: skip
