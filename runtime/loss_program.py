@@ -12,9 +12,11 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, composite_program
@@ -45,6 +47,57 @@ def loss_program(model: Program, plan: Plan, options: PlanOptions, call: ModelCa
     if any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts):
         raise ValueError("it closes over values of the enclosing trace (pass them in the batch instead)")
     return composite_program(traced, plan, options=options, model=model)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarLoss:
+    """A user's ``loss_fn(outputs, batch)``, checked to return the loss alone: one scalar
+    floating array. Anything else (a ``(loss, metrics)`` tuple, a per-example vector, an
+    integer) is refused by name with the remedy, where JAX would only say that gradients
+    need a scalar output. Equal (and hashed) as the function it wraps, so that steps made
+    from one ``loss_fn`` share their compiled programs.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> ScalarLoss(lambda out, batch: (out ** 2).mean())(jnp.ones(3), None)
+        Array(1., dtype=float32)
+        >>> ScalarLoss(lambda out, batch: out)(jnp.ones(3), None)
+        Traceback (most recent call last):
+        TypeError: loss_fn returned an array of shape (3,); the loss must be one scalar. Remedy: reduce it, e.g. loss.mean().
+    """
+
+    fn: Callable
+
+    @classmethod
+    def of(cls, loss_fn: Callable) -> ScalarLoss:
+        return loss_fn if isinstance(loss_fn, cls) else cls(loss_fn)
+
+    def __call__(self, outputs, batch):
+        return _checked(self.fn(outputs, batch))
+
+
+def _checked(loss):
+    if isinstance(loss, (tuple, list, dict)):
+        raise TypeError(
+            f"loss_fn returned a {type(loss).__name__} of {len(loss)} items; it must return the loss "
+            "alone, one scalar (value_and_grad has no has_aux). Remedy: return the loss only, and "
+            "compute metrics from pm.apply(params, inputs) outside the step."
+        )
+    shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"loss_fn returned a {type(loss).__name__}, not an array computed from the outputs; it "
+            "must return the loss as one scalar float array. Remedy: compute it with jax.numpy."
+        )
+    if shape != ():
+        raise TypeError(f"loss_fn returned an array of shape {tuple(shape)}; the loss must be one scalar. "
+                        "Remedy: reduce it, e.g. loss.mean().")  # fmt: skip
+    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+        raise TypeError(
+            f"loss_fn returned a {dtype} scalar; the loss must be floating (an integer has no "
+            "gradient). Remedy: compute it in floating point, e.g. loss.astype(jnp.float32)."
+        )
+    return loss
 
 
 def without_batch(kwargs: dict) -> dict:

@@ -258,6 +258,34 @@ def test_train_step_inputs_that_cannot_work_are_named(devices):
         step(params, opt_state, X)  # the first step donated these
 
 
+@pytest.mark.parametrize("grid", ["x=2,y=2,z=2", "pipeline=2,x=2,data=2"])
+def test_a_loss_that_is_not_one_float_scalar_is_named_with_the_remedy(devices, grid):
+    """A loss returning ``(loss, metrics)``, a per-example vector or an integer count failed
+    inside JAX ("Gradient only defined for scalar-output functions", or an integer's zero
+    gradient) on both engines; each is refused by what it returned, with the remedy, and a
+    scalar loss still trains (as plain ``jax.value_and_grad``)."""
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid.parse(grid), X)
+    params = pm.init(jax.random.key(0))
+    cases = [
+        (lambda out, batch: (jnp.mean(out**2), jnp.max(out)), r"loss_fn returned a tuple of 2 items.*no has_aux"),
+        (lambda out, batch: jnp.mean(out**2, axis=-1), r"loss_fn returned an array of shape \(8,\).*loss\.mean\(\)"),
+        (lambda out, batch: jnp.sum(out > 0), r"loss_fn returned a int32 scalar.*astype\(jnp\.float32\)"),
+        (lambda out, batch: 1.0, r"loss_fn returned a float, not an array"),
+    ]  # fmt: skip
+    for loss_fn, message in cases:
+        with pytest.raises(TypeError, match=message):
+            pm.value_and_grad(loss_fn)(params, X)
+    loss_fn, message = cases[0]
+    step = pm.train_step(loss_fn, optax.sgd(0.1))
+    with pytest.raises(TypeError, match=message):
+        step(*step.init(params), X)
+    loss, _ = pm.value_and_grad(lambda out, batch: jnp.mean(out**2))(params, X)
+    expected = jnp.mean(Narrow().apply({"params": pm.gather(params)}, X) ** 2)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+
+
 def test_an_opt_state_made_for_another_step_is_refused_with_the_remedy(devices):
     """Another optimizer's state, or state offloaded where the step keeps it on the device (and
     back), used to fail inside optax ("the number of updates and states has to be the same in

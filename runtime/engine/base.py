@@ -12,7 +12,7 @@ import jax
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, call_signature
-from axonn_jax.runtime.loss_program import BATCH_KEYWORD, loss_program
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss, loss_program
 from axonn_jax.runtime.microbatches import default_inputs
 from axonn_jax.runtime.model_call import ModelCall, check_differentiable, is_params_of_state, unwrap_params
 from axonn_jax.runtime.overlap import Overlap
@@ -153,7 +153,7 @@ class Engine(abc.ABC):
             )
         if inputs is None:  # the batch, its items, or (a dict batch) the keyword inputs of partition()'s call
             inputs = functools.partial(default_inputs, keywords=self.call.keywords)
-        return self._value_and_grad(loss_fn, inputs, microbatches, resolve_remat(remat),
+        return self._value_and_grad(ScalarLoss.of(loss_fn), inputs, microbatches, resolve_remat(remat),
                                     dict(schedule=schedule, limit=limit, timeout=timeout, delay=delay,
                                          asynchronous=asynchronous))  # fmt: skip
 
