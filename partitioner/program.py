@@ -136,6 +136,7 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
     """
     traced = trace_model(model, *args, **kwargs)
     grid = plan.grid
+    _check_param_shapes(traced, plan)
     problems = batch_problems([a.shape for j, a in enumerate(traced.arg_avals)
                                if j not in traced.rng_args], grid)  # fmt: skip
     if problems:
@@ -159,6 +160,20 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
             "example inputs of these shapes."
         )
     return _program(traced, closed, grid, plan, layouts)
+
+
+def _check_param_shapes(traced: TracedModel, plan: Plan) -> None:
+    """Refuse inputs that would make the model's parameters another shape than the plan's
+    (a feature dim other than the example's), naming the first such parameter."""
+    for path, aval, p in zip(traced.param_paths, traced.param_avals, plan.params):
+        if tuple(aval.shape) != tuple(p.shape):
+            raise ValueError(
+                f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} make parameter {path!r} "
+                f"of shape {tuple(aval.shape)}, but it was planned (and initialised) as {tuple(p.shape)} "
+                f"from the example inputs given to partition() (grid {plan.grid}). A call may change the "
+                "batch, and dims no parameter depends on, not a parameter's shape. Remedy: call with the "
+                "example's feature dims, or partition (and initialise) with example inputs of these shapes."
+            )
 
 
 def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions = PlanOptions(),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, call_signature, program_for
+from axonn_jax.partitioner.trace import call_leaves
 
 
 class ProgramCache:
@@ -36,6 +37,7 @@ class ProgramCache:
             except TypeError as err:
                 example = len(self.example.traced.example_call()[0])
                 if "positional argument" not in str(err) or len(args) == example:
+                    self._raise_for_feature_dims(err, args, kwargs)
                     raise
                 raise TypeError(
                     f"{err}: the model was called with {len(args)} positional inputs where the example "
@@ -45,3 +47,15 @@ class ProgramCache:
                     "pm.value_and_grad(loss_fn, inputs=...)) for a batch of (inputs, targets)."
                 ) from err
         return self._programs[key]
+
+    def _raise_for_feature_dims(self, err: TypeError, args: tuple, kwargs: dict) -> None:
+        """A tracing error of inputs whose dims past the batch differ from the example's (an nnx
+        model's layers hold their parameters, so tracing meets the example's shapes): say so."""
+        now = [tuple(getattr(x, "shape", ())) for x in call_leaves(args, kwargs)[0]]
+        was = [tuple(a.shape) for a in self.example.traced.arg_avals]
+        if len(now) == len(was) and any(a[1:] != b[1:] for a, b in zip(now, was)):
+            raise TypeError(
+                f"{err}: the model was called with inputs of shapes {now} where the example inputs given to "
+                f"partition() had {was}; its parameters have the shapes those made. Remedy: call with the "
+                "example's dims past the batch, or partition (and initialise) with inputs of these shapes."
+            ) from err

@@ -286,6 +286,38 @@ def test_a_loss_that_is_not_one_float_scalar_is_named_with_the_remedy(devices, g
     np.testing.assert_allclose(loss, expected, rtol=1e-6)
 
 
+def test_inputs_with_other_feature_dims_are_named_with_the_parameter_they_change(devices):
+    """An input with another feature dim than the example's failed deep in the executor
+    with "dot_general requires contracting dimensions to have the same shape" (linen, on
+    both engines). Now the call is refused naming the parameter whose shape it changes; an
+    nnx model (whose layers hold their parameters, so tracing itself fails) gets the shapes
+    compared with the example's. Another batch size still runs."""
+    from flax import nnx
+
+    from axonn_jax.models import MLP
+
+    x = np.ones((8, 12), np.float32)
+    for grid in (Grid(x=2, data=4), Grid(pipeline=2, x=2, data=2)):
+        pm = axonn_jax.partition(MLP(features=(16, 16, 4)), grid, x)
+        params = pm.init(jax.random.key(0), x)
+        with pytest.raises(ValueError, match=r"inputs of shapes \[\(8, 10\)\] make parameter 'dense_0/kernel' of "
+                                             r"shape \(10, 16\), but it was planned .* as \(12, 16\).*Remedy"):
+            pm.value_and_grad(lambda out, batch: jnp.mean(out**2))(params, np.ones((8, 10), np.float32))
+        assert pm.forward(params, np.ones((16, 12), np.float32)).shape == (16, 4)
+
+    class Two(nnx.Module):
+        def __init__(self, rngs):
+            self.a, self.b = nnx.Linear(12, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(nnx.relu(self.a(x)))
+
+    pm = axonn_jax.partition(Two(nnx.Rngs(0)), Grid(x=2, data=4), x)
+    with pytest.raises(TypeError, match=r"called with inputs of shapes \[\(8, 10\)\] where the example inputs .* had "
+                                        r"\[\(8, 12\)\].*Remedy"):
+        pm.apply(pm.init(jax.random.key(0), x), np.ones((8, 10), np.float32))
+
+
 def test_an_opt_state_made_for_another_step_is_refused_with_the_remedy(devices):
     """Another optimizer's state, or state offloaded where the step keeps it on the device (and
     back), used to fail inside optax ("the number of updates and states has to be the same in
