@@ -72,8 +72,7 @@ class Plan:
         params = [
             ParamPlan(path, tuple(aval.shape), str(np.dtype(aval.dtype)), layouts.storage[path],
                       layouts.use[path], layouts.roles[path], trainable)  # fmt: skip
-            for path, aval, trainable in zip(traced.param_paths, traced.param_avals,
-                                             traced.trainable or [True] * traced.num_params)  # fmt: skip
+            for path, aval, trainable in zip(traced.param_paths, traced.param_avals, traced.trainable, strict=True)
         ]
         return cls(
             grid=grid,

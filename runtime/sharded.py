@@ -108,10 +108,17 @@ def _program_body(program: Program, mesh, overlap: Overlap) -> Callable:
 
 
 def place(value: Any, sharding: NamedSharding) -> jax.Array:
-    """Put a host or device array onto ``sharding`` (only this process's shards)."""
-    if isinstance(value, jax.Array) and value.sharding == sharding:
+    """Put a host or device array onto ``sharding`` (only this process's shards).
+
+    A device array already laid out so is returned as it is, also where its spec is
+    written otherwise (axes of size 1: the same layout; re-placing every leaf of a
+    step cost ~10 ms), and so is a tracer (inside ``jax.jit`` the program places it).
+    """
+    if isinstance(value, jax.core.Tracer):
         return value
-    if isinstance(value, jax.Array) and value.is_fully_addressable:
+    if isinstance(value, jax.Array):
+        if value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim):
+            return value
         return jax.device_put(value, sharding)
     array = np.asarray(value)
     return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

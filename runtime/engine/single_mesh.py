@@ -15,7 +15,7 @@ from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.loss_program import scaled
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.precision import as_planned
-from axonn_jax.runtime.sharded import program_function
+from axonn_jax.runtime.sharded import place, program_function
 from axonn_jax.runtime.step_report import StepReport, step_report
 from axonn_jax.runtime.train_step import SingleMeshStep
 
@@ -44,7 +44,7 @@ class SingleMesh(Engine):
         arg_leaves, _ = call_leaves(args, kwargs)
         program = self.program_for(args, kwargs)
         self.placed.check_params(params, dtypes=False)  # names, shapes, dtypes: a wrong tree never runs
-        params = jax.tree.map(_placed_as, params, self.placed.param_shardings)  # another grid's layout
+        params = jax.tree.map(place, params, self.placed.param_shardings)  # another grid's layout
         params = as_planned(params, self.plan)  # a bf16 step's params: cast to the dtypes planned
         if program.signature not in self._functions:  # one jitted function per input signature
             self._functions[program.signature] = program_function(program, self.mesh, overlap=self.overlap)
@@ -131,12 +131,3 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
         return (loss, mean_updates(updates)), grads
 
     return value_and_grad
-
-
-def _placed_as(leaf, sharding):
-    """``leaf`` on ``sharding``: a concrete array laid out otherwise (params of another grid's
-    plan) is moved there; tracers and arrays already there pass through."""
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer) \
-            and not leaf.sharding.is_equivalent_to(sharding, leaf.ndim):  # fmt: skip
-        return jax.device_put(leaf, sharding)
-    return leaf

@@ -117,7 +117,7 @@ class StageInputs:
         self.stages, self._calls = list(stages), calls
         params = placed.plan.params
         #: local stage → its parameters (``flow.params`` order) on its mesh, in the planned dtype
-        self.params = {s: [on_sharding(in_planned_dtype(param_leaves[i], params[i]), self.stages[s].param_sharding(i))
+        self.params = {s: [place(in_planned_dtype(param_leaves[i], params[i]), self.stages[s].param_sharding(i))
                            for i in self.stages[s].flow.params]
                        for s in placed.homes.local}  # fmt: skip
 
@@ -142,11 +142,3 @@ def compile_stages(stages: Sequence[StageProgram], placed: PlacedModel, compiled
 def in_planned_dtype(x: jax.Array, param) -> jax.Array:
     """A (possibly half-precision) parameter in the dtype the stage programs were built for."""
     return x if x.dtype == np.dtype(param.dtype) else x.astype(param.dtype)
-
-
-def on_sharding(x: jax.Array, sharding) -> jax.Array:
-    """``x`` laid out as ``sharding``: moved only when the layout differs (specs that differ in
-    size-1 axes only are the same layout; re-placing every leaf each step cost ~10 ms)."""
-    if x.sharding == sharding or x.sharding.is_equivalent_to(sharding, x.ndim):
-        return x
-    return jax.device_put(x, sharding)

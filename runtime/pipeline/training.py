@@ -37,7 +37,7 @@ from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
 from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
-from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages, on_sharding
+from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.pipeline.tasks import TrainingRun
@@ -198,7 +198,7 @@ class PipelinedValueAndGrad:
         for s, stage_grads in result.grads.items():
             prog = programs[s]
             for i, g in zip([prog.flow.params[k] for k in prog.trained], stage_grads):
-                g = on_sharding(g, leaves[i].sharding)
+                g = place(g, leaves[i].sharding)
                 grads[i] = g if grads[i] is None else grads[i] + g
         updated = deliver_updates(placed, programs, result.updates, leaves, m)
         for i in range(len(leaves)):
