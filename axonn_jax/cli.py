@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 GPT_FLAGS = ("layers", "hidden", "heads", "seq", "batch", "vocab")
 
@@ -239,8 +240,7 @@ def _model(parser, args) -> tuple:
     import jax.numpy as jnp
 
     if args.model:
-        model, inputs = _factory(parser, args.model)()
-        return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return _made_model(parser, args.model)
     from axonn_jax.models import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden=args.hidden,
@@ -276,18 +276,30 @@ def _spec(parser, args):
 def _spec_from_factory(parser, target: str):
     from axonn_jax.perf.traced import PerGridSpec
 
-    made = _factory(parser, target)()
+    model, inputs = _made_model(parser, target)
+    try:
+        return PerGridSpec(model, *inputs, name=f"{target} ({type(model).__name__})")
+    except (TypeError, ValueError) as e:
+        parser.error(f"--model {target}: cannot plan the model: {e}")
+
+
+def _made_model(parser, target: str) -> tuple:
+    """``(flax model, example inputs as a tuple)`` from the factory ``target`` names; a
+    factory that raises, or returns something else, is a usage error naming it."""
+    try:
+        made = _factory(parser, target)()
+    except Exception as e:  # noqa: BLE001 - the user's code: say where it failed, not a traceback of ours
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        parser.error(f"--model {target}: the factory raised {type(e).__name__}: {e} "
+                     f"(at {frame.filename}:{frame.lineno}). Remedy: fix the factory; it takes no "
+                     "arguments and returns (flax model, example inputs).")  # fmt: skip
     if not (isinstance(made, tuple) and len(made) == 2):
         parser.error(
             f"--model {target}: the factory must return (flax model, example inputs), got "
             f"{type(made).__name__}"
         )
     model, inputs = made
-    inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    try:
-        return PerGridSpec(model, *inputs, name=f"{target} ({type(model).__name__})")
-    except (TypeError, ValueError) as e:
-        parser.error(f"--model {target}: cannot plan the model: {e}")
+    return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def _factory(parser, target: str):

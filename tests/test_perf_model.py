@@ -22,6 +22,7 @@ import itertools
 import json
 import math
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -525,6 +526,22 @@ def test_cli_bad_arguments_exit_2(argv, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "usage: axonn-jax plan" in err and message in err
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("def make():\n    raise RuntimeError('no weights file')\n",
+     r"--model bad_models:make: the factory raised RuntimeError: no weights file \(at .*bad_models\.py:2\)\. Remedy"),
+    ("def make():\n    return 3\n", r"--model bad_models:make: the factory must return \(flax model, example inputs\), got int"),
+])  # fmt: skip
+def test_cli_a_model_factory_that_fails_is_a_usage_error_naming_it(tmp_path, monkeypatch, capsys, factory, message):
+    """A factory that raises used to end the CLI with a traceback of its own code."""
+    (tmp_path / "bad_models.py").write_text(factory)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "bad_models", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--gpus", "8", "--machine", "frontier", "--model", "bad_models:make"])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
 
 
 def test_cli_profile_then_plan(tmp_path, capsys):
