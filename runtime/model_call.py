@@ -132,15 +132,20 @@ def unwrap_params(tree, param_tree) -> tuple[Any, bool]:
     """``tree`` as a plan holds it, and whether it came as the linen variables dict ``{'params': tree}``.
 
     A model with state is planned over its whole variables dict; a model
-    without state over its params, which linen users also pass wrapped.
+    without state over its params, which linen users also pass wrapped. Empty
+    collections beside ``params`` are dropped, as ``model.apply`` ignores them.
 
     Example:
-        >>> unwrap_params({"params": {"w": 1}}, jax.tree.structure({"w": 0}))
+        >>> unwrap_params({"params": {"w": 1}, "batch_stats": {}}, jax.tree.structure({"w": 0}))
         ({'w': 1}, True)
     """
-    if (isinstance(tree, Mapping) and set(tree) == {"params"}
-            and jax.tree.structure(tree["params"]) == param_tree):  # fmt: skip
-        return tree["params"], True
+    if not (isinstance(tree, Mapping) and "params" in tree):
+        return tree, False
+    kept = {k: v for k, v in tree.items() if k == "params" or jax.tree.leaves(v)}
+    if set(kept) == {"params"} and jax.tree.structure(kept["params"]) == param_tree:
+        return kept["params"], True
+    if len(kept) < len(tree) and jax.tree.structure(kept) == param_tree:
+        return kept, False
     return tree, False
 
 
