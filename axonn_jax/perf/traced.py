@@ -359,7 +359,9 @@ class _NormStatistics:
 
     A ``reduce_sum`` over a dim that a tensor axis splits is one statistic; the statistics
     of one value (through casts and squares: LayerNorm's mean and mean square, RMSNorm's
-    mean square) are one norm, all-reduced in one call. A norm whose rows the default
+    mean square) are one norm, all-reduced in one call. A ``reduce_sum`` over dims the
+    batch axes split is a statistic of a normalisation over the batch instead (BatchNorm:
+    :meth:`batch_groups`), all-reduced over those axes. A norm whose rows the default
     program has not scattered onto the batch yet (block 0's first) sees whole rows. The
     axis is y in a transformer's stream, x in a ViT's (its patch convolution splits the
     output channels over x) and in BERT's masked-LM head. Norms inside control-flow
@@ -425,9 +427,9 @@ class _WholeUses:
     for the query heads on x=4). An equation that gathers its split operand to meet the
     whole one (a residual add after a relayout) slices nothing. Followed equation by
     equation like the other flows; ``elements[i]``: the elements sliced at regather ``i``'s
-    meetings. A convolution's output, all-reduced whole over its input axis, is followed
-    the same way (:meth:`all_reduced`, keyed ``("conv", matmul index)``): a BatchNorm of
-    channels split over that axis slices it.
+    meetings. A convolution's output, all-reduced whole over its input axes, is followed
+    the same way (:meth:`all_reduced`, keyed ``("conv", matmul index, axis)``): a BatchNorm
+    of channels split over that axis slices it.
     """
 
     def __init__(self, layouts, origin: dict):
