@@ -104,7 +104,9 @@ class PerGridSpec:
     def __init__(self, model, *example_args, name: str | None = None, **example_kwargs):
         self._traced = trace_model(model, *example_args, **example_kwargs)
         self._name = name or type(model).__name__
-        self.base, layouts = _spec_of(self._traced, Grid(), self._name)
+        #: the one-device plan's relayouts: (axes dropped, axes gained) of each
+        self._relayouts: set = set()
+        self.base, layouts = _spec_of(self._traced, Grid(), self._name, self._relayouts)
         #: the split dims of every value of the one-device plan: (size, axes) pairs
         self._split_dims = {(size, axes) for var, lay in layouts.items()
                             for size, axes in zip(R.shape_of(var), lay) if axes}  # fmt: skip
@@ -122,9 +124,14 @@ class PerGridSpec:
 
     def holds(self, grid: Grid) -> bool:
         """Whether the one-device plan is ``grid``'s: it divides every split dim and every
-        parameter with its depth split."""
+        parameter with its depth split, and no relayout of it is a gather on ``grid`` (the
+        axes it moves a value onto are all 1 there, while one it moves it off is not: a
+        ResNet's residual add of x-split and y-split channels on x grids)."""
         return (all(p.divides(grid) for p in self.base.params)
-                and all(divides(size, axes, grid) for size, axes in self._split_dims))
+                and all(divides(size, axes, grid) for size, axes in self._split_dims)
+                and not any(all(grid.axis_size(a) == 1 for a in gained)
+                            and any(grid.axis_size(a) > 1 for a in dropped)
+                            for dropped, gained in self._relayouts))  # fmt: skip
 
 
 def _tensor_grid(grid: Grid) -> Grid:
@@ -133,8 +140,9 @@ def _tensor_grid(grid: Grid) -> Grid:
     return Grid(x=grid.x, y=grid.y, z=grid.z, data=grid.data)
 
 
-def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
-    """The spec of ``traced`` planned for ``grid``, and the layout of every value."""
+def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tuple[ModelSpec, dict]:
+    """The spec of ``traced`` planned for ``grid``, and the layout of every value
+    (``relayouts``: collects those of the one-device plan, see :func:`_whole_gathers`)."""
     plan, program = plan_traced(traced, grid, name=name)
     jaxpr = program.jaxpr
     n_params = traced.num_params
@@ -201,11 +209,17 @@ def _spec_of(traced, grid: Grid, name: str) -> tuple[ModelSpec, dict]:
             continue
         if name_ not in ("dot_general", "conv_general_dilated") and name_ not in CONTROL_FLOW:
             step = _rule_step(eqn, layouts, ctx)
-            for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis, unit):
+            for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis, unit, relayouts):
                 whole_uses.gathered(eqn, operand, len(regathers), found[2])
                 regathers.append(found)
             if name_ not in _PRICED_REDUCTIONS:
                 partial_sums += _partial_sums(eqn, step, trained, flow.axis)
+            elif name_ == "gather" and eqn.invars[0] not in origin:
+                # rows of an activation looked up by indices every device holds (jnp.repeat of a
+                # graph's globals onto its edges): each device's rows, summed over their axes
+                partial_sums += [(op, size, axes, 0, False, others, rows_axis)
+                                 for op, size, axes, _, _, others, rows_axis in _partial_sums(eqn, step, trained,
+                                                                                              flow.axis)]  # fmt: skip
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -640,7 +654,8 @@ def _kernel_read_whole(stored, used, grid: Grid) -> str | None:
     return _tensor_axis(dropped, grid)
 
 
-#: reductions priced elsewhere: norm statistics (``_NormStatistics``), vocabulary-parallel lookups
+#: reductions priced elsewhere: norm statistics (``_NormStatistics``), vocabulary-parallel
+#: lookups (a gather of an activation's rows is priced as partial sums, all-reduced)
 _PRICED_REDUCTIONS = frozenset(["reduce_sum", "gather"])
 
 
@@ -668,7 +683,7 @@ def _partial_sums(eqn, step: R.Step, trained: set, scattered: dict) -> list[tupl
 
 
 def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict,
-                   unit: frozenset | None = None) -> list[tuple]:  # fmt: skip
+                   unit: frozenset | None = None, relayouts: set | None = None) -> list[tuple]:  # fmt: skip
     """(operand, op, elements, axis, other tensor axes, rows axis, has a gradient, batch axes
     gathered so far, a gather of scattered rows) for each axis ``eqn`` gathers an operand
     over: those of its layout that the partitioner's rule (``step``) drops from its target.
@@ -687,8 +702,10 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict,
     is priced as the runtime moves it (``runtime.executor.relayout``: each dim's axes
     past what it shares with the target gathered, then sliced; ``unit``: the tensor axes
     of 1 on a grid's plan, nothing to move). On the one-device plan (``unit`` None),
-    where which axes are live is the grid's, a relayout is not priced; nor is a reshape
-    that permutes dims (replicated).
+    where which axes are live is the grid's, a relayout is not priced (``relayouts``
+    collects its (dropped, gained) axes: on a grid where the gained ones are 1 it is a
+    gather, priced on that grid's own plan); nor is a reshape that permutes dims
+    (replicated).
     """
     if eqn.primitive.name == "reshape" and step.fallback:  # a permutation: replicated
         return []
@@ -699,7 +716,10 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict,
         lay = tuple(tuple(a for a in axes if a not in (unit or ())) for axes in layouts[operand])
         target = tuple(tuple(a for a in axes if a not in (unit or ())) for axes in target)
         if unit is None and any(set(kept) - set(axes) for axes, kept in zip(lay, target)):
-            continue  # relaid out on the one-device plan: which axes are live is the grid's
+            if relayouts is not None:  # which axes are live is the grid's: PerGridSpec.holds asks
+                relayouts.add((frozenset(a for axes in lay for a in axes) - frozenset(a for t in target for a in t),
+                               frozenset(a for t in target for a in t) - frozenset(a for axes in lay for a in axes)))
+            continue  # relaid out on the one-device plan
         # as runtime.executor.relayout moves it: each dim's axes past what it shares with
         # the target's are gathered, then the target's are sliced off
         dropped = {a for axes, kept in zip(lay, target) for a in axes[len(common_prefix(axes, kept)):]}
