@@ -98,7 +98,7 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
 
     return optax.tree_map_params(
         optimizer, follow, abstract, param_shardings, params,
-        transform_non_params=lambda _: replicated, is_leaf=_kept_whole,
+        transform_non_params=lambda _: replicated, is_leaf=is_state_hole,
     )  # fmt: skip
 
 
@@ -106,7 +106,7 @@ def _check_streamable(optimizer, state) -> None:
     """Refuse state with masked-out parameters for the streamed update: its bucket-by-bucket
     view of the trees leaves other buckets' parameters out, which ``optax.masked`` and
     ``optax.multi_transform`` cannot tell from their own masked-out ones."""
-    if any(isinstance(x, optax.MaskedNode) for x in jax.tree.leaves(state, is_leaf=_kept_whole)):
+    if any(isinstance(x, optax.MaskedNode) for x in jax.tree.leaves(state, is_leaf=is_state_hole)):
         raise ValueError(
             f"update_on='device' streams the update in buckets of parameters, but the state of "
             f"{type(optimizer).__name__} masks parameters out (optax.masked / optax.multi_transform), "
@@ -115,7 +115,7 @@ def _check_streamable(optimizer, state) -> None:
         )
 
 
-def _kept_whole(x) -> bool:
+def is_state_hole(x) -> bool:
     """Subtrees mapped as one leaf over a state: holes (``None``) and masked-out parameters."""
     return x is None or isinstance(x, optax.MaskedNode)
 
@@ -134,7 +134,7 @@ def state_labels(optimizer: optax.GradientTransformation, state, params) -> list
     """
     index = jax.tree.unflatten(jax.tree.structure(params), list(range(len(jax.tree.leaves(params)))))
     labels = optax.tree_map_params(optimizer, lambda leaf, i: leaf if isinstance(leaf, optax.MaskedNode) else i,
-                                   state, index, transform_non_params=lambda _: -1, is_leaf=_kept_whole)  # fmt: skip
+                                   state, index, transform_non_params=lambda _: -1, is_leaf=is_state_hole)  # fmt: skip
     return list(jax.tree.leaves(labels))
 
 

@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
-from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, check_offloadable, check_optimizer
+from axonn_jax.runtime.master_optimizer import (MasterOptimizer, MasterState, check_offloadable, check_optimizer,
+                                               is_state_hole)
 from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
@@ -92,8 +93,14 @@ def _none(x) -> bool:
 
 
 def _first_held(*trees):
-    """Leaf by leaf, the first tree's leaf that is not ``None`` (trees alike, ``None`` holes)."""
-    return jax.tree.map(lambda *xs: next((x for x in xs if x is not None), None), *trees, is_leaf=_none)
+    """Leaf by leaf, the first tree's leaf that is held: not a hole (``None``: another stage's
+    parameter; ``optax.MaskedNode``: one the optimizer masks out, kept where no tree holds
+    a value). Every stage's optimizer state, merged into the whole model's."""
+
+    def first(*xs):
+        return next((x for x in xs if not is_state_hole(x)), next((x for x in xs if x is not None), None))
+
+    return jax.tree.map(first, *trees, is_leaf=is_state_hole)
 
 
 class TrainStep(abc.ABC):
@@ -316,9 +323,9 @@ class TrainStep(abc.ABC):
             # array already on it (a step count) must not become one buffer that each stage's
             # update donates
             inner = jax.tree.map(
-                lambda like, value: None if like is None
+                lambda like, value: like if is_state_hole(like)
                 else jax.device_put(value, like.sharding, may_alias=False),
-                state.inner, saved["inner"], is_leaf=_none,
+                state.inner, saved["inner"], is_leaf=is_state_hole,
             )  # fmt: skip
             states[s] = state._replace(inner=inner)
         scale = opt_state.loss_scale

@@ -164,3 +164,79 @@ def test_a_raw_pipeline_train_state_onto_a_flat_grid_names_save_train_state(devi
     with pytest.raises(ValueError, match=r"(?s)opt_state/optimizer/inner.*save_train_state"
                                          r".*restore_train_state\(step, params, opt_state\)"):  # fmt: skip
         Checkpointer(tmp_path, read_only=True).restore(params=flat_params, opt_state=flat_state)
+
+
+def test_train_state_restores_across_precisions_fp16_included(devices, tmp_path):
+    """docs/checkpoints.md: the saved train state does not depend on the precision. An fp16
+    step's state (its dynamic loss scale beside the masters) restores into a bf16 step, which
+    drops the scale, and a bf16 state into an fp16 step, which starts a fresh scale; both
+    used to be refused ("in the checkpoint but not in the target ['opt_state/loss_scale/...']",
+    blaming the model and optimizer). The masters come back exactly either way."""
+    grid = dict(x=2, z=2, data=2)
+    step16, params, opt_state = _step(grid, "fp16", offload=False)[1:]
+    params, opt_state, _ = step16(params, opt_state, BATCHES[0])
+    with Checkpointer(tmp_path / "fp16") as ckpt:
+        ckpt.save_train_state(1, step16, params, opt_state)
+    saved16 = _saved_form(step16, params, opt_state)
+    assert any(p.startswith("opt_state/loss_scale/") for p in saved16)
+
+    step_bf16, fresh, fresh_state = _step(grid, "bf16", offload=False, seed=1)[1:]
+    restored = Checkpointer(tmp_path / "fp16", read_only=True).restore_train_state(step_bf16, fresh, fresh_state)
+    as_bf16 = _saved_form(step_bf16, restored.params, restored.opt_state)
+    assert sorted(as_bf16) == sorted(p for p in saved16 if not p.startswith("opt_state/loss_scale/"))
+    for path, value in as_bf16.items():
+        np.testing.assert_array_equal(value, saved16[path], err_msg=path)
+    params, opt_state, loss = step_bf16(restored.params, restored.opt_state, BATCHES[1])
+    assert np.isfinite(float(loss))
+    with Checkpointer(tmp_path / "bf16") as ckpt:
+        ckpt.save_train_state(2, step_bf16, params, opt_state)
+
+    fresh, fresh_state = step16.init(axonn_jax.partition(MODEL, axonn_jax.Grid(**grid), BATCHES[0]).init(
+        jax.random.key(2)))
+    restored = Checkpointer(tmp_path / "bf16", read_only=True).restore_train_state(step16, fresh, fresh_state)
+    np.testing.assert_array_equal(np.asarray(restored.opt_state.loss_scale.scale),
+                                  np.asarray(fresh_state.loss_scale.scale))  # a fresh scale
+    saved_bf16 = _saved_form(step_bf16, params, opt_state)
+    for path, value in _saved_form(step16, restored.params, restored.opt_state).items():
+        if not path.startswith("opt_state/loss_scale/"):
+            np.testing.assert_array_equal(value, saved_bf16[path], err_msg=path)
+
+
+def test_masked_optimizer_state_of_a_pipeline_saves_and_resumes(devices, tmp_path):
+    """``optax.multi_transform`` (and ``optax.masked``) keep ``MaskedNode`` where a parameter is
+    masked out, and each pipeline stage has ``None`` where a parameter is another stage's.
+    Merging the stages' states for a checkpoint failed on that ("different types at key path
+    ... MaskedNode ... NoneType"). Now the pipeline's saved state is the flat grid's (same
+    paths), it resumes to the uninterrupted run's losses, and restores onto a flat grid."""
+    labels = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda k, _: "kernel" if "kernel" in jax.tree_util.keystr(k) else "other", p)
+    optimizer = optax.multi_transform({"kernel": optax.adam(1e-2), "other": optax.sgd(1e-2, momentum=0.9)}, labels)
+
+    def make(grid):
+        pm = axonn_jax.partition(MODEL, axonn_jax.Grid(**grid), BATCHES[0])
+        step = pm.train_step(next_token_loss, optimizer, microbatches=2 if grid.get("pipeline") else 1)
+        return step, *step.init(pm.init(jax.random.key(0)))
+
+    step, params, opt_state = make(dict(pipeline=2, x=2, z=2))
+    losses = []
+    with Checkpointer(tmp_path) as ckpt:
+        for t, batch in enumerate(BATCHES[:4]):
+            params, opt_state, loss = step(params, opt_state, batch)
+            losses.append(float(loss))
+            if t == 1:
+                ckpt.save_train_state(2, step, params, opt_state)
+                by_path = _saved_form(step, params, opt_state)
+    flat_step, flat_params, flat_state = make(dict(x=2, z=2, data=2))
+    assert sorted(by_path) == sorted(_saved_form(flat_step, flat_params, flat_state))
+    for grid, (run, start, state) in ((dict(pipeline=2, x=2, z=2), make(dict(pipeline=2, x=2, z=2))),
+                                      (dict(x=2, z=2, data=2), (flat_step, flat_params, flat_state))):
+        restored = Checkpointer(tmp_path, read_only=True).restore_train_state(run, start, state)
+        p, s = restored.params, restored.opt_state
+        resumed = losses[:2]
+        for batch in BATCHES[2:4]:
+            p, s, loss = run(p, s, batch)
+            resumed.append(float(loss))
+        if grid.get("pipeline"):
+            assert resumed == losses
+        else:
+            np.testing.assert_allclose(resumed, losses, rtol=1e-5)

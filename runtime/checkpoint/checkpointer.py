@@ -56,6 +56,18 @@ class Restored:
     extra: dict
 
 
+def _nested(flat: Mapping[str, Any]) -> dict:
+    """``{"a/b": v}`` → ``{"a": {"b": v}}``."""
+    out: dict = {}
+    for path, value in flat.items():
+        *parents, last = path.split("/")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[last] = value
+    return out
+
+
 def foreign_step_folders(directory: Path) -> list[str]:
     """Folders of ``directory`` named like a step (digits: orbax reads ``0042`` as step 42)
     that hold nothing a save writes (no item folder, no orbax step metadata or commit
@@ -222,9 +234,30 @@ class Checkpointer:
         shardings and memory kinds); the result holds the restored pair.
         """
         params_target, opt_target = train_step.checkpoint_target(params, opt_state)
+        # fp16's dynamic loss scale is restored where both sides have one; an fp16 step resumed
+        # from another precision starts a fresh scale, and another precision drops a saved one
+        saved_scale = self._saved_under(step, "opt_state/loss_scale/")
+        scaled = "loss_scale" in opt_target
+        if saved_scale is not None and scaled != bool(saved_scale):
+            opt_target = {k: v for k, v in opt_target.items() if k != "loss_scale"}
+            if saved_scale:  # read nothing of it (None: held elsewhere), for the checks
+                opt_target["loss_scale"] = _nested({path: None for path in saved_scale})
         restored = self.restore(step, params=params_target, opt_state=opt_target)
-        params, opt_state = train_step.from_checkpoint(restored.params, restored.opt_state)
+        saved = restored.opt_state if scaled else {k: v for k, v in restored.opt_state.items() if k != "loss_scale"}
+        params, opt_state = train_step.from_checkpoint(restored.params, saved)
         return dataclasses.replace(restored, params=params, opt_state=opt_state)
+
+    def _saved_under(self, step: int | None, prefix: str) -> list[str] | None:
+        """The saved paths under ``prefix`` (without it) of ``step`` (default: the latest);
+        ``None`` where the step cannot be read here (:meth:`restore` then says why)."""
+        steps = self.all_steps()
+        step = steps[-1] if step is None and steps else step
+        if step not in steps:
+            return None
+        try:
+            return [p[len(prefix):] for p in self._saved_leaves(step) if p.startswith(prefix)]
+        except (DamagedArrayError, OSError, ValueError, KeyError, TypeError):
+            return None
 
     def wait(self) -> None:
         """Block until the pending save (if any) is committed.
