@@ -412,3 +412,14 @@ def test_max_to_keep_that_would_delete_every_step_is_refused(keep, tmp_path):
     with pytest.raises(ValueError, match=r"max_to_keep must be a positive number of steps or None"):
         Checkpointer(tmp_path, max_to_keep=keep)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_step_without_optimizer_state_says_so(devices, two_steps, tmp_path):
+    """Asking a step saved without optimizer state (or whose opt_state folder is gone) for
+    one named every leaf as "missing from the checkpoint" and told the user to restore with
+    the model and optimizer it was saved with, which they were."""
+    layout = shardings(devices)
+    with pytest.raises(ValueError, match=r"step 2 holds no opt_state \(saved without it, or its opt_state folder "
+                                         r"is missing\)\. Remedy: restore without an opt_state target and start "
+                                         r"the optimizer afresh"):
+        checkpoint.restore(two_steps, params=layout, optimizer=optax.adam(1e-3))

@@ -115,7 +115,15 @@ def targets(item: str, tree, saved: Mapping[str, LeafMeta | None], where: str):
     processes' targets together cover the checkpoint is :func:`check_complete`.
     """
     pairs, treedef = _flatten(item, tree)
-    unknown = {p for p, _ in pairs} - _stored(item, saved)
+    stored = _stored(item, saved)
+    if pairs and not stored:
+        raise ValueError(
+            f"{where} holds no {item} (saved without it, or its {item} folder is missing). Remedy: "
+            f"restore without an {item} target"
+            + (" and start the optimizer afresh (step.init), or restore a step saved with it."
+               if item == "opt_state" else ", or restore a step saved with it.")
+        )
+    unknown = {p for p, _ in pairs} - stored
     if unknown:
         raise _mismatch(item, where, unknown, ())
     wanted = {}
