@@ -113,9 +113,16 @@ def place(value: Any, sharding: NamedSharding) -> jax.Array:
     A device array already laid out so is returned as it is, also where its spec is
     written otherwise (axes of size 1: the same layout; re-placing every leaf of a
     step cost ~10 ms), and so is a tracer (inside ``jax.jit`` the program places it).
+    On a mesh of other processes only, the result holds no shard here (a value every
+    process passes, such as fp16's loss scale for the last pipeline stage).
     """
     if isinstance(value, jax.core.Tracer):
         return value
+    if not sharding.addressable_devices:  # a mesh of other processes only: no shard lives here
+        dtype = np.result_type(value)  # (JAX asks a replicated callback once anyway: a view, never kept)
+        return jax.make_array_from_callback(np.shape(value), sharding,
+                                            lambda index: np.broadcast_to(np.zeros((), dtype), np.shape(value))[index],
+                                            dtype=dtype)  # fmt: skip
     if isinstance(value, jax.Array):
         if value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim):
             return value

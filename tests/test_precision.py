@@ -152,3 +152,29 @@ def test_evaluating_with_the_params_of_a_bf16_step(grid, devices):
     full = jax.tree.map(lambda x: np.asarray(x, np.float32), pm.gather(params))
     plain = np.asarray(case.model.apply({"params": full}, *case.args).logits)
     np.testing.assert_allclose(logits, plain, rtol=1e-4, atol=1e-4 * np.max(np.abs(plain)))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(660)  # the job's own 600 s timeout fires first
+def test_fp16_pipeline_with_one_stage_per_process_trains_as_in_one_process():
+    """An fp16 train step on pipeline=2 with each stage on its own process failed on its first
+    step: the dynamic loss scale is placed on the last stage's mesh, where rank 0 holds no
+    device. Its losses now equal those of the same step in one process."""
+    import os
+    import subprocess
+    import sys
+
+    from mpi_util import TESTS, xla_flags
+
+    result = run_mpi(2, "fp16_pipeline.py", devices_per_process=4, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    ranks = dict(re.findall(r"LOSSES rank (\d): ([^\n]+)", result.stdout))
+    assert set(ranks) == {"0", "1"} and ranks["0"] == ranks["1"], result.stdout
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    single = subprocess.run([sys.executable, str(TESTS / "mpi_scripts" / "fp16_pipeline.py")], env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-4000:]
+    one = [float(v) for v in re.search(r"LOSSES rank 0: ([^\n]+)", single.stdout).group(1).split()]
+    np.testing.assert_allclose([float(v) for v in ranks["0"].split()], one, rtol=1e-6)
