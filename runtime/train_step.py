@@ -92,6 +92,24 @@ def _none(x) -> bool:
     return x is None
 
 
+def _check_update_needs_nothing_else(optimizer: optax.GradientTransformation, params) -> None:
+    """Refuse an optimizer whose ``update`` needs more than ``(updates, state, params)``:
+    ``optax.contrib.reduce_on_plateau`` needs ``value=`` (the loss), which a train step does
+    not pass; it failed inside optax at ``step.init``. ``params``: ShapeDtypeStructs."""
+    try:
+        jax.eval_shape(optimizer.update, params, jax.eval_shape(optimizer.init, params), params)
+    except TypeError as err:
+        found = re.search(r"required keyword-only argument: '(\w+)'", str(err))
+        if found is None:
+            raise
+        raise TypeError(
+            f"optimizer {describe(optimizer)} needs {found.group(1)}= in optimizer.update ({err}), "
+            "which pm.train_step does not pass (it calls update(grads, state, params)). Remedy: "
+            "write the step with pm.value_and_grad and call optimizer.update(grads, state, params, "
+            f"{found.group(1)}=...) yourself (the README's jitted step), or use another optimizer."
+        ) from err
+
+
 def _first_held(*trees):
     """Leaf by leaf, the first tree's leaf that is held: not a hole (``None``: another stage's
     parameter; ``optax.MaskedNode``: one the optimizer masks out, kept where no tree holds
@@ -128,6 +146,9 @@ class TrainStep(abc.ABC):
         self.options = options
         if offload:
             check_offloadable(optimizer)
+        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
+        _check_update_needs_nothing_else(optimizer, self.call.split(jax.tree.unflatten(self.plan.param_tree,
+                                                                                      abstract))[0])
         self.value_and_grad = engine.value_and_grad(loss_fn, **options)
         self._programs: dict[int, UpdateProgram] = {}  # local stage → its optimizer and program
         #: (a weak reference to one master of the opt_state last issued, the ids of its params)
@@ -399,6 +420,12 @@ class PipelinedStep(TrainStep):
 
     def _scale_sharding(self) -> jax.sharding.Sharding:
         return SingleDeviceSharding(jax.local_devices()[0])  # each process keeps its own, equal copy
+
+    def trace(self, json_path=None, png_path=None, title: str = "pipeline timeline"):
+        """The last step's tasks of every rank: a Chrome/Perfetto trace and a timeline plot
+        (:meth:`~axonn_jax.runtime.pipeline.training.PipelinedValueAndGrad.trace`; a collective
+        under MPI, the rows on rank 0)."""
+        return self.value_and_grad.trace(json_path, png_path, title)
 
     def _compile(self, optimizer, out_shardings):
         def update(params, grads, state, finite, grad_scale):

@@ -508,3 +508,16 @@ def test_integer_parameter_is_named_with_the_remedy_that_works(devices):
     assert int(state["state"]["count"]) == 4
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(final["params"])):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_whose_update_needs_the_loss_is_refused_with_the_remedy(devices):
+    """``optax.contrib.reduce_on_plateau`` needs ``update(..., value=loss)``; pm.train_step calls
+    ``update(grads, state, params)``, and ``step.init`` failed inside optax ("missing 1
+    required keyword-only argument: 'value'"). It is refused when the step is built."""
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid(x=2, y=2, z=2), X)
+    optimizer = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1))
+    with pytest.raises(TypeError, match=r"needs value= in optimizer\.update .*pm\.train_step does not pass .*"
+                                        r"Remedy: write the step with pm\.value_and_grad"):
+        pm.train_step(lambda out, batch: jnp.mean(out**2), optimizer)

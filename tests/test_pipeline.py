@@ -353,3 +353,17 @@ def test_failing_rank_ends_pipelined_job(n, grid, how):  # fmt: skip
     assert elapsed < 240, f"job took {elapsed:.0f} s to end"
     if how == "raise":
         assert "injected failure on rank 1" in result.stderr, result.stderr[-3000:]
+
+
+def test_a_train_step_exports_its_trace_as_documented(tmp_path, gpt_two_stages):
+    """docs/pipeline.md's ``step.trace("trace.json", "timeline.png")`` on a train step (it had
+    only ``step.value_and_grad.trace``: AttributeError)."""
+    import optax
+
+    case, pm, params = gpt_two_stages
+    step = pm.train_step(case.loss, optax.sgd(0.1), inputs=case.inputs, microbatches=2)
+    with pytest.raises(RuntimeError, match="no step has run yet"):
+        step.trace()
+    step(*step.init(jax.tree.map(lambda x: x.copy(), params)), case.batch(2))  # the fixture's stay undonated
+    rows = step.trace(tmp_path / "t.json", tmp_path / "t.png")
+    assert rows and (tmp_path / "t.json").stat().st_size > 0 and (tmp_path / "t.png").exists()
