@@ -189,7 +189,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         if checks is not None:
             rows = [{**row, "compiled_check": c.as_dict()} for row, c in zip(rows, kept)]
         print(json.dumps(rows, indent=2))
-    else:
+    elif result.ranked:
         print(_table(spec, machine, options, args.gpus, result, seconds, recompute, own_plan))
         if checks is not None:
             from axonn_jax.compiled_check import format_checks
@@ -203,14 +203,23 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         if result.ranked:
             print(_launch(result.ranked[0]))
     if not result.ranked:
-        print(
-            f"axonn-jax plan: no grid of {args.gpus} GPUs divides and fits {spec.name} "
-            f"({result.summary()}). Remedy: more GPUs, --offload on, a machine with more "
-            "memory, or model dims with more factors of 2.",
-            file=sys.stderr,
-        )
+        print(f"axonn-jax plan: no grid of {args.gpus} GPUs divides and fits {spec.name} "
+              f"({result.summary()}). Remedy: {_no_grid_remedy(result.rejected)}.", file=sys.stderr)  # fmt: skip
         return 1
     return 0
+
+
+def _no_grid_remedy(rejected) -> str:
+    """What to change when every grid was rejected, by why they were."""
+    remedies = []
+    if rejected.get("do not divide the model") or rejected.get("do not divide the batch into microbatches"):
+        remedies.append("a GPU count whose factors divide the model's dims and batch (e.g. a power of 2), "
+                        "or model dims with more factors of 2")  # fmt: skip
+    if rejected.get("do not fit memory"):
+        remedies.append("more GPUs, --offload on, or a machine with more memory")
+    if rejected.get("refused by the partitioner"):
+        remedies.append("see why with axonn_jax.partition(model, grid, ...) on one of the grids")
+    return "; ".join(remedies) or "more GPUs"
 
 
 def loss_rows(spec, loss: str = "planned") -> int:
@@ -348,13 +357,24 @@ def _launch(best) -> str:
             f"   (in Python: {python})")
 
 
+def _count(n: float) -> str:
+    """A parameter count as people write it: ``1.23B``, ``45.60M``, or exactly below a million.
+
+    >>> _count(80.6e9), _count(239_488), _count(1.5e6)
+    ('80.60B', '239,488', '1.50M')
+    """
+    if n >= 1e9:
+        return f"{n / 1e9:.2f}B"
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{int(n):,}"
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f}"
 
 
 def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto", own_plan=frozenset()) -> str:
     head = (
-        f"{spec.name}: {spec.num_params / 1e9:.2f}B parameters, {spec.tokens:,} tokens per step, "
+        f"{spec.name}: {_count(spec.num_params)} parameters, {spec.tokens:,} tokens per step, "
         f"on {gpus} × {machine.name}\n"
         f"compute at {machine.peak_tflops:g} TFLOP/s × {machine.efficiency:g}; "
         f"{options.precision} precision; "

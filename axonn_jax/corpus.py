@@ -133,7 +133,8 @@ def _token_file(path: Path, dtype: str | None) -> np.ndarray:
         if dtype is None:
             raise ValueError(
                 f"{path} is a raw token file: its dtype is not stored in it. Remedy: name it, "
-                f"e.g. --data-dtype uint16 (one of {', '.join(TOKEN_DTYPES)})."
+                f"e.g. load_corpus(path, dtype='uint16') (the example's --data-dtype uint16; one of "
+                f"{', '.join(TOKEN_DTYPES)})."
             )
         if dtype not in TOKEN_DTYPES:
             raise ValueError(f"token dtype {dtype!r}: expected one of {', '.join(TOKEN_DTYPES)}")

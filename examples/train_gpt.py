@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="length of the generated sample (bytes, or tokens with a tokenizer)")
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="device dtype of parameters and gradients (fp32 master weights); bf16 also "
-                        "computes in bf16 on GPU/TPU (fp32 on CPU)")
+                        "computes in bf16, on every backend")
     p.add_argument("--offload", action="store_true",
                    help="master weights and optimizer state in host memory")
     p.add_argument("--update-on", default="host", choices=("host", "device"),
@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "device in buckets")
     p.add_argument("--remat", default="none", choices=("none", "full", "save_dots", "offload"),
                    help="activation checkpointing policy")
+    p.add_argument("--machine", default=None,
+                   help="the machine profile pipeline stages are cut for: a built-in name "
+                        "(perlmutter, frontier, h100-node) or a JSON from axonn-jax profile "
+                        "(default: h100-node's rates)")
     p.add_argument("--overlap", default="all",
                    help="communication overlap: all, none, or a comma list of oag, ors, oar; "
                         "add layer-gathers for one weight gather per layer instead of per block, "
@@ -189,7 +193,7 @@ def main(argv=None) -> int:
     # batches hold seq + 1 tokens: the model reads [:, :-1] of a microbatch, the loss predicts [:, 1:]
     example = jnp.zeros((args.batch // args.microbatches, args.seq), jnp.int32)
 
-    pm = axonn_jax.partition(model, grid, example, overlap=args.overlap)
+    pm = axonn_jax.partition(model, grid, example, overlap=args.overlap, machine=args.machine)
     if info.is_main:
         print(f"data: {corpus}")
         print(pm.plan.table() if args.plan_table else pm.plan)

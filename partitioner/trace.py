@@ -274,7 +274,8 @@ def _linen_remedies():
             raise ValueError(
                 f"{err}. Remedy: pass the RNG streams the model draws in the call given to "
                 "partition(), e.g. partition(model, grid, x, rngs={'dropout': key}) (a "
-                "jax.random.key or its ShapeDtypeStruct), and the same rngs= to pm.apply."
+                "jax.random.key or its ShapeDtypeStruct), and the same rngs= to every call (pm.apply, "
+                "a step from pm.value_and_grad or pm.train_step: step(params, batch, rngs=...))."
             ) from err
         if kind == "ModifyScopeVariableError":
             raise ValueError(
