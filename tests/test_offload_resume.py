@@ -130,28 +130,40 @@ def test_restore_onto_another_grid_and_mode_holds_the_saved_values(saved_run, gr
 def test_pipeline_state_resumes_exactly_and_restores_onto_a_flat_grid(devices, tmp_path):
     """pipeline=2 in one process: {stage: offloaded state} saved at step 2 and resumed gives
     the same losses; the same checkpoint restores onto a flat grid without offload."""
-    step, params, opt_state = _step(dict(pipeline=2, x=2, z=2), "fp32", offload=True)[1:]
+    losses, by_path = _four_steps_saved_after_two(*_step(dict(pipeline=2, x=2, z=2), "fp32", offload=True)[1:],
+                                                  tmp_path)  # fmt: skip
+    _assert_read_by_plain_orbax(tmp_path / "2", by_path, tmp_path)
+    for grid, offload in ((dict(pipeline=2, x=2, z=2), True), (dict(x=2, z=2, data=2), False)):
+        _assert_resumes(tmp_path, *_step(grid, "fp32", offload=offload, seed=1)[1:], losses,  # other values
+                        exact="pipeline" in grid)  # fmt: skip
+
+
+def _four_steps_saved_after_two(step, params, opt_state, directory) -> tuple[list[float], dict]:
+    """Four steps, the train state saved after the second: the losses and the saved form."""
     losses = []
-    with Checkpointer(tmp_path) as ckpt:
+    with Checkpointer(directory) as ckpt:
         for t, batch in enumerate(BATCHES[:4]):
             params, opt_state, loss = step(params, opt_state, batch)
             losses.append(float(loss))
             if t == 1:
                 ckpt.save_train_state(2, step, params, opt_state)
                 by_path = _saved_form(step, params, opt_state)
-    _assert_read_by_plain_orbax(tmp_path / "2", by_path, tmp_path)
-    for grid, offload in ((dict(pipeline=2, x=2, z=2), True), (dict(x=2, z=2, data=2), False)):
-        step, params, opt_state = _step(grid, "fp32", offload=offload, seed=1)[1:]  # other values
-        restored = Checkpointer(tmp_path, read_only=True).restore_train_state(step, params, opt_state)
-        params, opt_state = restored.params, restored.opt_state
-        resumed = losses[:2]
-        for batch in BATCHES[2:4]:
-            params, opt_state, loss = step(params, opt_state, batch)
-            resumed.append(float(loss))
-        if grid.get("pipeline"):
-            assert resumed == losses
-        else:
-            np.testing.assert_allclose(resumed, losses, rtol=1e-5)
+    return losses, by_path
+
+
+def _assert_resumes(directory, step, params, opt_state, losses: list[float], *, exact: bool) -> None:
+    """Restored into ``step`` (``params, opt_state``: its init's), the last two steps of
+    :func:`_four_steps_saved_after_two` give its losses (bit for bit where ``exact``)."""
+    restored = Checkpointer(directory, read_only=True).restore_train_state(step, params, opt_state)
+    params, opt_state = restored.params, restored.opt_state
+    resumed = losses[:2]
+    for batch in BATCHES[2:4]:
+        params, opt_state, loss = step(params, opt_state, batch)
+        resumed.append(float(loss))
+    if exact:
+        assert resumed == losses
+    else:
+        np.testing.assert_allclose(resumed, losses, rtol=1e-5)
 
 
 def test_a_raw_pipeline_train_state_onto_a_flat_grid_names_save_train_state(devices, tmp_path):
@@ -217,26 +229,8 @@ def test_masked_optimizer_state_of_a_pipeline_saves_and_resumes(devices, tmp_pat
         step = pm.train_step(next_token_loss, optimizer, microbatches=2 if grid.get("pipeline") else 1)
         return step, *step.init(pm.init(jax.random.key(0)))
 
-    step, params, opt_state = make(dict(pipeline=2, x=2, z=2))
-    losses = []
-    with Checkpointer(tmp_path) as ckpt:
-        for t, batch in enumerate(BATCHES[:4]):
-            params, opt_state, loss = step(params, opt_state, batch)
-            losses.append(float(loss))
-            if t == 1:
-                ckpt.save_train_state(2, step, params, opt_state)
-                by_path = _saved_form(step, params, opt_state)
-    flat_step, flat_params, flat_state = make(dict(x=2, z=2, data=2))
-    assert sorted(by_path) == sorted(_saved_form(flat_step, flat_params, flat_state))
-    for grid, (run, start, state) in ((dict(pipeline=2, x=2, z=2), make(dict(pipeline=2, x=2, z=2))),
-                                      (dict(x=2, z=2, data=2), (flat_step, flat_params, flat_state))):
-        restored = Checkpointer(tmp_path, read_only=True).restore_train_state(run, start, state)
-        p, s = restored.params, restored.opt_state
-        resumed = losses[:2]
-        for batch in BATCHES[2:4]:
-            p, s, loss = run(p, s, batch)
-            resumed.append(float(loss))
-        if grid.get("pipeline"):
-            assert resumed == losses
-        else:
-            np.testing.assert_allclose(resumed, losses, rtol=1e-5)
+    losses, by_path = _four_steps_saved_after_two(*make(dict(pipeline=2, x=2, z=2)), tmp_path)
+    flat = make(dict(x=2, z=2, data=2))
+    assert sorted(by_path) == sorted(_saved_form(*flat))
+    _assert_resumes(tmp_path, *make(dict(pipeline=2, x=2, z=2)), losses, exact=True)
+    _assert_resumes(tmp_path, *flat, losses, exact=False)
