@@ -276,9 +276,12 @@ def test_folders_that_only_look_like_steps_are_never_deleted(devices, tmp_path):
     with pytest.raises(ValueError, match=r"not checkpoints: 0042, 7\..*Remedy: move them out"):
         Checkpointer(directory, max_to_keep=1)
     assert (directory / "7" / "data.csv").read_text() == (directory / "0042" / "data.csv").read_text() == "the user's"
-    with Checkpointer(directory, read_only=True) as reader:
-        assert reader.all_steps() == [1] and reader.latest_step() == 1
-    _assert_bitwise(checkpoint.restore(directory, params=layout).params, values(1))
+    # a reader says what it skips: an empty "3/" made restore() fall back to step 1 silently
+    with pytest.warns(UserWarning, match=r"ignoring folders named like steps that hold no checkpoint: 0042, 7"):
+        with Checkpointer(directory, read_only=True) as reader:
+            assert reader.all_steps() == [1] and reader.latest_step() == 1
+    with pytest.warns(UserWarning, match="ignoring folders"):
+        _assert_bitwise(checkpoint.restore(directory, params=layout).params, values(1))
     shutil.rmtree(directory / "7")
     shutil.rmtree(directory / "0042")
     (directory / "5" / "params").mkdir(parents=True)  # what a killed save can leave: the writer's own

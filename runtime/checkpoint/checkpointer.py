@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -135,6 +136,9 @@ class Checkpointer:
             raise NotADirectoryError(f"the checkpoint directory {self.directory} is a file. Remedy: "
                                      "name a directory (it is created if missing).")
         foreign = foreign_step_folders(self.directory)
+        if foreign and read_only:  # skipped: the latest step is the latest real one
+            warnings.warn(f"{self.directory}: ignoring folders named like steps that hold no checkpoint: "
+                          f"{', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}", stacklevel=2)  # fmt: skip
         if foreign and not read_only:
             raise ValueError(
                 f"{self.directory} holds folders named like checkpoint steps that are not "
