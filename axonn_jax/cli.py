@@ -368,10 +368,6 @@ def _count(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{int(n):,}"
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f}"
-
-
 def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto", own_plan=frozenset()) -> str:
     head = (
         f"{spec.name}: {_count(spec.num_params)} parameters, {spec.tokens:,} tokens per step, "
@@ -382,9 +378,11 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
         f"activation checkpointing {'searched' if recompute == 'auto' else recompute}; "
         f"{result.summary()}; searched in {seconds:.2f} s"
     )
+    # MiB where every total is under 1 GiB: a small model's columns would all read 0.0
+    unit, scale = ("GiB", 2**30) if any(p.memory.device >= 2**30 for p in result.ranked) else ("MiB", 2**20)
     cols = ("rank", "x", "y", "z", "data", "pipe", "mb", "virt", "remat", "sched", "offload",
-            "comm s", "compute s", "step s", "bubble", "params GiB", "grads GiB", "optim GiB",
-            "activ GiB", "total GiB")  # fmt: skip
+            "comm s", "compute s", "step s", "bubble", f"params {unit}", f"grads {unit}", f"optim {unit}",
+            f"activ {unit}", f"total {unit}")  # fmt: skip
     rows = [cols]
     for i, p in enumerate(result.ranked, 1):
         g, m = p.grid, p.memory
@@ -394,8 +392,8 @@ def _table(spec, machine, options, gpus, result, seconds, recompute: str = "auto
                      str(o.microbatches), virt, "yes" if o.recompute else "no",
                      o.schedule if p.bubble else "-", o.update_on if o.offload else "no",  # no pipeline: no bubble
                      f"{p.comm_seconds:.3g}", f"{p.compute_seconds:.3g}", f"{p.step_seconds:.3g}",
-                     f"{p.bubble:.0%}", _gib(m.params), _gib(m.grads), _gib(m.optimizer),
-                     _gib(m.activations), _gib(m.device)))  # fmt: skip
+                     f"{p.bubble:.0%}", *(f"{b / scale:.1f}" for b in (m.params, m.grads, m.optimizer,
+                                                                        m.activations, m.device))))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = [head, ""]
     for k, row in enumerate(rows):

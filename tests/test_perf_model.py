@@ -1320,11 +1320,14 @@ def test_profile_times_a_collective_without_its_program_launch():
 def test_cli_no_grid_names_why_and_prints_no_empty_table(capsys):
     """7 GPUs divide no dim of the GPT: the CLI printed an empty table, then memory remedies
     (more GPUs, --offload) for a divisibility problem. Now the error names the divisibility
-    remedy and nothing else is printed; a small model's size reads as a count, not 0.00B."""
+    remedy and nothing else is printed; a small model's size reads as a count, not 0.00B,
+    and its memory in MiB, not columns of 0.0 GiB."""
     assert main(["plan", "--gpus", "7", "--machine", "perlmutter", *GPT_ARGS]) == 1
     out, err = capsys.readouterr()
     assert out == ""
     assert re.search(r"no grid of 7 GPUs .*do not divide the model.*Remedy: a GPU count whose factors divide the "
                      r"model's dims and batch", err) and "--offload" not in err
     assert main(["plan", "--gpus", "8", "--machine", "perlmutter", *GPT_ARGS]) == 0
-    assert re.search(r": [\d,.]+M? parameters", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r": [\d,.]+M? parameters", out)
+    assert "total MiB" in out and "GiB  " not in out  # its memory columns read 0.0 in GiB
