@@ -354,12 +354,20 @@ class TrainStep(abc.ABC):
             scale = jax.tree.map(lambda like, v: jax.device_put(v, like.sharding), scale, saved["loss_scale"])
         return device, OptState(self.engine.pack_states(states), scale)
 
-    def _check_ranks_agree(self) -> None:
+    @functools.cached_property
+    def fingerprint(self) -> dict[str, str]:
+        """``{"optimizer": its update's digest and scalar constants (learning rate, betas, …),
+        "step": the step options}``: what every rank must agree on, and what a checkpoint
+        records of the step that saved it (:meth:`Checkpointer.restore_train_state` warns
+        when the optimizer differs)."""
         abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
         abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
         settings = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
         options = {k: _stable_repr(v) for k, v in {**self.options, **settings}.items()}
-        check_consistent(step_fingerprint(self.optimizer, abstract, options), remedy=(
+        return step_fingerprint(self.optimizer, abstract, options)
+
+    def _check_ranks_agree(self) -> None:
+        check_consistent(self.fingerprint, remedy=(
             " Remedy: build the optimizer and train-step options from the same arguments on "
             "every rank (learning rate, schedule, clipping, precision, microbatches)."))
 

@@ -234,3 +234,30 @@ def test_masked_optimizer_state_of_a_pipeline_saves_and_resumes(devices, tmp_pat
     assert sorted(by_path) == sorted(_saved_form(*flat))
     _assert_resumes(tmp_path, *make(dict(pipeline=2, x=2, z=2)), losses, exact=True)
     _assert_resumes(tmp_path, *flat, losses, exact=False)
+
+
+def test_a_train_state_restored_into_another_optimizer_is_warned_about(devices, tmp_path):
+    """An optimizer state restored into a step with other hyperparameters (here another peak
+    learning rate; a helper found AdamW's restored into Adam) was accepted silently: they are
+    not in the state. The checkpoint now records the saving step's optimizer update (its
+    digest and scalar constants, as ranks compare them), and a restore into another one warns,
+    naming both (a new learning rate can be intended); the same optimizer on another grid and
+    precision restores quietly. An optimizer whose state has other parts is an error, as
+    before."""
+    import warnings
+
+    grid = dict(x=2, z=2, data=2)
+    _, step, params, opt_state = _step(grid, "fp32", offload=False)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save_train_state(1, step, *step(params, opt_state, BATCHES[0])[:2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, same, params, opt_state = _step(dict(z=4, data=2), "bf16", offload=False, seed=1)
+        restored = Checkpointer(tmp_path, read_only=True).restore_train_state(same, params, opt_state)
+    assert not [w for w in caught if "optimizer update differs" in str(w.message)]
+    assert restored.saved_by == {"optimizer": step.fingerprint["optimizer"]} == {"optimizer": same.fingerprint["optimizer"]}
+    pm = axonn_jax.partition(MODEL, axonn_jax.Grid(**grid), BATCHES[0])
+    other = pm.train_step(next_token_loss, optax.adamw(optax.cosine_decay_schedule(3e-2, 6)))  # another peak
+    params, opt_state = other.init(pm.init(jax.random.key(2)))
+    with pytest.warns(UserWarning, match=r"step 1 of .* was saved by a step whose optimizer update differs .*constants"):
+        Checkpointer(tmp_path, read_only=True).restore_train_state(other, params, opt_state)

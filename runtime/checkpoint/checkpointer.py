@@ -55,6 +55,9 @@ class Restored:
     opt_state: Any | None
     rng: jax.Array | None
     extra: dict
+    #: what :meth:`Checkpointer.save_train_state` recorded of the step that saved it
+    #: (``{"optimizer": its update's summary}``); empty for :meth:`Checkpointer.save`
+    saved_by: dict = dataclasses.field(default_factory=dict)
 
 
 def _nested(flat: Mapping[str, Any]) -> dict:
@@ -178,16 +181,18 @@ class Checkpointer:
 
     # --- saving -----------------------------------------------------------
     def save(self, step: int, params, opt_state=None, extra: Mapping | None = None, *,
-             rng: jax.Array | None = None) -> None:  # fmt: skip
+             rng: jax.Array | None = None, saved_by: Mapping | None = None) -> None:  # fmt: skip
         """Start saving ``step``; returns once this process's shards are on the host.
 
         ``extra`` is JSON (loader position, config, ...). ``rng`` is a PRNG key.
+        ``saved_by``: JSON describing what saved it (``Restored.saved_by``).
         Call :meth:`wait` (or the next save/restore, or :meth:`close`) to finish.
         """
         check_step(step, "save")
         if self._read_only:
             raise ValueError(f"this Checkpointer of {self.directory} is read-only")
-        record = {"format": _FORMAT, "step": int(step), "extra": dict(extra or {})}
+        record = {"format": _FORMAT, "step": int(step), "extra": dict(extra or {}),
+                  "saved_by": dict(saved_by or {})}  # fmt: skip
         try:
             record = json.loads(json.dumps(record))  # exactly what restore will return
         except TypeError as err:
@@ -229,7 +234,8 @@ class Checkpointer:
         ``opt_state/inner`` as a single-device Flax/optax run would have them.
         """
         params, opt_state = train_step.checkpoint_state(params, opt_state)
-        self.save(step, params, opt_state, extra, rng=rng)
+        self.save(step, params, opt_state, extra, rng=rng,
+                  saved_by={"optimizer": train_step.fingerprint["optimizer"]})  # fmt: skip
 
     def restore_train_state(self, train_step, params, opt_state, step: int | None = None) -> Restored:
         """Restore what :meth:`save_train_state` saved into ``train_step``'s layout.
@@ -248,6 +254,13 @@ class Checkpointer:
                 opt_target["loss_scale"] = _nested({path: None for path in saved_scale})
         restored = self.restore(step, params=params_target, opt_state=opt_target)
         saved = restored.opt_state if scaled else {k: v for k, v in restored.opt_state.items() if k != "loss_scale"}
+        was, now = restored.saved_by.get("optimizer"), train_step.fingerprint["optimizer"]
+        if was is not None and was != now:
+            warnings.warn(
+                f"step {restored.step} of {self.directory} was saved by a step whose optimizer update "
+                f"differs from this one's ({was}; now {now}): its optimizer state is restored as saved. "
+                "Intended for a new learning rate; otherwise restore with the optimizer it was saved "
+                "with (the state of another optimizer of the same shape would be misread).", stacklevel=2)
         params, opt_state = train_step.from_checkpoint(restored.params, saved)
         return dataclasses.replace(restored, params=params, opt_state=opt_state)
 
@@ -397,6 +410,7 @@ class Checkpointer:
             opt_state=None if opt_targets is None else rebuild(opt_targets, opt_tree),
             rng=values.get(rng_path),
             extra=record["extra"],
+            saved_by=record.get("saved_by", {}),
         )
 
     def _saved_leaves(self, step: int) -> dict[str, LeafMeta | None]:
