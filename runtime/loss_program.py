@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
-import jax.numpy
+import jax.numpy as jnp
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, composite_program
@@ -92,7 +92,7 @@ def _checked(loss):
     if shape != ():
         raise TypeError(f"loss_fn returned an array of shape {tuple(shape)}; the loss must be one scalar. "
                         "Remedy: reduce it, e.g. loss.mean().")  # fmt: skip
-    if not jax.numpy.issubdtype(dtype, jax.numpy.floating):
+    if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
             f"loss_fn returned a {dtype} scalar; the loss must be floating (an integer has no "
             "gradient). Remedy: compute it in floating point, e.g. loss.astype(jnp.float32)."

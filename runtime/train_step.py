@@ -92,12 +92,13 @@ def _none(x) -> bool:
     return x is None
 
 
-def _check_update_needs_nothing_else(optimizer: optax.GradientTransformation, params) -> None:
+def _check_update_needs_nothing_else(optimizer: optax.GradientTransformation, trace: Callable) -> None:
     """Refuse an optimizer whose ``update`` needs more than ``(updates, state, params)``:
     ``optax.contrib.reduce_on_plateau`` needs ``value=`` (the loss), which a train step does
-    not pass; it failed inside optax at ``step.init``. ``params``: ShapeDtypeStructs."""
+    not pass; it failed inside optax at ``step.init``. ``trace()`` traces the update as the
+    step calls it (:attr:`TrainStep.fingerprint`)."""
     try:
-        jax.eval_shape(optimizer.update, params, jax.eval_shape(optimizer.init, params), params)
+        trace()
     except TypeError as err:
         found = re.search(r"required keyword-only argument: '(\w+)'", str(err))
         if found is None:
@@ -146,9 +147,7 @@ class TrainStep(abc.ABC):
         self.options = options
         if offload:
             check_offloadable(optimizer)
-        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        _check_update_needs_nothing_else(optimizer, self.call.split(jax.tree.unflatten(self.plan.param_tree,
-                                                                                      abstract))[0])
+        _check_update_needs_nothing_else(optimizer, lambda: self.fingerprint)  # traces the update once
         self.value_and_grad = engine.value_and_grad(loss_fn, **options)
         self._programs: dict[int, UpdateProgram] = {}  # local stage → its optimizer and program
         #: (a weak reference to one master of the opt_state last issued, the ids of its params)
@@ -264,9 +263,8 @@ class TrainStep(abc.ABC):
         if stage not in self._programs:
             shardings = jax.tree.leaves(self.placed.param_shardings, is_leaf=_none)
             optimizer = self.settings.wrap(self.optimizer, self._stage_tree(shardings, stage))
-            abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
             # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
-            out = (optimizer.param_shardings, optimizer.state_shardings(self._stage_tree(abstract, stage)))
+            out = (optimizer.param_shardings, optimizer.state_shardings(self._stage_tree(self._abstract, stage)))
             self._programs[stage] = UpdateProgram(optimizer, self._compile(optimizer, out), out[1])
         return self._programs[stage]
 
@@ -360,11 +358,19 @@ class TrainStep(abc.ABC):
         "step": the step options}``: what every rank must agree on, and what a checkpoint
         records of the step that saved it (:meth:`Checkpointer.restore_train_state` warns
         when the optimizer differs)."""
-        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        abstract, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))
         settings = {f.name: getattr(self.settings, f.name) for f in dataclasses.fields(self.settings)}
         options = {k: _stable_repr(v) for k, v in {**self.options, **settings}.items()}
-        return step_fingerprint(self.optimizer, abstract, options)
+        return step_fingerprint(self.optimizer, self._abstract_params, options)
+
+    @functools.cached_property
+    def _abstract(self) -> list[jax.ShapeDtypeStruct]:
+        """Every variable leaf of the plan, abstract (its planned shape and dtype)."""
+        return [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
+
+    @functools.cached_property
+    def _abstract_params(self):
+        """The params tree the optimizer sees (model state aside), abstract."""
+        return self.call.split(jax.tree.unflatten(self.plan.param_tree, self._abstract))[0]
 
     def _check_ranks_agree(self) -> None:
         check_consistent(self.fingerprint, remedy=(
@@ -445,10 +451,8 @@ class PipelinedStep(TrainStep):
     def across_stages(self) -> StageUpdate | None:
         """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
         optimizers = {s: self._program(s).optimizer for s in self._groups()}
-        abstract = [jax.ShapeDtypeStruct(p.shape, np.dtype(p.dtype)) for p in self.plan.params]
-        params, _ = self.call.split(jax.tree.unflatten(self.plan.param_tree, abstract))  # state: not optimized
         trainable = [i for i, p in enumerate(self.plan.params) if p.trainable]
-        update = StageUpdate.of(self.placed, optimizers, params, trainable)
+        update = StageUpdate.of(self.placed, optimizers, self._abstract_params, trainable)
         if update is not None and self.settings.offload:
             raise ValueError(
                 f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "

@@ -139,13 +139,14 @@ class Checkpointer:
             raise NotADirectoryError(f"the checkpoint directory {self.directory} is a file. Remedy: "
                                      "name a directory (it is created if missing).")
         foreign = foreign_step_folders(self.directory)
+        listed = f"{', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}"
         if foreign and read_only:  # skipped: the latest step is the latest real one
             warnings.warn(f"{self.directory}: ignoring folders named like steps that hold no checkpoint: "
-                          f"{', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}", stacklevel=2)  # fmt: skip
+                          f"{listed}", stacklevel=2)  # fmt: skip
         if foreign and not read_only:
             raise ValueError(
                 f"{self.directory} holds folders named like checkpoint steps that are not "
-                f"checkpoints: {', '.join(foreign[:5])}{' …' if len(foreign) > 5 else ''}. Orbax "
+                f"checkpoints: {listed}. Orbax "
                 "would count them as steps and delete them when it keeps the newest max_to_keep. "
                 "Remedy: move them out, or give the Checkpointer a directory of its own."
             )
