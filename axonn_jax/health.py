@@ -74,9 +74,10 @@ def check_finite(pm, params, *args, loss_fn: Callable | None = None, **kwargs) -
         raise FloatingPointError(str(found))
 
 
-def diagnose_step(pm, loss_fn: Callable, params, batch, *, inputs: Callable | None = None
-                  ) -> NonFinite | None:  # fmt: skip
-    """:func:`first_nonfinite` for the arguments of ``pm.value_and_grad(loss_fn, inputs=...)``.
+def diagnose_step(pm, loss_fn: Callable, params, batch, *, inputs: Callable | None = None,
+                  has_aux: bool = False) -> NonFinite | None:  # fmt: skip
+    """:func:`first_nonfinite` for the arguments of ``pm.value_and_grad(loss_fn, inputs=...,
+    has_aux=...)`` (with ``has_aux``, the loss is the first of ``loss_fn``'s pair).
 
     Example (inside a training loop)::
 
@@ -86,4 +87,5 @@ def diagnose_step(pm, loss_fn: Callable, params, batch, *, inputs: Callable | No
     """
     given = inputs(batch) if inputs else default_inputs(batch, keywords=pm.engine.call.keywords)
     args, kwargs = model_inputs(given)
-    return first_nonfinite(pm, params, *args, loss_fn=lambda out: loss_fn(out, batch), **kwargs)
+    loss = (lambda out: loss_fn(out, batch)[0]) if has_aux else (lambda out: loss_fn(out, batch))
+    return first_nonfinite(pm, params, *args, loss_fn=loss, **kwargs)

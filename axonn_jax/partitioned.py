@@ -300,6 +300,7 @@ class Partitioned:
         remat: str | Callable | None = None,
         delay: Callable | None = None,
         asynchronous: bool = True,
+        has_aux: bool = False,
     ) -> Callable:
         """``(params, batch) → (loss, grads)`` of ``loss_fn(model outputs, batch)``.
 
@@ -328,18 +329,29 @@ class Partitioned:
         asynchronously, so the stages of one process compute at the same time;
         ``asynchronous=False`` runs one task at a time (a baseline, or to debug).
 
+        ``has_aux=True``: as ``jax.value_and_grad``'s, ``loss_fn`` returns ``(loss, aux)``,
+        ``aux`` any pytree of arrays (metrics), and the step returns ``((loss, aux),
+        grads)``. With microbatches, every aux leaf is averaged over them as the loss is
+        (so return per-batch statistics such as means, in floating point); with a
+        pipeline, it is computed on the last stage and returned, as host arrays, on every
+        process, like the loss.
+
         Example:
             >>> step = pm.value_and_grad(lambda logits, t: next_token_loss(logits, t))  # doctest: +SKIP
             >>> loss, grads = step(params, tokens)                                      # doctest: +SKIP
+            >>> step = pm.value_and_grad(lambda logits, t: (next_token_loss(logits, t),  # doctest: +SKIP
+            ...                                             {"acc": accuracy(logits, t)}), has_aux=True)
+            >>> (loss, metrics), grads = step(params, tokens)                           # doctest: +SKIP
         """
         return self.engine.value_and_grad(loss_fn, inputs=inputs, microbatches=microbatches,
                                           schedule=schedule, limit=limit, timeout=timeout, remat=remat,
-                                          delay=delay, asynchronous=asynchronous)  # fmt: skip
+                                          delay=delay, asynchronous=asynchronous, has_aux=has_aux)  # fmt: skip
 
     def train_step(self, loss_fn: Callable, optimizer, *, precision: str = "fp32",
                    offload: bool = False, update_on: str = "host",
                    bucket_bytes: int = 64 * 2**20, prefetch: bool = False, **options):  # fmt: skip
-        """A complete step ``(params, opt_state, batch) → (params, opt_state, loss)``.
+        """A complete step ``(params, opt_state, batch) → (params, opt_state, loss)``
+        (``(loss, aux)`` in place of ``loss`` with ``has_aux=True``, see :meth:`value_and_grad`).
 
         ``optimizer`` is any optax ``GradientTransformation``; ``step.init(params)``
         returns ``(device params, opt_state)``. ``precision`` ("fp32", "bf16",

@@ -95,12 +95,12 @@ def pipeline_loss_compute(model, args: tuple, loss, grid) -> tuple:
     import axonn_jax
     from axonn_jax.partitioner.flops import ComputeReport, count
     from axonn_jax.partitioner.trace import call_leaves
-    from axonn_jax.runtime.loss_program import BATCH_KEYWORD
+    from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss
 
     variables = model.init(jax.random.key(0), *args)
     plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
     pm = axonn_jax.partition(model, grid, *args)
-    engine, loss_fn = pm.engine, (lambda out, b: loss(out, *b))
+    engine, loss_fn = pm.engine, ScalarLoss(lambda out, b: loss(out, *b))
     params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]
     batch = tuple(args)
     reports = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +41,8 @@ def loss_program(model: Program, plan: Plan, options: PlanOptions, call: ModelCa
     def composite(variables, *a, **k):
         batch = k.pop(BATCH_KEYWORD)
         outputs, updates = call.outputs(model.traced.apply(variables, *a, **k))
-        loss = loss_fn(outputs, batch)
-        return loss if updates is None else (loss, updates)
+        value = loss_fn(outputs, batch)  # (loss, aux) of a ScalarLoss
+        return value if updates is None else (value, updates)
 
     traced = trace_composite(model.traced, composite, args, kwargs, returns_updates=call.stateful)
     if any(isinstance(c, jax.core.Tracer) for c in traced.jaxpr.consts):
@@ -52,36 +53,62 @@ def loss_program(model: Program, plan: Plan, options: PlanOptions, call: ModelCa
 @dataclasses.dataclass(frozen=True)
 class ScalarLoss:
     """A user's ``loss_fn(outputs, batch)``, checked to return the loss alone: one scalar
-    floating array. Anything else (a ``(loss, metrics)`` tuple, a per-example vector, an
-    integer) is refused by name with the remedy, where JAX would only say that gradients
-    need a scalar output. Equal (and hashed) as the function it wraps, so that steps made
-    from one ``loss_fn`` share their compiled programs.
+    floating array; with ``has_aux``, a pair ``(loss, aux)`` whose aux is any pytree of
+    arrays (metrics). Anything else (a ``(loss, metrics)`` tuple without ``has_aux``, a
+    per-example vector, an integer) is refused by name with the remedy, where JAX would
+    only say that gradients need a scalar output. Called, it returns ``(loss, aux)``
+    (``aux`` ``None`` without ``has_aux``). Equal (and hashed) as the function it wraps
+    and ``has_aux``, so that steps made from one ``loss_fn`` share their compiled programs.
 
     Example:
         >>> import jax.numpy as jnp
         >>> ScalarLoss(lambda out, batch: (out ** 2).mean())(jnp.ones(3), None)
-        Array(1., dtype=float32)
+        (Array(1., dtype=float32), None)
+        >>> ScalarLoss(lambda out, batch: (out.sum(), {"max": out.max()}), has_aux=True)(jnp.ones(3), None)
+        (Array(3., dtype=float32), {'max': Array(1., dtype=float32)})
         >>> ScalarLoss(lambda out, batch: out)(jnp.ones(3), None)
         Traceback (most recent call last):
         TypeError: loss_fn returned an array of shape (3,); the loss must be one scalar. Remedy: reduce it, e.g. loss.mean().
     """
 
     fn: Callable
+    has_aux: bool = False
 
     @classmethod
-    def of(cls, loss_fn: Callable) -> ScalarLoss:
-        return loss_fn if isinstance(loss_fn, cls) else cls(loss_fn)
+    def of(cls, loss_fn: Callable, has_aux: bool = False) -> ScalarLoss:
+        if isinstance(loss_fn, cls):
+            return loss_fn if loss_fn.has_aux == has_aux else cls(loss_fn.fn, has_aux)
+        return cls(loss_fn, has_aux)
 
-    def __call__(self, outputs, batch):
-        return _checked(self.fn(outputs, batch))
+    def __call__(self, outputs, batch) -> tuple[jax.Array, Any]:
+        value = self.fn(outputs, batch)
+        if not self.has_aux:
+            return _checked(value), None
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise TypeError(
+                f"loss_fn returned {_described(value)}; with has_aux=True it must return a pair "
+                "(loss, aux): the scalar loss and a pytree of arrays (e.g. {'accuracy': acc}). "
+                "Remedy: return (loss, aux), or has_aux=False for a loss alone."
+            )
+        return _checked(value[0]), value[1]
+
+    def value(self, loss, aux):
+        """What a step returns for the loss: ``(loss, aux)`` with ``has_aux``, else ``loss``."""
+        return (loss, aux) if self.has_aux else loss
+
+
+def _described(value) -> str:
+    if isinstance(value, (tuple, list, dict)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    return f"a {type(value).__name__}"
 
 
 def _checked(loss):
     if isinstance(loss, (tuple, list, dict)):
         raise TypeError(
             f"loss_fn returned a {type(loss).__name__} of {len(loss)} items; it must return the loss "
-            "alone, one scalar (value_and_grad has no has_aux). Remedy: return the loss only, and "
-            "compute metrics from pm.apply(params, inputs) outside the step."
+            "alone, one scalar. Remedy: return the loss only, or, for (loss, metrics), pass "
+            "has_aux=True to value_and_grad / train_step."
         )
     shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
     if shape is None or dtype is None:
@@ -100,6 +127,32 @@ def _checked(loss):
     return loss
 
 
+def mean_aux(auxes: list) -> Any:
+    """The aux of several microbatches, as the step returns it: every leaf averaged over them,
+    as the loss is (a per-batch statistic such as an accuracy then equals the whole batch's,
+    for equal microbatches). A leaf that is not floating (a count, a flag) cannot be averaged
+    and is refused, naming its path.
+
+    Example:
+        >>> mean_aux([{"acc": 0.5}, {"acc": 1.0}])
+        {'acc': 0.75}
+    """
+    if len(auxes) == 1:
+        return auxes[0]
+
+    def mean(path, *xs):
+        if not jnp.issubdtype(jnp.result_type(xs[0]), jnp.inexact):
+            raise TypeError(
+                f"loss_fn's aux{jax.tree_util.keystr(path)} has dtype {jnp.result_type(xs[0])}; with "
+                f"{len(xs)} microbatches the aux is averaged over them, as the loss is, and this "
+                "one cannot be. Remedy: return it as a float (e.g. a mean, or count.astype(jnp.float32)), "
+                "or microbatches=1."
+            )
+        return sum(xs[1:], xs[0]) / len(xs)
+
+    return jax.tree_util.tree_map_with_path(mean, *auxes)
+
+
 def without_batch(kwargs: dict) -> dict:
     """The model's own keywords of a composite call."""
     return {k: v for k, v in kwargs.items() if k != BATCH_KEYWORD}
@@ -116,10 +169,12 @@ def scaled(loss: jax.Array, loss_scale: jax.Array | None) -> jax.Array:
 
 
 def scaled_loss(loss_fn: Callable) -> Callable:
-    """``(outputs, (batch, scale)) → loss_fn(outputs, batch) · scale``: the scale one more input."""
+    """``(outputs, (batch, scale)) → (loss · scale, aux)`` of a :class:`ScalarLoss`: the scale one
+    more input; the aux is not scaled."""
 
     def loss(outputs, batch_and_scale):
         batch, loss_scale = batch_and_scale
-        return scaled(loss_fn(outputs, batch), loss_scale)
+        value, aux = loss_fn(outputs, batch)
+        return scaled(value, loss_scale), aux
 
     return loss

@@ -17,7 +17,7 @@ before, outside the planned program on the model's gathered outputs;
 
 Example:
     >>> loss = PlannedLoss(engine, loss_fn)                          # doctest: +SKIP
-    >>> value, updates = loss(variables, args, kwargs, batch)        # doctest: +SKIP
+    >>> (value, aux), updates = loss(variables, args, kwargs, batch)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from axonn_jax.runtime.engine.single_mesh import SingleMesh
 
 class PlannedLoss:
-    """``(variables, args, kwargs, batch, loss_scale=None) → (loss, state updates or None)`` on one mesh.
+    """``(variables, args, kwargs, batch, loss_scale=None) → ((loss, aux), state updates or None)``
+    on one mesh, for a :class:`~axonn_jax.runtime.loss_program.ScalarLoss` (``aux`` ``None``
+    without ``has_aux``).
 
     ``args``/``kwargs`` are one model call's inputs (flags, ``rngs``,
     ``mutable`` included, as ``ModelCall.of_inputs`` makes them). The composite

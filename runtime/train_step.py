@@ -127,7 +127,8 @@ class TrainStep(abc.ABC):
 
     Args:
         engine: the model's engine (its kind decides the subclass).
-        loss_fn: ``loss_fn(outputs, batch) → scalar``.
+        loss_fn: ``loss_fn(outputs, batch) → scalar``; with the option ``has_aux=True``,
+            ``(loss, aux)``, and the step returns ``(loss, aux)`` where it returns the loss.
         optimizer: any optax ``GradientTransformation``.
         precision: "fp32" (default), "bf16" or "fp16" parameters and gradients on device.
         offload: master weights and optimizer state in host memory.
@@ -145,6 +146,7 @@ class TrainStep(abc.ABC):
         check_optimizer(optimizer)
         self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes, prefetch)
         self.options = options
+        self.has_aux = bool(options.get("has_aux", False))
         if offload:
             check_offloadable(optimizer)
         _check_update_needs_nothing_else(optimizer, lambda: self.fingerprint)  # traces the update once
@@ -391,22 +393,23 @@ class SingleMeshStep(TrainStep):
                                       replicated))  # fmt: skip
 
     def _whole_step(self, optimizer: MasterOptimizer):
-        plan, call, value_and_grad = self.plan, self.call, self.value_and_grad
+        plan, call, value_and_grad, has_aux = self.plan, self.call, self.value_and_grad, self.has_aux
 
         def step(variables, opt_state: OptState, batch, rngs):
             scale = opt_state.loss_scale  # an input of the planned loss: a new scale compiles nothing
-            loss, grads = value_and_grad(as_planned(variables, plan), batch, rngs,
-                                         loss_scale=None if scale is None else scale.scale)  # fmt: skip
+            value, grads = value_and_grad(as_planned(variables, plan), batch, rngs,
+                                          loss_scale=None if scale is None else scale.scale)  # fmt: skip
             params, model_state = call.split(variables)
             if call.stateful:
-                loss, updates = loss
+                value, updates = value
                 model_state = {**model_state, **updates}
+            loss, aux = value if has_aux else (value, None)
             finite = all_finite(grads) if scale is not None else None
             params, state = optimizer.update(grads, opt_state.optimizer, params, finite=finite,
                                              grad_scale=None if scale is None else scale.scale)  # fmt: skip
             if scale is not None:
                 loss, scale = loss / scale.scale, scale.update(finite)
-            return call.merge(params, model_state), OptState(state, scale), loss
+            return call.merge(params, model_state), OptState(state, scale), (loss, aux) if has_aux else loss
 
         return step
 
@@ -467,9 +470,9 @@ class PipelinedStep(TrainStep):
     def _step(self, params, opt_state: OptState, batch, rngs):
         placed, scale = self.placed, opt_state.loss_scale
         grad_scale = None if scale is None else np.asarray(scale.scale)  # a host value: any stage's mesh
-        loss, grads = self.value_and_grad(params, batch, rngs, loss_scale=grad_scale)
+        value, grads = self.value_and_grad(params, batch, rngs, loss_scale=grad_scale)
         if self.call.stateful:  # the new state takes the place of the old; it is not optimized
-            loss, new_state = loss
+            value, new_state = value
             grads = self.call.merge(grads, new_state)
             params = self.call.merge(self.call.split(params)[0], new_state)
         p_leaves = placed.param_leaves(params)
@@ -494,9 +497,11 @@ class PipelinedStep(TrainStep):
             new = plan_leaves(placed, self.call, new_params[s])
             for i in idx:
                 out[i] = new[i]
+        loss, aux = value if self.has_aux else (value, None)
         if scale is not None:  # the same flag on every process: every copy of the scale stays equal
             loss, scale = np.float32(loss / grad_scale), scale.update(finite)
-        return jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(new_states), scale), loss
+        return (jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(new_states), scale),
+                (loss, aux) if self.has_aux else loss)  # fmt: skip
 
 
 def plan_leaves(placed: PlacedModel, call: ModelCall, params_tree) -> list:

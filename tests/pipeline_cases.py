@@ -220,6 +220,25 @@ def compare_params(got, ref, init, ref_grads, what: str) -> list[str]:
     return failures
 
 
+@functools.cache
+def with_loss_aux(loss_fn):
+    """``loss_fn`` returning ``(loss, {"loss": loss})`` (``has_aux=True``): the aux, computed on
+    the last stage, is checked on every rank; one function per loss, so steps share programs."""
+
+    def loss_and_aux(outputs, batch):
+        loss = loss_fn(outputs, batch)
+        return loss, {"loss": loss}
+
+    return loss_and_aux
+
+
+def aux_failures(loss, aux, what: str) -> list[str]:
+    """The aux's copy of the loss (the mean over microbatches, as the loss) equals the loss."""
+    if sorted(aux) != ["loss"] or abs(float(aux["loss"]) - float(loss)) > 1e-6 * abs(float(loss)):
+        return [f"{what} aux {aux} does not hold the loss {float(loss)}"]
+    return []
+
+
 def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
              schedules=("message",), trajectory_microbatches: int = TRAJECTORY_MICROBATCHES,
              offload: bool = False, refs: dict[int, Reference] | None = None,
@@ -238,24 +257,26 @@ def run_case(name: str, grid: axonn_jax.Grid, microbatches=MICROBATCHES,
         batch, ref = case.batch(m), refs[m]
         params = pm.shard(ref.init)
         for schedule in schedules:
-            step = pm.value_and_grad(case.loss, inputs=case.inputs, microbatches=m,
-                                     schedule=schedule)  # fmt: skip
-            loss, grads = step(params, batch)
+            step = pm.value_and_grad(with_loss_aux(case.loss), inputs=case.inputs, microbatches=m,
+                                     schedule=schedule, has_aux=True)  # fmt: skip
+            (loss, aux), grads = step(params, batch)
             what = f"{name} {grid} m={m} {schedule}"
+            failures += aux_failures(loss, aux, what)
             if abs(float(loss) - ref.losses[0]) > 1e-5 * abs(ref.losses[0]):
                 failures.append(f"{what} loss {float(loss)} != {ref.losses[0]}")
             failures += compare_grads(pm.gather(grads), ref.grads, what)
             failures += [f"{what} loss not planned with the last stage: {n}" for n in step.loss_notes.values()]
     m = trajectory_microbatches
     batch, ref = case.batch(m), refs[m]
-    step = pm.train_step(case.loss, optax.adamw(LR), inputs=case.inputs, microbatches=m,
-                         offload=offload, update_on=update_on, schedule=trajectory_schedule)  # fmt: skip
+    step = pm.train_step(with_loss_aux(case.loss), optax.adamw(LR), inputs=case.inputs, microbatches=m,
+                         offload=offload, update_on=update_on, schedule=trajectory_schedule, has_aux=True)  # fmt: skip
     params, opt_state = step.init(pm.shard(ref.init))
     losses = []
-    for _ in range(STEPS):
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
     what = f"{name} {grid} m={m} AdamW {trajectory_schedule}" + (f" offloaded ({update_on})" if offload else "")
+    for _ in range(STEPS):
+        params, opt_state, (loss, aux) = step(params, opt_state, batch)
+        losses.append(float(loss))
+        failures += aux_failures(loss, aux, what)
     if not np.allclose(losses, ref.losses, rtol=1e-5):
         failures.append(f"{what} losses {losses} != {ref.losses}")
     failures += compare_params(pm.gather(params), ref.final, ref.init, ref.grads, what)

@@ -142,8 +142,9 @@ class Engine(abc.ABC):
     def value_and_grad(self, loss_fn: Callable, *, inputs: Callable | None = None, microbatches: int = 1,
                        schedule: str = "message", limit: int | None = None, timeout: float = 60.0,
                        remat: str | Callable | None = None, delay: Callable | None = None,
-                       asynchronous: bool = True) -> Callable:  # fmt: skip
-        """``(params, batch, rngs=None) → (loss, grads)`` (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
+                       asynchronous: bool = True, has_aux: bool = False) -> Callable:  # fmt: skip
+        """``(params, batch, rngs=None) → (loss, grads)``, ``((loss, aux), grads)`` with ``has_aux``
+        (see :meth:`axonn_jax.Partitioned.value_and_grad`)."""
         check_differentiable(self.plan.params)
         if inputs is not None and not callable(inputs):
             raise TypeError(
@@ -153,12 +154,12 @@ class Engine(abc.ABC):
             )
         if inputs is None:  # the batch, its items, or (a dict batch) the keyword inputs of partition()'s call
             inputs = functools.partial(default_inputs, keywords=self.call.keywords)
-        return self._value_and_grad(ScalarLoss.of(loss_fn), inputs, microbatches, resolve_remat(remat),
+        return self._value_and_grad(ScalarLoss.of(loss_fn, has_aux), inputs, microbatches, resolve_remat(remat),
                                     dict(schedule=schedule, limit=limit, timeout=timeout, delay=delay,
                                          asynchronous=asynchronous))  # fmt: skip
 
     @abc.abstractmethod
-    def _value_and_grad(self, loss_fn: Callable, inputs: Callable, microbatches: int,
+    def _value_and_grad(self, loss_fn: ScalarLoss, inputs: Callable, microbatches: int,
                         remat: Callable | None, pipeline: dict[str, Any]) -> Callable:  # fmt: skip
         """The gradient function; ``pipeline``: the dispatch queue's options.
 

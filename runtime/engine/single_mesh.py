@@ -12,7 +12,7 @@ from axonn_jax.partitioner.trace import call_leaves
 from axonn_jax.runtime.engine.base import Engine
 from axonn_jax.runtime.master_optimizer import check_optimizer, optimizer_state_shardings
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
-from axonn_jax.runtime.loss_program import scaled
+from axonn_jax.runtime.loss_program import ScalarLoss, mean_aux, scaled
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.precision import as_planned
 from axonn_jax.runtime.sharded import place, program_function
@@ -86,7 +86,7 @@ class SingleMesh(Engine):
         return {0: packed} if isinstance(packed, MasterState) else None
 
 
-def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs: Callable,
+def microbatched_value_and_grad(apply: Callable, grid, loss_fn: ScalarLoss, inputs: Callable,
                                 microbatches: int, remat: Callable | None = None,
                                 call: ModelCall | None = None,
                                 model_loss: Callable | None = None) -> Callable:  # fmt: skip
@@ -94,10 +94,12 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
 
     ``apply(variables, args, kwargs)`` runs the model. Microbatches run one
     after another in the same program and their gradients are averaged (the
-    loss is the mean of the microbatch losses). A model with state returns
+    loss is the mean of the microbatch losses). With ``loss_fn.has_aux`` the
+    loss is ``(loss, aux)``, the aux averaged over microbatches like the loss
+    (:func:`~axonn_jax.runtime.loss_program.mean_aux`). A model with state returns
     ``((loss, updates), grads)``, ``grads`` for ``variables['params']`` only
     (see :mod:`axonn_jax.runtime.model_call`). ``model_loss(variables, args,
-    kwargs, batch, loss_scale=None) → (loss, updates)``, when given, computes the
+    kwargs, batch, loss_scale=None) → ((loss, aux), updates)``, when given, computes the
     loss of one model call itself (:class:`~axonn_jax.runtime.planned_loss.PlannedLoss`).
     ``loss_scale`` (an fp16 step's dynamic scale, an array) multiplies the loss
     that is differentiated (and returned); an input, so a new scale compiles nothing.
@@ -109,25 +111,29 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: Callable, inputs
     def loss_of(params, state, batch, rngs, mb, loss_scale):
         args, kwargs = call.of_inputs(inputs(batch), rngs, mb, microbatches)
         if model_loss is not None:
-            return model_loss(call.merge(params, state), args, kwargs, batch, loss_scale=loss_scale)
+            (loss, aux), updates = model_loss(call.merge(params, state), args, kwargs, batch, loss_scale=loss_scale)
+            return loss, (aux, updates)
         outputs, updates = call.outputs(apply(call.merge(params, state), args, kwargs))
-        return scaled(loss_fn(outputs, batch), loss_scale), updates
+        loss, aux = loss_fn(outputs, batch)
+        return scaled(loss, loss_scale), (aux, updates)
 
     grad_fn = jax.value_and_grad(remat(loss_of) if remat else loss_of, has_aux=True)
 
     def value_and_grad(variables, batch, rngs=None, *, loss_scale=None):
         params, state = call.split(variables)
         part = (lambda mb: batch) if microbatches == 1 else batch_slices(batch, microbatches, grid)
-        losses, updates, total = [], [], None
+        losses, auxes, updates, total = [], [], [], None
         for mb in range(microbatches):
-            (loss, new_state), grads = grad_fn(params, state, part(mb), rngs, mb, loss_scale)
+            (loss, (aux, new_state)), grads = grad_fn(params, state, part(mb), rngs, mb, loss_scale)
             losses.append(loss)
+            auxes.append(aux)
             updates.append(new_state)
             total = grads if total is None else jax.tree.map(jax.numpy.add, total, grads)
         loss = losses[0] if microbatches == 1 else sum(losses[1:], losses[0]) / microbatches
         grads = total if microbatches == 1 else jax.tree.map(lambda g: g / microbatches, total)
+        value = loss_fn.value(loss, mean_aux(auxes))
         if not call.stateful:
-            return loss, grads
-        return (loss, mean_updates(updates)), grads
+            return value, grads
+        return (value, mean_updates(updates)), grads
 
     return value_and_grad

@@ -48,7 +48,9 @@ class StagePrograms:
 
     def training(self, args: tuple, kwargs: dict, loss_fn: Callable, *, remat: Callable | None,
                  call: ModelCall) -> Stages:  # fmt: skip
-        """Forward, backward and (last stage) forward+loss+backward programs for these inputs."""
+        """Forward, backward and (last stage) forward+loss+backward programs for these inputs;
+        ``loss_fn(outputs, batch) → (loss, aux)`` (a :class:`~axonn_jax.runtime.loss_program.ScalarLoss`,
+        or :func:`~axonn_jax.runtime.loss_program.scaled_loss` of one)."""
         program = self.programs.for_call(args, kwargs)
 
         def model_loss(result, batch):  # (outputs, updates) of a model with state → outputs

@@ -32,9 +32,11 @@ from axonn_jax.runtime.sharded import on_mesh, sharding, spec
 class StageProgram:
     """The compiled programs of one stage, on its mesh.
 
-    ``loss_fn(outputs, batch) -> scalar`` is applied on the last stage to the
-    model outputs (rebuilt with ``out_tree``; state updates there are ``None``)
-    and the microbatch ``batch``. Model state a stage updates (``flow.updates``)
+    ``loss_fn(outputs, batch) -> (loss, aux)`` (a
+    :class:`~axonn_jax.runtime.loss_program.ScalarLoss`; ``aux`` ``None`` without
+    ``has_aux``) is applied on the last stage to the model outputs (rebuilt with
+    ``out_tree``; state updates there are ``None``) and the microbatch ``batch``; the
+    last stage's programs return the pair where they return the loss. Model state a stage updates (``flow.updates``)
     is returned next to its parameter gradients, ``(grads, updates)``, so the
     dispatch queue sums both over microbatches. Only ``trainable`` parameters
     are differentiated.
@@ -163,7 +165,7 @@ class StageProgram:
         return (list(g_params), list(updates)), g_in
 
     def _loss_fn(self, params, args, inbound, batch) -> Callable:
-        """Last stage: ``(trained params, differentiable inbound) → (loss, state updates)``."""
+        """Last stage: ``(trained params, differentiable inbound) → (loss, (state updates, aux))``."""
         f = self._stage_fn(params, args, inbound)
         positions = self.flow.output_positions
 
@@ -172,23 +174,26 @@ class StageProgram:
             full = [None] * self.out_tree.num_leaves
             for k, x in zip(positions, outs):
                 full[k] = x
-            return self.loss_fn(jax.tree.unflatten(self.out_tree, full), batch), updates
+            value, aux = self.loss_fn(jax.tree.unflatten(self.out_tree, full), batch)
+            return value, (updates, aux)
 
         return loss
 
     def _forward_backward(self, params, args, inbound, batch):
-        """Last stage: loss of one microbatch, gradients (+ state updates) and inbound gradients."""
+        """Last stage: ``(loss, aux)`` of one microbatch, gradients (+ state updates) and inbound
+        gradients."""
         loss = self._loss_fn(params, args, inbound, batch)
-        (value, updates), (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
+        (value, (updates, aux)), (g_params, g_in) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
             self._trained(params), self._split_inbound(inbound)
         )  # fmt: skip
-        return value, (list(g_params), list(updates)), g_in
+        return (value, aux), (list(g_params), list(updates)), g_in
 
     def _loss_forward(self, params, args, inbound, batch):
-        """Last stage: the loss of one microbatch and the residuals of its backward."""
+        """Last stage: ``(loss, aux)`` of one microbatch and the residuals of its backward."""
         loss = self._loss_fn(params, args, inbound, batch)
-        value, vjp, updates = jax.vjp(loss, self._trained(params), self._split_inbound(inbound), has_aux=True)
-        return value, (vjp, updates)
+        value, vjp, (updates, aux) = jax.vjp(loss, self._trained(params), self._split_inbound(inbound),
+                                             has_aux=True)  # fmt: skip
+        return (value, aux), (vjp, updates)
 
     # --- the split backward (B, then W) ---------------------------------------
     def split_backward(self, params, args, batch=None) -> BackwardSplit:
@@ -199,7 +204,7 @@ class StageProgram:
             return self._split
         inbound = self.inbound_avals()
         if self.last:
-            value, residuals = jax.eval_shape(self._loss_forward, params, args, inbound, batch)
+            (value, _), residuals = jax.eval_shape(self._loss_forward, params, args, inbound, batch)
             cotangents = jax.ShapeDtypeStruct(value.shape, value.dtype)
         else:
             _, residuals = jax.eval_shape(self._forward, params, args, inbound)
@@ -223,10 +228,10 @@ class StageProgram:
             return split.input_gradients(*jax.tree.leaves((residuals, cotangents)))
 
         def forward_input_backward(params, args, inbound, batch):
-            value, residuals = self._loss_forward(params, args, inbound, batch)
+            (value, aux), residuals = self._loss_forward(params, args, inbound, batch)
             flat = jax.tree.leaves((residuals, jax.numpy.ones_like(value)))
             g_in, carried = split.input_gradients(*flat)
-            return value, g_in, (split.kept(flat), carried)  # the kept residuals are new values here
+            return (value, aux), g_in, (split.kept(flat), carried)  # the kept residuals are new values here
 
         self.backward_weights = jax.jit(weights)
         if self.last:

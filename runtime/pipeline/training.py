@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.program import call_signature
-from axonn_jax.runtime.loss_program import BATCH_KEYWORD, not_planned_note, scaled_loss
+from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss, mean_aux, not_planned_note, scaled_loss
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
 from axonn_jax.runtime.pipeline import timeline
@@ -81,11 +81,13 @@ class PipelinedValueAndGrad:
         stages: the model's stage programs (the engine's cache).
         placed: the model on this process's stage meshes.
         call: how the model is called (flags, RNG streams, state).
-        loss_fn: ``loss_fn(model outputs, batch) → scalar``, on the last stage.
+        loss_fn: ``loss_fn(model outputs, batch) → (loss, aux)``, on the last stage (a
+            :class:`~axonn_jax.runtime.loss_program.ScalarLoss`: with ``has_aux`` the step's
+            loss is ``(loss, aux)``, the aux averaged over microbatches).
         inputs: ``inputs(batch)`` → the model's inputs: a tuple (positional) or a dict (keywords).
     """
 
-    def __init__(self, stages: StagePrograms, placed: PlacedModel, call: ModelCall, loss_fn: Callable, *,
+    def __init__(self, stages: StagePrograms, placed: PlacedModel, call: ModelCall, loss_fn: ScalarLoss, *,
                  inputs: Callable, options: PipelineOptions):  # fmt: skip
         call.check_microbatches(options.microbatches)
         self.stages, self.placed, self.call, self.loss_fn = stages, placed, call, loss_fn
@@ -208,10 +210,15 @@ class PipelinedValueAndGrad:
         return placed.host.sum_shared(grads, homes.users, homes.home, homes.shared(), placed.meshes), updated
 
     def _loss(self, result: TrainingRun):
-        """Mean microbatch loss, computed on the last stage and sent to every process."""
-        local = float(np.mean([float(x) for x in result.losses])) if result.losses else 0.0
+        """The loss as the step returns it: the mean microbatch loss (with ``has_aux``, and
+        their mean aux, as host arrays), computed on the last stage and sent to every process."""
+        local = None
+        if result.losses:
+            loss = float(np.mean([float(value) for value, _ in result.losses]))
+            local = (loss, mean_aux([jax.tree.map(np.asarray, aux) for _, aux in result.losses]))
         last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)
-        return np.float32(self.placed.host.broadcast(local, root=last_owner))
+        loss, aux = self.placed.host.broadcast(local, root=last_owner)
+        return self.loss_fn.value(np.float32(loss), aux)
 
 
 def _with_scale(microbatch: Callable, scale) -> Callable:
