@@ -101,7 +101,7 @@ def pipeline_loss_compute(model, args: tuple, loss, grid) -> tuple:
     plain = count(jax.make_jaxpr(jax.value_and_grad(lambda v: loss(model.apply(v, *args), *args)))(variables))
     pm = axonn_jax.partition(model, grid, *args)
     engine, loss_fn = pm.engine, ScalarLoss(lambda out, b: loss(out, *b))
-    params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]
+    params = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pm.plan.params]  # of the whole leaves
     batch = tuple(args)
     reports = []
     for kwargs, build in (({}, engine.stages.training), ({BATCH_KEYWORD: batch}, engine.stages.planned_training)):
@@ -109,7 +109,7 @@ def pipeline_loss_compute(model, args: tuple, loss, grid) -> tuple:
         arrays, _ = call_leaves(tuple(args), kwargs)
         total = None
         for st in programs:
-            mine = [params[i] for i in st.flow.params]
+            mine = [params[i].update(shape=st.flow.param_shape(i, params[i].shape)) for i in st.flow.params]
             given = [arrays[j] for j in st.flow.args]
             inbound = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in st.flow.inbound]
             if st.last:

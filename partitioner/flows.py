@@ -8,6 +8,12 @@ arguments it uses, the activations that arrive from the previous stage
 forwards to a later stage). A parameter's cast/reshape chain is re-run by every
 stage that uses it, so no parameter-derived value ever travels as an activation.
 
+A stage that reads a stacked parameter (a scan over layers cut between stages,
+:mod:`~axonn_jax.partitioner.scan_cuts`) only through slices of its layer
+dim is given just those rows (``StageFlow.param_rows``): its slices are rewritten
+to index the rows it holds, so it gathers, reads and differentiates its own
+layers, not the whole stack.
+
 Example:
     >>> layouts = variable_layouts(jaxpr, grid, storage, arg_layouts)   # doctest: +SKIP
     >>> flows = stage_flows(jaxpr, plan.stages, num_params, layouts, outs)  # doctest: +SKIP
@@ -26,7 +32,7 @@ from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.control_flow import layouts_of
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, use_layout
-from axonn_jax.partitioner.stages import param_like_producers
+from axonn_jax.partitioner.stages import is_layer_range, param_like_producers
 
 
 def variable_layouts(jaxpr, grid: Grid, param_storage: Sequence[Layout],
@@ -54,6 +60,21 @@ class StageFlow:
     update_layouts: tuple[Layout, ...] = ()
     #: last stage: positions in the model's outputs of ``outbound`` (state updates excluded)
     output_positions: tuple[int, ...] = ()
+    #: (parameter index, first row, end row): parameters this stage reads only through slices
+    #: of their leading (layer) dim; it is given rows ``first:end`` of them, not the whole
+    param_rows: tuple[tuple[int, int, int], ...] = ()
+
+    def rows_of(self, i: int) -> tuple[int, int] | None:
+        """The rows of parameter ``i`` this stage is given, or ``None`` (the whole parameter)."""
+        for j, first, end in self.param_rows:
+            if j == i:
+                return first, end
+        return None
+
+    def param_shape(self, i: int, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape of parameter ``i`` (whole: ``shape``) as this stage is given it."""
+        rows = self.rows_of(i)
+        return tuple(shape) if rows is None else (rows[1] - rows[0], *shape[1:])
 
     @property
     def diff_in(self) -> list[int]:
@@ -72,7 +93,8 @@ def is_float(aval) -> bool:
 
 
 def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts,
-                state_outputs: Sequence[tuple[int, int]] = ()) -> list[StageFlow]:  # fmt: skip
+                state_outputs: Sequence[tuple[int, int]] = (),
+                param_storage: Sequence[Layout] = ()) -> list[StageFlow]:  # fmt: skip
     """Split ``jaxpr`` (inlined, params first) into per-stage data flows.
 
     ``state_outputs`` are ``(output position, variable leaf)`` pairs of model
@@ -128,10 +150,13 @@ def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts,
         prelude.sort(key=lambda e: order[id(e)])
         roots = set(used) | {u for e in prelude for u in e.invars if not R.is_literal(u)}
         outbound = tuple(needs[s + 1]) if s < last else tuple(jaxpr.outvars[k] for k in kept)
+        read_whole = set(final if s == last else ()) | {v for v, _ in updates}
+        stage_eqns, rows = (prelude + eqns, ()) if len(stages) == 1 or not param_storage else \
+            _layer_rows(prelude + eqns, params, param_storage, read_whole)  # fmt: skip
         flows.append(
             StageFlow(
                 index=s,
-                eqns=tuple(prelude + eqns),
+                eqns=tuple(stage_eqns),
                 params=tuple(sorted(params[v] for v in roots if v in params)),
                 args=tuple(sorted(args[v] for v in roots if v in args)),
                 inbound=tuple(needs[s]),
@@ -143,6 +168,43 @@ def stage_flows(jaxpr, stages, num_params: int, layouts: dict, out_layouts,
                 update_layouts=tuple(out_layouts[k] for k, i in state_at.items()
                                      if (jaxpr.outvars[k], i) in updates),  # fmt: skip
                 output_positions=tuple(kept) if s == last else (),
+                param_rows=rows,
             )
         )
     return flows
+
+
+def _layer_rows(eqns: list, params: dict, storage: Sequence[Layout], read_whole: set) -> tuple[list, tuple]:
+    """``eqns`` with the layer slices of the parameters they read only through such slices
+    rewritten to index rows ``first:end`` of them, and those ``(parameter, first, end)``.
+
+    A parameter qualifies when every equation of the stage reading it is a ``slice`` of its
+    leading dim alone (:func:`~axonn_jax.partitioner.stages.is_layer_range`), that dim is not
+    split over the grid, and the stage does not also return it (``read_whole``).
+    """
+    readers: dict = {}
+    for e in eqns:
+        for v in e.invars:
+            if not R.is_literal(v) and v in params:
+                readers.setdefault(v, []).append(e)
+    first_row: dict = {}
+    rows = []
+    for v, found in readers.items():
+        i = params[v]
+        if v in read_whole or storage[i][0] or not all(is_layer_range(e) and e.invars[0] is v for e in found):
+            continue
+        first = min(e.params["start_indices"][0] for e in found)
+        end = max(e.params["limit_indices"][0] for e in found)
+        if (first, end) != (0, v.aval.shape[0]):
+            first_row[v] = first
+            rows.append((i, first, end))
+    shifted = [_shifted(e, first_row[e.invars[0]]) if e.invars and not R.is_literal(e.invars[0])
+               and e.invars[0] in first_row else e for e in eqns]  # fmt: skip
+    return shifted, tuple(sorted(rows))
+
+
+def _shifted(eqn, first: int):
+    """A layer ``slice`` indexing rows counted from ``first``."""
+    start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+    return eqn.replace(params={**eqn.params, "start_indices": (start[0] - first, *start[1:]),
+                               "limit_indices": (limit[0] - first, *limit[1:])})  # fmt: skip

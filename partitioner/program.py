@@ -225,6 +225,6 @@ def _program(traced: TracedModel, closed, grid: Grid, plan: Plan, layouts: Plann
                                     random_layouts=layouts.random_layouts)  # fmt: skip
     stages = stages or plan.stages or plan_stages(traced, closed.jaxpr, 1).stages
     flows = stage_flows(closed.jaxpr, stages, traced.num_params, per_variable, targets,
-                        traced.state_outputs)  # fmt: skip
+                        traced.state_outputs, param_storage=storage)  # fmt: skip
     return Program(traced, grid, closed.jaxpr, tuple(closed.consts), storage, layouts.args,
                    targets, tuple(flows), layouts.scatter_batch, layouts.random_layouts)  # fmt: skip

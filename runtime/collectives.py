@@ -23,7 +23,7 @@ Example (under ``mpiexec -n 2``)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -49,12 +49,17 @@ class HostCollectives(Protocol):
         """Return once every process got here."""
 
     def sum_shared(self, grads: list, users: Sequence[Sequence[int]], homes: Sequence[int | None],
-                   shared: Sequence[int], meshes: Sequence) -> list:  # fmt: skip
+                   shared: Sequence[int], meshes: Sequence,
+                   rows: Mapping[int, Mapping[int, tuple[int, int]]] | None = None) -> list:  # fmt: skip
         """Gradients of parameters used by several stages, summed over every process holding one.
 
         ``grads[i]`` is this process's gradient of parameter ``i`` on the mesh
         ``meshes[homes[i]]`` of its home stage; ``users[i]`` are the stages
         using it; ``shared`` the parameters used by more than one stage.
+        ``rows[i]``, where given, maps each user stage to the rows of parameter ``i``
+        (a stacked layer dim) it alone reads (:func:`~axonn_jax.runtime.pipeline.layer_rows.owned_rows`):
+        every other stage's gradient is zero there, so each process receives those rows
+        from their stage's process instead of whole gradients to add.
         """
 
 
@@ -98,13 +103,15 @@ class HostComm:
     def barrier(self) -> None:
         self.comm.Barrier()
 
-    def sum_shared(self, grads, users, homes, shared, meshes):
+    def sum_shared(self, grads, users, homes, shared, meshes, rows=None):
         """Each shard is exchanged with the processes holding the same mesh position in
         the other stages that use the parameter; partial sums are added in process
-        order, so every copy receives bitwise the same gradient."""
+        order, so every copy receives bitwise the same gradient. A parameter with
+        ``rows`` exchanges only the rows each process's stages read, each copied from
+        its one owner (no sum)."""
         from mpi4py import MPI
 
-        me, grads = self.rank, list(grads)
+        me, grads, rows = self.rank, list(grads), rows or {}
         for i in shared:
             g = grads[i]
             if g is None:
@@ -114,26 +121,45 @@ class HostComm:
             partials, requests, shards = [], [], []
             for shard in g.addressable_shards:
                 pos = flat_home.index(shard.device)
-                peers = sorted({meshes[t].devices.flat[pos].process_index for t in users[i]} - {me})
+                holders = {t: meshes[t].devices.flat[pos].process_index for t in users[i]}
+                peers = sorted(set(holders.values()) - {me})
                 mine = np.ascontiguousarray(np.asarray(shard.data))
-                received = {q: np.empty_like(mine) for q in peers}
                 tag = (i * home.devices.size + pos) % 30000
+                if i in rows:  # [(rows, buffer)] in the order both sides list them
+                    owned = {q: sorted(rows[i][t] for t, h in holders.items() if h == q) for q in holders.values()}
+                    received = {q: [(r, np.empty_like(mine[r[0]:r[1]])) for r in owned[q]] for q in peers}
+                    sent = [np.ascontiguousarray(mine[a:b]) for a, b in owned.get(me, [])]
+                else:
+                    received = {q: [(None, np.empty_like(mine))] for q in peers}
+                    sent = [mine]
                 for q in peers:
-                    requests.append(self.comm.Isend(mine, dest=q, tag=tag))
-                    requests.append(self.comm.Irecv(received[q], source=q, tag=tag))
-                partials.append((mine, received))
+                    requests.extend(self.comm.Isend(x, dest=q, tag=tag) for x in sent)
+                    requests.extend(self.comm.Irecv(buf, source=q, tag=tag) for _, buf in received[q])
+                partials.append((mine, received, sent))
                 shards.append(shard)
             MPI.Request.Waitall(requests)
             summed = []
-            for (mine, received), shard in zip(partials, shards):
-                parts = dict(received)
-                parts[me] = mine
-                total = parts[min(parts)].copy()
-                for q in sorted(parts)[1:]:
-                    total = total + parts[q]
-                summed.append(jax.device_put(total, shard.device))
+            for (mine, received, _), shard in zip(partials, shards):
+                summed.append(jax.device_put(_combined(me, mine, received), shard.device))
             grads[i] = jax.make_array_from_single_device_arrays(g.shape, g.sharding, summed)
         return grads
+
+
+def _combined(me: int, mine: np.ndarray, received: dict) -> np.ndarray:
+    """This process's shard with the peers' parts: rows copied in place, or whole partial
+    gradients added in process order (the same order on every process)."""
+    if all(r is not None for parts in received.values() for r, _ in parts):
+        total = mine.copy()
+        for parts in received.values():
+            for (a, b), buf in parts:
+                total[a:b] = buf
+        return total
+    parts = {q: buf for q, [(_, buf)] in received.items()}
+    parts[me] = mine
+    total = parts[min(parts)].copy()
+    for q in sorted(parts)[1:]:
+        total = total + parts[q]
+    return total
 
 
 class SingleProcess:
@@ -159,7 +185,7 @@ class SingleProcess:
     def barrier(self) -> None:
         pass
 
-    def sum_shared(self, grads, users, homes, shared, meshes):
+    def sum_shared(self, grads, users, homes, shared, meshes, rows=None):
         return grads  # the local stages' gradients are already summed
 
 

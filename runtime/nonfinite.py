@@ -30,6 +30,7 @@ from axonn_jax.partitioner.flows import is_float
 from axonn_jax.partitioner.provenance import EquationInfo, Provenance
 from axonn_jax.partitioner.trace import call_leaves, is_static, path_string
 from axonn_jax.runtime.executor import Executor
+from axonn_jax.runtime.pipeline.layer_rows import rows_given
 from axonn_jax.runtime.probe import NAN, ProbedStage, badness, is_drop
 from axonn_jax.runtime.sharded import place
 
@@ -161,7 +162,7 @@ class NonFiniteSearch:
         forward, vjps, outs = [], [], []
         for st in self.stages:
             ex = st.executor
-            p = [place(leaves[i], st.sharding(ex.param_storage[i])) for i in st.flow.params]
+            p = [place(rows_given(st.flow, i, leaves[i]), st.sharding(ex.param_storage[i])) for i in st.flow.params]
             a = [place(arg_leaves[j], st.sharding(ex.arg_layouts[j])) for j in st.flow.args]
             inbound = [place(x, st.sharding(l)) for x, l in zip(outs, st.flow.inbound_layouts)]
             if loss_fn is None:

@@ -109,7 +109,8 @@ def pipeline_report(plan: Plan, program: Program, args: tuple, kwargs: dict, *,
     for flow in program.stage_flows:
         stage = StageProgram(flow, executor, mesh, last=False)
         forward, backward = stage.traceable()
-        params = [jax.ShapeDtypeStruct(plan.params[i].shape, plan.params[i].dtype) for i in flow.params]
+        params = [jax.ShapeDtypeStruct(flow.param_shape(i, plan.params[i].shape), plan.params[i].dtype)
+                  for i in flow.params]  # fmt: skip
         inbound = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in flow.inbound]
         fwd, (outs, residuals) = jax.make_jaxpr(forward, return_shape=True)(
             params, [arrays[j] for j in flow.args], inbound)  # fmt: skip

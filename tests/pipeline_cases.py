@@ -35,7 +35,7 @@ from axonn_jax.partitioner.trace import path_string
 SEQ, VOCAB, MB_ROWS = 16, 64, 4
 LR, STEPS = 1e-2, 5
 MICROBATCHES, TRAJECTORY_MICROBATCHES = (1, 4, 8), 4
-MODELS = ("gpt", "hf_gpt2", "mlp", "cnn", "encdec")
+MODELS = ("gpt", "hf_gpt2", "mlp", "cnn", "encdec", "scan_gpt")
 
 
 @dataclasses.dataclass
@@ -82,6 +82,11 @@ def build(name: str) -> Case:
     if name == "gpt":
         config = GPTConfig(vocab_size=VOCAB, num_layers=4, hidden=32, num_heads=4, max_seq_len=SEQ)
         return Case(GPT(config), lambda t: (t,), lambda out, t: next_token_loss(out, t),
+                    lambda m: _tokens(m * MB_ROWS))  # fmt: skip
+    if name == "scan_gpt":  # the 4 blocks as one nn.scan: each stage is given its layers' rows
+        from control_flow_cases import ScanGPT
+
+        return Case(ScanGPT(), lambda t: (t,), lambda out, t: next_token_loss(out, t),
                     lambda m: _tokens(m * MB_ROWS))  # fmt: skip
     if name == "hf_gpt2":  # HuggingFace transformers' Flax GPT-2, unmodified
         import transformers as hf

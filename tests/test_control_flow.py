@@ -291,6 +291,54 @@ def test_pipeline_stages_cut_the_scanned_stack(model, grid, devices):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("model", ["scan_gpt", "scan_gpt_nnx"])
+def test_each_stage_is_given_the_rows_of_its_layers_only(model, devices):
+    """pipeline=2,virtual=2,x=2,z=2 cuts the 4 scanned layers over 4 stages: each stage is given only its
+    rows of every stacked parameter (its slices rewritten to index them from 0; a stage given
+    the whole leaf is refused), the tied embedding whole; the stages' rows are disjoint and
+    cover the stack, so their gradients meet row by row (``owned_rows``), the embedding's by
+    sum. The stage programs run: loss and gradients equal the plain model's."""
+    from pipeline_cases import compare_grads
+
+    from axonn_jax.runtime.pipeline.layer_rows import owned_rows, rows_given
+
+    case = build(model)
+    (tokens,) = case.args
+    pm = axonn_jax.partition(case.model, Grid(pipeline=2, virtual=2, x=2, z=2), tokens)
+    plan, program = pm.plan, pm.program
+    flows = program.stage_flows
+    stacked = {i for i, p in enumerate(plan.params) if p.shape[:1] == (4,)}
+    assert len(stacked) >= 8, [p.path for p in plan.params]
+    spans = []
+    for f in flows:
+        assert {i for i, *_ in f.param_rows} == stacked & set(f.params), f.index
+        (span,) = {(first, end) for _, first, end in f.param_rows}  # every stacked leaf: the same layers
+        spans.append(span)
+        for e in f.eqns:
+            if e.primitive.name == "slice" and e.invars[0] in program.jaxpr.invars[: len(plan.params)]:
+                assert e.params["start_indices"][0] >= 0 and e.params["limit_indices"][0] <= span[1] - span[0]
+    assert sorted(spans) == [(0, 1), (1, 2), (2, 3), (3, 4)], spans
+    homes = pm.engine.placed.homes
+    rows = owned_rows(flows, homes.users, homes.shared())
+    assert set(rows) == stacked and all(sorted(r.values()) == sorted(spans) for r in rows.values())
+    assert [i for i in homes.shared() if i not in stacked], "the tied embedding is summed"
+    i = min(stacked)
+    leaf = np.arange(np.prod(plan.params[i].shape), dtype=np.float32).reshape(plan.params[i].shape)
+    np.testing.assert_array_equal(rows_given(flows[1], i, leaf), leaf[slice(*flows[1].rows_of(i))])
+
+    params, apply = reference_apply(case)
+    want_loss, want = jax.value_and_grad(lambda p: case.loss(apply(p, tokens), tokens))(params)
+    step = pm.value_and_grad(case.loss, inputs=lambda t: (t,), microbatches=2)
+    loss, got = step(pm.shard(params), tokens)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    assert not compare_grads(pm.gather(got), jax.tree.map(np.asarray, want), model)
+    stage = step.stage_programs((tokens[:4],))[1]
+    whole = [jax.ShapeDtypeStruct(plan.params[i].shape, plan.params[i].dtype) for i in stage.flow.params]
+    args = [program.traced.arg_avals[j] for j in stage.flow.args]
+    with pytest.raises(ValueError, match=r"stage 1 reads rows 1:2 of parameter \d+ but was given 4"):
+        jax.make_jaxpr(stage.forward_only)(whole, args, stage.inbound_avals())
+
+
 def test_pipeline_stage_gathers_its_layers_one_per_iteration():
     """A stage's range of a stacked weight is parameter-like: the stage slices the stored
     shard and depth-gathers one layer per iteration inside its scan (no whole-range gather)."""
@@ -304,7 +352,8 @@ def test_pipeline_stage_gathers_its_layers_one_per_iteration():
     program, grid = pm.program, pm.plan.grid
     flow = program.stage_flows[0]
     stage = StageProgram(flow, Executor(program), abstract_stage_mesh(grid), last=False)
-    params = [jax.ShapeDtypeStruct(pm.plan.params[i].shape, pm.plan.params[i].dtype) for i in flow.params]
+    params = [jax.ShapeDtypeStruct(flow.param_shape(i, pm.plan.params[i].shape), pm.plan.params[i].dtype)
+              for i in flow.params]  # fmt: skip
     args = [jax.ShapeDtypeStruct(program.traced.arg_avals[j].shape, program.traced.arg_avals[j].dtype)
             for j in flow.args]  # fmt: skip
     closed = jax.make_jaxpr(stage.forward_only)(params, args, [])

@@ -279,7 +279,10 @@ def saved_references(tmp_path_factory):
          ("gpt", "pipeline=2,virtual=2", ["--schedules=message,1f1b,zb,zb-h1", "--trajectory-schedule=zb"]),
          # V-shaped (stages 0,3 | 1,2), the same schedules and ZB-V
          ("gpt", "pipeline=2,virtual=2,placement=v", ["--schedules=message,1f1b,zb,zb-h1,zb-v",
-                                                      "--trajectory-schedule=zb"])],
+                                                      "--trajectory-schedule=zb"]),
+         # scan over stacked layers cut into 4 stages: each process's stages read two ranges of
+         # rows of the stack; their gradients meet row by row (layer_rows.owned_rows)
+         ("scan_gpt", "pipeline=2,virtual=2", ["--schedules=message,zb"])],
      "local"),
     (2, [("gpt", "pipeline=2,x=2,z=2", [])], "local"),  # tensor-parallel collectives inside each process
     (4, [("gpt", "pipeline=2,data=2", [])], "gloo"),  # data parallel across processes in a stage

@@ -29,6 +29,7 @@ from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.loss_program import loss_program, without_batch
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.overlap import Overlap
+from axonn_jax.runtime.pipeline.layer_rows import rows_given
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.programs import ProgramCache
@@ -119,8 +120,9 @@ class StageInputs:
         self.stages, self._calls = list(stages), calls
         params = placed.plan.params
         #: local stage → its parameters (``flow.params`` order) on its mesh, in the planned dtype
-        self.params = {s: [place(in_planned_dtype(param_leaves[i], params[i]), self.stages[s].param_sharding(i))
-                           for i in self.stages[s].flow.params]
+        #: (of a stacked parameter, the rows of its layers: ``layer_rows``)
+        self.params = {s: [place(rows_given(self.stages[s].flow, i, in_planned_dtype(param_leaves[i], params[i])),
+                                 self.stages[s].param_sharding(i)) for i in self.stages[s].flow.params]
                        for s in placed.homes.local}  # fmt: skip
 
     def args(self, stage: int, mb: int) -> list:

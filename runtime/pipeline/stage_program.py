@@ -109,8 +109,15 @@ class StageProgram:
         arg_layouts = [ex.arg_layouts[j] for j in flow.args]
 
         updates = [v for v, _ in flow.updates]
+        rows = [(k, flow.rows_of(i)) for k, i in enumerate(flow.params) if flow.rows_of(i)]
 
         def body(params, args, inbound):
+            for k, (first, end) in rows:  # its slices index these rows (partitioner.flows)
+                if params[k].shape[0] != end - first:
+                    raise ValueError(
+                        f"stage {flow.index} reads rows {first}:{end} of parameter {flow.params[k]} but "
+                        f"was given {params[k].shape[0]}: pass layer_rows.rows_given(flow, i, leaf)"
+                    )
             env, lay = ex.bind(params, args, param_vars=flow.params, arg_vars=flow.args)
             for var, x, layout in zip(flow.inbound, inbound, flow.inbound_layouts):
                 env[var], lay[var] = x, layout

@@ -36,6 +36,7 @@ from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
 from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
+from axonn_jax.runtime.pipeline.layer_rows import owned_rows, whole_gradient
 from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
 from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
@@ -200,14 +201,15 @@ class PipelinedValueAndGrad:
         for s, stage_grads in result.grads.items():
             prog = programs[s]
             for i, g in zip([prog.flow.params[k] for k in prog.trained], stage_grads):
-                g = place(g, leaves[i].sharding)
+                g = whole_gradient(place(g, leaves[i].sharding), prog.flow.rows_of(i), leaves[i])
                 grads[i] = g if grads[i] is None else grads[i] + g
         updated = deliver_updates(placed, programs, result.updates, leaves, m)
         for i in range(len(leaves)):
             if homes.is_local(i) and grads[i] is None:  # used by no stage, or model state
                 grads[i] = jax.numpy.zeros_like(leaves[i])
         grads = _divided(grads, m)
-        return placed.host.sum_shared(grads, homes.users, homes.home, homes.shared(), placed.meshes), updated
+        rows = owned_rows([p.flow for p in programs], homes.users, homes.shared())
+        return placed.host.sum_shared(grads, homes.users, homes.home, homes.shared(), placed.meshes, rows), updated
 
     def _loss(self, result: TrainingRun):
         """The loss as the step returns it: the mean microbatch loss (with ``has_aux``, and
