@@ -191,7 +191,8 @@ def _layer_rows(eqns: list, params: dict, storage: Sequence[Layout], read_whole:
     rows = []
     for v, found in readers.items():
         i = params[v]
-        if v in read_whole or storage[i][0] or not all(is_layer_range(e) and e.invars[0] is v for e in found):
+        if v in read_whole or not storage[i] or storage[i][0] or \
+                not all(is_layer_range(e) and e.invars[0] is v for e in found):
             continue
         first = min(e.params["start_indices"][0] for e in found)
         end = max(e.params["limit_indices"][0] for e in found)

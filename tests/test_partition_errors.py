@@ -269,7 +269,7 @@ def test_a_loss_that_is_not_one_float_scalar_is_named_with_the_remedy(devices, g
     pm = axonn_jax.partition(Narrow(), Grid.parse(grid), X)
     params = pm.init(jax.random.key(0))
     cases = [
-        (lambda out, batch: (jnp.mean(out**2), jnp.max(out)), r"loss_fn returned a tuple of 2 items.*no has_aux"),
+        (lambda out, batch: (jnp.mean(out**2), jnp.max(out)), r"loss_fn returned a tuple of 2 items.*pass has_aux=True"),
         (lambda out, batch: jnp.mean(out**2, axis=-1), r"loss_fn returned an array of shape \(8,\).*loss\.mean\(\)"),
         (lambda out, batch: jnp.sum(out > 0), r"loss_fn returned a int32 scalar.*astype\(jnp\.float32\)"),
         (lambda out, batch: 1.0, r"loss_fn returned a float, not an array"),
