@@ -104,6 +104,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("mpi_step", "Pipelined step: one process vs mpiexec -n 2 (CPU collectives)",
               ("--rounds", "3", "--steps", "10"), ("--rounds", "1", "--steps", "4"),
               devices=1, timeout_s=1500),  # fmt: skip
+    Benchmark("pipeline_scan", "A scanned layer stack pipelined under mpiexec -n 2: scan vs unrolled",
+              ("--rounds", "3", "--steps", "8"), ("--rounds", "1", "--steps", "2", "--layers", "2", "--hidden", "64"),
+              devices=1, timeout_s=1800),  # fmt: skip
     Benchmark("grid_prediction", "Predicted vs measured step time over 8-device grids",
               ("--runs", "3", "--rounds", "8", "--per-round", "3"), None, timeout_s=2700,
               markdown_flag="--out"),  # fmt: skip

@@ -21,7 +21,7 @@ out for validation. Batches come from :class:`axonn_jax.loader.Loader`:
 windows of ``--seq + 1`` tokens, a pure function of ``(--seed, step)``, each
 process reading only its rows; its position is saved with every checkpoint.
 
-Writes ``metrics.csv`` (step, loss, tokens_per_s, …), ``loss.png`` and, with a
+Writes ``metrics.csv`` (step, loss, next-token accuracy, tokens_per_s, …), ``loss.png`` and, with a
 pipeline, ``timeline.png`` + ``trace.json`` (Perfetto) of the last step under
 ``--out`` (default ``runs/gpt-<grid>``), and prints a generated sample.
 """
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     from axonn_jax.corpus import load_corpus, split
     from axonn_jax.health import check_replicas
     from axonn_jax.loader import Loader
-    from axonn_jax.models import GPT, GPTConfig, next_token_loss, window_inputs
+    from axonn_jax.models import GPT, GPTConfig, next_token_accuracy, next_token_loss, window_inputs
     from axonn_jax.runtime.collectives import host_comm
     from axonn_jax.runtime.console import silence_stdout
 
@@ -228,8 +228,11 @@ def main(argv=None) -> int:
     options = dict(inputs=window_inputs, microbatches=args.microbatches, remat=args.remat)
     if grid.pipeline > 1:
         options["schedule"] = args.schedule
-    train_step = pm.train_step(next_token_loss, optimizer, precision=args.precision,
-                               offload=args.offload, update_on=args.update_on, **options)  # fmt: skip
+    def loss_and_accuracy(logits, batch):  # the accuracy comes from the step's own forward pass
+        return next_token_loss(logits, batch), {"accuracy": next_token_accuracy(logits, batch)}
+
+    train_step = pm.train_step(loss_and_accuracy, optimizer, precision=args.precision, offload=args.offload,
+                               update_on=args.update_on, has_aux=True, **options)  # fmt: skip
     params, opt_state = train_step.init(params)  # params now in --precision on the devices
     logits_of = _partitioned_forward(pm, microbatches=args.microbatches)
 
@@ -276,17 +279,18 @@ def main(argv=None) -> int:
         if step == first_step:
             progress.compiling()
         t0 = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, batch)
+        params, opt_state, (loss, metrics) = train_step(params, opt_state, batch)
         loss = float(loss)
         dt = time.perf_counter() - t0
         number = step + 1  # steps count from 1 everywhere: console, metrics.csv, loss.png, checkpoints
-        row = {"step": number, "loss": loss, "tokens_per_s": tokens_per_step / dt, "seconds": dt}
+        row = {"step": number, "loss": loss, "accuracy": float(metrics["accuracy"]),
+               "tokens_per_s": tokens_per_step / dt, "seconds": dt}  # fmt: skip
         last = number == args.steps
         if valid is not None and (last or number == 1 or (args.eval_every and number % args.eval_every == 0)):
             row["valid_loss"] = float(evaluate(params, valid))
         rows.append(row)
         if board is not None:
-            for key in ("loss", "valid_loss", "tokens_per_s"):
+            for key in ("loss", "accuracy", "valid_loss", "tokens_per_s"):
                 if key in row:
                     board.add_scalar(key, row[key], number)
         if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
@@ -522,7 +526,7 @@ class _Progress:
         done = row["step"] - 1 - self.first  # steps since the compiling one
         per_step = (time.perf_counter() - self.started) / max(done, 1)
         valid = f"  valid {row['valid_loss']:.3f}" if "valid_loss" in row else ""
-        return (f"step {row['step']}/{self.total}  loss {row['loss']:.3f}{valid}  "
+        return (f"step {row['step']}/{self.total}  loss {row['loss']:.3f}  acc {row['accuracy']:.3f}{valid}  "
                 f"tok/s {row['tokens_per_s']:,.0f}  {per_step:.2f} s/step  "
                 f"eta {_clock(per_step * (self.total - row['step']))}")
 
@@ -568,7 +572,7 @@ def _remove_stale_timeline(out: Path) -> list[str]:
 def _write_csv(path: Path, rows: list[dict]) -> None:
     import csv
 
-    columns = ["step", "loss", "valid_loss", "tokens_per_s", "seconds"]
+    columns = ["step", "loss", "accuracy", "valid_loss", "tokens_per_s", "seconds"]
     with path.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()

@@ -195,6 +195,19 @@ def test_mpi_step_compares_one_process_and_mpiexec():
     assert len(summary) == 2 and summary[0][0].startswith("`pipeline=2,x=2,z=2` step under mpiexec -n 2")
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_pipeline_scan_compares_scan_and_unrolled_on_a_pipeline_and_one_device():
+    import pipeline_scan
+
+    r = pipeline_scan.main(["--rounds", "1", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "64"])
+    assert [row["where"] for row in r["rows"]] == ["pipeline=2, mpiexec -n 2", "one device, no pipeline"]
+    assert all(row["ratio"] > 0 and len(row["ratios"]) == 1 for row in r["rows"])
+    summary = FORMATTERS["pipeline_scan"][0](r)
+    assert len(summary) == 2 and "| pipeline=2, mpiexec -n 2 |" in r["table"]
+
+
 def test_gpu_mfu_skips_without_a_gpu():
     import gpu_mfu
 

@@ -27,6 +27,8 @@ def _run(prefix, out, timeout=300):
     with (out / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert (out / "loss.png").stat().st_size > 0
+    # the train step's aux (has_aux=True): its next-token accuracy, from the same forward pass
+    assert all(0.0 <= float(r["accuracy"]) <= 1.0 for r in rows), rows
     return result.stdout, np.array([float(r["loss"]) for r in rows])
 
 

@@ -207,3 +207,14 @@ def test_wrong_returns_are_refused_by_name(grid, devices):
         pm.value_and_grad(count, inputs=_inputs, microbatches=2, has_aux=True)(params, batch)
     (_, aux), _ = pm.value_and_grad(count, inputs=_inputs, has_aux=True)(params, batch)
     assert np.asarray(aux["hits"]).dtype == np.int32  # one microbatch: returned as it is
+
+
+def test_next_token_accuracy_pairs_logits_and_tokens_as_the_loss_does():
+    from axonn_jax.models import next_token_accuracy
+
+    logits = jax.nn.one_hot(jnp.array([[1, 2, 3, 0]]), 4) * 5.0  # predicts 1, 2, 3, 0
+    window = jnp.array([[9, 1, 2, 0, 0]])  # a loader window: targets 1, 2, 0, 0
+    assert float(next_token_accuracy(logits, window)) == 0.75
+    assert float(next_token_accuracy(logits, window[:, :-1])) == 2 / 3  # the model's input: 3 targets
+    with pytest.raises(ValueError, match="do not pair with logits"):
+        next_token_accuracy(logits, window[:, :2])

@@ -20,6 +20,7 @@ from axonn_jax.models.gpt import (
     GPTNNX,
     GPTConfig,
     gpt_nnx_from_linen_params,
+    next_token_accuracy,
     next_token_loss,
     window_inputs,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "MLP",
     "MLPNNX",
     "gpt_nnx_from_linen_params",
+    "next_token_accuracy",
     "next_token_loss",
     "window_inputs",
 ]

@@ -140,18 +140,29 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     * int [batch, S], the model's own input: ``logits[:, :-1]`` predict
       ``tokens[:, 1:]`` (the last logit has no target).
     """
-    if tokens.shape[1] == logits.shape[1] + 1:
-        logits, targets = logits, tokens[:, 1:]
-    elif tokens.shape[1] == logits.shape[1]:
-        logits, targets = logits[:, :-1], tokens[:, 1:]
-    else:
-        raise ValueError(
-            f"tokens {tokens.shape} do not pair with logits {logits.shape}: expected the model's "
-            "input [batch, S] or a loader window [batch, S + 1]."
-        )
+    logits, targets = _next_token_pairs(logits, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), targets
     ).mean()
+
+
+def next_token_accuracy(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The share of positions whose most likely next token is the right one (float32 scalar);
+    ``logits`` and ``tokens`` as in :func:`next_token_loss`."""
+    logits, targets = _next_token_pairs(logits, tokens)
+    return jnp.mean((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32))
+
+
+def _next_token_pairs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The logits that predict a next token and the tokens they predict."""
+    if tokens.shape[1] == logits.shape[1] + 1:
+        return logits, tokens[:, 1:]
+    if tokens.shape[1] == logits.shape[1]:
+        return logits[:, :-1], tokens[:, 1:]
+    raise ValueError(
+        f"tokens {tokens.shape} do not pair with logits {logits.shape}: expected the model's "
+        "input [batch, S] or a loader window [batch, S + 1]."
+    )
 
 
 def window_inputs(window: jax.Array) -> tuple[jax.Array]:
