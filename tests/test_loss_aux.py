@@ -215,6 +215,6 @@ def test_next_token_accuracy_pairs_logits_and_tokens_as_the_loss_does():
     logits = jax.nn.one_hot(jnp.array([[1, 2, 3, 0]]), 4) * 5.0  # predicts 1, 2, 3, 0
     window = jnp.array([[9, 1, 2, 0, 0]])  # a loader window: targets 1, 2, 0, 0
     assert float(next_token_accuracy(logits, window)) == 0.75
-    assert float(next_token_accuracy(logits, window[:, :-1])) == 2 / 3  # the model's input: 3 targets
+    assert float(next_token_accuracy(logits, window[:, :-1])) == np.float32(2 / 3)  # the model's input: 3 targets
     with pytest.raises(ValueError, match="do not pair with logits"):
         next_token_accuracy(logits, window[:, :2])
