@@ -22,11 +22,10 @@ Example:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-
-from collections.abc import Sequence
 
 from axonn_jax.partitioner.flows import StageFlow
 
