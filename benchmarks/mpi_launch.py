@@ -11,10 +11,23 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "RESULTS "
+
+
+def rotated(configs: Sequence, rounds: int) -> Iterator:
+    """``configs`` ``rounds`` times, each round in an order rotated by one, so that each
+    configuration runs in each position (first, after a given other, …) as often.
+
+    >>> list(rotated("abc", 2))
+    ['a', 'b', 'c', 'b', 'c', 'a']
+    """
+    for r in range(rounds):
+        for k in range(len(configs)):
+            yield configs[(k + r) % len(configs)]
 
 
 def is_worker(flag: str) -> bool:

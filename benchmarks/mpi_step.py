@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-from mpi_launch import PREFIX, is_worker, relaunch  # noqa: E402
+from mpi_launch import PREFIX, is_worker, relaunch, rotated  # noqa: E402
 
 FLAG = "AXONN_MPI_STEP_WORKER"
 #: (label, processes, cpu_collectives)
@@ -125,11 +125,9 @@ def main(argv=None) -> dict:
     given = argv if argv is not None else sys.argv[1:]
     size = Grid.parse(args.grid).size
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in CONFIGS}
-    for r in range(args.rounds):
-        for k in range(len(CONFIGS)):  # rotating order: each configuration in each position
-            label, processes, collectives = CONFIGS[(k + r) % len(CONFIGS)]
-            runs[label].append(relaunch(__file__, processes, [*given, "--collectives", collectives], FLAG,
-                                        timeout=1200, devices_per_process=size // processes))  # fmt: skip
+    for label, processes, collectives in rotated(CONFIGS, args.rounds):
+        runs[label].append(relaunch(__file__, processes, [*given, "--collectives", collectives], FLAG,
+                                    timeout=1200, devices_per_process=size // processes))  # fmt: skip
     base = runs[CONFIGS[0][0]]
     configs = []
     for label, _, _ in CONFIGS:

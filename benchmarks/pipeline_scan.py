@@ -32,7 +32,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
-from mpi_launch import PREFIX, is_worker, relaunch  # noqa: E402
+from mpi_launch import PREFIX, is_worker, relaunch, rotated  # noqa: E402
 
 FLAG = "AXONN_PIPELINE_SCAN_WORKER"
 #: (label, model, processes, grid)
@@ -132,12 +132,10 @@ def main(argv=None) -> dict:
         return {}
     given = argv if argv is not None else sys.argv[1:]
     runs: dict[str, list[float]] = {label: [] for label, *_ in CONFIGS}
-    for r in range(args.rounds):
-        for k in range(len(CONFIGS)):  # rotating order: each configuration in each position
-            label, model, processes, grid = CONFIGS[(k + r) % len(CONFIGS)]
-            out = relaunch(__file__, processes, [*given, "--model", model, "--grid", grid], FLAG,
-                           timeout=1200, devices_per_process=1)  # fmt: skip
-            runs[label].append(out["step_s"])
+    for label, model, processes, grid in rotated(CONFIGS, args.rounds):
+        out = relaunch(__file__, processes, [*given, "--model", model, "--grid", grid], FLAG,
+                       timeout=1200, devices_per_process=1)  # fmt: skip
+        runs[label].append(out["step_s"])
     rows = []
     for where, unrolled, scan in (("pipeline=2, mpiexec -n 2", CONFIGS[0][0], CONFIGS[1][0]),
                                   ("one device, no pipeline", CONFIGS[2][0], CONFIGS[3][0])):  # fmt: skip
