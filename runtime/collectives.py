@@ -33,6 +33,10 @@ import numpy as np
 class HostCollectives(Protocol):
     """What the runtime asks of the job's processes (:class:`HostComm`, :class:`SingleProcess`)."""
 
+    @property
+    def rank(self) -> int:
+        """This process's index (the JAX process index)."""
+
     def allgather(self, obj: Any) -> list:
         """Every process's ``obj``, in process order, on every process."""
 
@@ -162,6 +166,49 @@ def _combined(me: int, mine: np.ndarray, received: dict) -> np.ndarray:
     return total
 
 
+def raise_together(host: HostCollectives, error: BaseException | None, what: str) -> None:
+    """After work each process did on its own (``error``: how it failed here, or ``None``):
+    raise on every process if it failed on any, instead of leaving the others waiting in the
+    next collective for one that raised (and whose error a caller may catch). The failing
+    process raises its own error, the others one naming it. A collective: every process calls it.
+
+    >>> raise_together(SingleProcess(), None, "compiling")   # failed nowhere: returns
+    """
+    failures = host.allgather(None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    for rank, failure in enumerate(failures):
+        if failure is not None:
+            raise _elsewhere(rank, *failure, what)
+
+
+def broadcast_or_raise(host: HostCollectives, compute, root: int, what: str) -> Any:
+    """``compute()`` on process ``root``, its value on every process; if it raises, every
+    process raises (``root`` its own error, the others one naming it). A collective.
+
+    >>> broadcast_or_raise(SingleProcess(), lambda: 3, root=0, what="the loss")
+    3
+    """
+    error = None
+    if host.rank == root:
+        try:
+            payload = ("value", compute())
+        except Exception as err:  # noqa: BLE001 - raised again below, on every process
+            error, payload = err, ("error", type(err).__name__, str(err))
+    else:
+        payload = None
+    payload = host.broadcast(payload, root=root)
+    if payload[0] == "value":
+        return payload[1]
+    raise error if error is not None else _elsewhere(root, payload[1], payload[2], what)
+
+
+def _elsewhere(rank: int, kind: str, message: str, what: str) -> Exception:
+    """The error another process raised, as this one raises it (its kind where built in)."""
+    cls = {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)
+    return cls(f"{what} failed on process {rank} ({kind}): {message}")
+
+
 class SingleProcess:
     """The host collectives of a one-process job: every value is already everywhere.
 
@@ -169,6 +216,8 @@ class SingleProcess:
     >>> comm.allgather(3), comm.broadcast(5, root=0), comm.all_true(np.bool_(False))
     ([3], 5, False)
     """
+
+    rank = 0
 
     def allgather(self, obj: Any) -> list:
         return [obj]

@@ -98,8 +98,11 @@ class ScalarLoss:
 
 
 def _described(value) -> str:
+    """``a tuple of 3 items``, ``a float32 array of shape ()``, ``a float``."""
     if isinstance(value, (tuple, list, dict)):
         return f"a {type(value).__name__} of {len(value)} items"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array, or a tracer of one
+        return f"a {value.dtype} array of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
 
 

@@ -199,7 +199,7 @@ def test_wrong_returns_are_refused_by_name(grid, devices):
         loss, _ = loss_with_metrics(out, b)
         return loss, {"hits": jnp.sum(jnp.argmax(out, -1) == b["targets"])}
 
-    with pytest.raises(TypeError, match=r"with has_aux=True it must return a pair \(loss, aux\)"):
+    with pytest.raises(TypeError, match=r"returned a float32 array of shape \(\); with has_aux=True it must return a pair"):
         pm.value_and_grad(loss_only, inputs=_inputs, has_aux=True)(params, batch)
     with pytest.raises(TypeError, match="pass has_aux=True"):
         pm.value_and_grad(loss_with_metrics, inputs=_inputs)(params, batch)
@@ -218,3 +218,24 @@ def test_next_token_accuracy_pairs_logits_and_tokens_as_the_loss_does():
     assert float(next_token_accuracy(logits, window[:, :-1])) == np.float32(2 / 3)  # the model's input: 3 targets
     with pytest.raises(ValueError, match="do not pair with logits"):
         next_token_accuracy(logits, window[:, :2])
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+@pytest.mark.timeout(420)  # the job's own 360 s timeout fires first
+def test_a_loss_refused_on_the_last_stage_raises_on_every_process():
+    """Under mpiexec -n 2 (the last stage on rank 1), a loss refused while the last stage is
+    traced, and an aux refused after the run, raise on both ranks (rank 0 names rank 1's error):
+    caught, the job goes on and trains, where rank 0 used to wait for rank 1 forever."""
+    import re
+
+    from mpi_util import run_mpi
+
+    result = run_mpi(2, "refused_loss.py", timeout=360)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    refused = dict(((r, case), msg) for r, case, msg in re.findall(r"REFUSED rank (\d) (\S+): ([^\n]+)", result.stdout))
+    assert set(refused) == {(r, c) for r in "01" for c in ("scalar-with-has_aux", "int-aux")}, result.stdout
+    assert "failed on process 1 (TypeError)" in refused[("0", "int-aux")]
+    assert "has_aux=True it must return a pair" in refused[("0", "scalar-with-has_aux")]
+    trained = re.findall(r"TRAINED rank (\d) ([^\n]+)", result.stdout)
+    assert sorted(r for r, _ in trained) == ["0", "1"] and trained[0][1] == trained[1][1], result.stdout

@@ -25,6 +25,7 @@ import numpy as np
 
 from axonn_jax.partitioner.program import Program, call_signature
 from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.runtime.collectives import raise_together
 from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.loss_program import loss_program, without_batch
 from axonn_jax.runtime.model_call import ModelCall
@@ -134,13 +135,19 @@ class StageInputs:
 
 def compile_stages(stages: Sequence[StageProgram], placed: PlacedModel, compiled: Callable[[StageProgram], bool],
                    compile_one: Callable[[int], None]) -> None:  # fmt: skip
-    """Compile this process's stages unless ``compiled`` says they are, then wait for every process."""
+    """Compile this process's stages unless ``compiled`` says they are, then wait for every
+    process (a peer still compiling must not look like a dead peer); a stage that fails to
+    trace or compile (a refused loss) raises on every process."""
     local = placed.homes.local
     if all(compiled(stages[s]) for s in local):
         return
-    for s in local:
-        compile_one(s)
-    placed.host.barrier()  # a peer still compiling must not look like a dead peer
+    error = None
+    try:
+        for s in local:
+            compile_one(s)
+    except Exception as err:  # noqa: BLE001 - raised again by raise_together, on every process
+        error = err
+    raise_together(placed.host, error, "building the pipeline stages")
 
 
 def in_planned_dtype(x: jax.Array, param) -> jax.Array:

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.program import call_signature
+from axonn_jax.runtime.collectives import broadcast_or_raise
 from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss, mean_aux, not_planned_note, scaled_loss
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
@@ -214,12 +215,13 @@ class PipelinedValueAndGrad:
     def _loss(self, result: TrainingRun):
         """The loss as the step returns it: the mean microbatch loss (with ``has_aux``, and
         their mean aux, as host arrays), computed on the last stage and sent to every process."""
-        local = None
-        if result.losses:
+
+        def local():  # a refused aux raises on every process, not only here
             loss = float(np.mean([float(value) for value, _ in result.losses]))
-            local = (loss, mean_aux([jax.tree.map(np.asarray, aux) for _, aux in result.losses]))
+            return loss, jax.tree.map(np.asarray, mean_aux([aux for _, aux in result.losses]))
+
         last_owner = min(d.process_index for d in self.placed.meshes[-1].devices.flat)
-        loss, aux = self.placed.host.broadcast(local, root=last_owner)
+        loss, aux = broadcast_or_raise(self.placed.host, local, last_owner, "the loss's aux")
         return self.loss_fn.value(np.float32(loss), aux)
 
 
