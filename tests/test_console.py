@@ -48,7 +48,7 @@ def test_example_log_without_a_terminal_is_line_oriented_and_resume_counts_its_s
     assert "\r" not in first and "\x1b" not in first  # no progress-bar redraws in a log file
     assert re.search(r"^step 1/5: compiling the train step…\ncompiled and ran it in \d+\.\d s \(loss \d",
                      first, re.M)  # fmt: skip
-    progress = re.findall(r"^step (\d)/5  loss \d\.\d{3}(  valid \d\.\d{3})?  tok/s [\d,]+  "
+    progress = re.findall(r"^step (\d)/5  loss \d\.\d{3}  acc \d\.\d{3}(  valid \d\.\d{3})?  tok/s [\d,]+  "
                           r"[\d.]+ s/step  eta \d:\d\d:\d\d$", first, re.M)  # fmt: skip
     assert [int(step) for step, _ in progress] == [3, 5]  # every 2 steps after the compiling one
     assert re.search(r"^loss \d\.\d{3} \(step 1\) -> \d\.\d{3} \(mean of steps 1-5\) in 5 steps "
