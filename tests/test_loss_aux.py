@@ -96,6 +96,8 @@ def test_loss_aux_and_grads_equal_plain_jax(grid, schedule, microbatches, device
                              has_aux=True)  # fmt: skip
     (loss, aux), grads = (step if pm.grid.pipeline > 1 else jax.jit(step))(pm.shard(params), batch)
     assert step.loss_notes == {}, step.loss_notes  # planned with the model (its last stage)
+    if pm.grid.pipeline > 1:  # host arrays, 0-d ones too, for any microbatch count
+        assert all(type(x) is np.ndarray for x in jax.tree.leaves(aux)), jax.tree.map(type, aux)
     np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-5)
     assert sorted(aux) == sorted(want_aux)
     _assert_close(aux, want_aux, f"aux on {grid}")
