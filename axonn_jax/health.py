@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from axonn_jax.runtime import nonfinite
+from axonn_jax.runtime.loss_program import ScalarLoss
 from axonn_jax.runtime.microbatches import default_inputs
 from axonn_jax.runtime.model_call import model_inputs
 from axonn_jax.runtime.nonfinite import WHERES, NonFinite
@@ -87,5 +88,5 @@ def diagnose_step(pm, loss_fn: Callable, params, batch, *, inputs: Callable | No
     """
     given = inputs(batch) if inputs else default_inputs(batch, keywords=pm.engine.call.keywords)
     args, kwargs = model_inputs(given)
-    loss = (lambda out: loss_fn(out, batch)[0]) if has_aux else (lambda out: loss_fn(out, batch))
-    return first_nonfinite(pm, params, *args, loss_fn=loss, **kwargs)
+    loss = ScalarLoss.of(loss_fn, has_aux)  # the step's loss: the first of a has_aux pair
+    return first_nonfinite(pm, params, *args, loss_fn=lambda out: loss(out, batch)[0], **kwargs)

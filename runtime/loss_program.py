@@ -96,6 +96,10 @@ class ScalarLoss:
         """What a step returns for the loss: ``(loss, aux)`` with ``has_aux``, else ``loss``."""
         return (loss, aux) if self.has_aux else loss
 
+    def parts(self, value) -> tuple[Any, Any]:
+        """``(loss, aux)`` of what :meth:`value` made (``aux`` ``None`` without ``has_aux``)."""
+        return value if self.has_aux else (value, None)
+
 
 def _described(value) -> str:
     """``a tuple of 3 items``, ``a float32 array of shape ()``, ``a float``."""
@@ -109,14 +113,14 @@ def _described(value) -> str:
 def _checked(loss):
     if isinstance(loss, (tuple, list, dict)):
         raise TypeError(
-            f"loss_fn returned a {type(loss).__name__} of {len(loss)} items; it must return the loss "
+            f"loss_fn returned {_described(loss)}; it must return the loss "
             "alone, one scalar. Remedy: return the loss only, or, for (loss, metrics), pass "
             "has_aux=True to value_and_grad / train_step."
         )
     shape, dtype = getattr(loss, "shape", None), getattr(loss, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(
-            f"loss_fn returned a {type(loss).__name__}, not an array computed from the outputs; it "
+            f"loss_fn returned {_described(loss)}, not an array computed from the outputs; it "
             "must return the loss as one scalar float array. Remedy: compute it with jax.numpy."
         )
     if shape != ():

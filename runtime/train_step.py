@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.runtime.consistency import check_consistent, step_fingerprint
+from axonn_jax.runtime.loss_program import ScalarLoss
 from axonn_jax.runtime.master_optimizer import (MasterOptimizer, MasterState, check_offloadable, check_optimizer,
                                                is_state_hole)
 from axonn_jax.runtime.model_call import wrap_params
@@ -146,7 +147,8 @@ class TrainStep(abc.ABC):
         check_optimizer(optimizer)
         self.settings = MasterSettings(Precision.of(precision), offload, update_on, bucket_bytes, prefetch)
         self.options = options
-        self.has_aux = bool(options.get("has_aux", False))
+        #: the loss as the step returns it: ``loss``, or ``(loss, aux)`` with ``has_aux``
+        self.loss = ScalarLoss.of(loss_fn, options.get("has_aux", False))
         if offload:
             check_offloadable(optimizer)
         _check_update_needs_nothing_else(optimizer, lambda: self.fingerprint)  # traces the update once
@@ -393,7 +395,7 @@ class SingleMeshStep(TrainStep):
                                       replicated))  # fmt: skip
 
     def _whole_step(self, optimizer: MasterOptimizer):
-        plan, call, value_and_grad, has_aux = self.plan, self.call, self.value_and_grad, self.has_aux
+        plan, call, value_and_grad, returned = self.plan, self.call, self.value_and_grad, self.loss
 
         def step(variables, opt_state: OptState, batch, rngs):
             scale = opt_state.loss_scale  # an input of the planned loss: a new scale compiles nothing
@@ -403,13 +405,13 @@ class SingleMeshStep(TrainStep):
             if call.stateful:
                 value, updates = value
                 model_state = {**model_state, **updates}
-            loss, aux = value if has_aux else (value, None)
+            loss, aux = returned.parts(value)
             finite = all_finite(grads) if scale is not None else None
             params, state = optimizer.update(grads, opt_state.optimizer, params, finite=finite,
                                              grad_scale=None if scale is None else scale.scale)  # fmt: skip
             if scale is not None:
                 loss, scale = loss / scale.scale, scale.update(finite)
-            return call.merge(params, model_state), OptState(state, scale), (loss, aux) if has_aux else loss
+            return call.merge(params, model_state), OptState(state, scale), returned.value(loss, aux)
 
         return step
 
@@ -497,11 +499,11 @@ class PipelinedStep(TrainStep):
             new = plan_leaves(placed, self.call, new_params[s])
             for i in idx:
                 out[i] = new[i]
-        loss, aux = value if self.has_aux else (value, None)
+        loss, aux = self.loss.parts(value)
         if scale is not None:  # the same flag on every process: every copy of the scale stays equal
             loss, scale = np.float32(loss / grad_scale), scale.update(finite)
         return (jax.tree.unflatten(self.plan.param_tree, out), OptState(self.engine.pack_states(new_states), scale),
-                (loss, aux) if self.has_aux else loss)  # fmt: skip
+                self.loss.value(loss, aux))  # fmt: skip
 
 
 def plan_leaves(placed: PlacedModel, call: ModelCall, params_tree) -> list:

@@ -109,7 +109,7 @@ class StageProgram:
         arg_layouts = [ex.arg_layouts[j] for j in flow.args]
 
         updates = [v for v, _ in flow.updates]
-        rows = [(k, flow.rows_of(i)) for k, i in enumerate(flow.params) if flow.rows_of(i)]
+        rows = [(k, r) for k, i in enumerate(flow.params) if (r := flow.rows_of(i))]
 
         def body(params, args, inbound):
             for k, (first, end) in rows:  # its slices index these rows (partitioner.flows)
