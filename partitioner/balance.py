@@ -68,8 +68,9 @@ class StageCosts:
     message. The default is the built-in ``h100-node`` profile of
     ``axonn_jax.perf.machines`` (989 TFLOP/s bf16 × 0.5; NVLink at 360 GB/s
     between two stages of up to 4 devices; no latency table) with an assumed
-    5 µs per kernel (not measured here: small kernels on current GPUs take a
-    few µs each, launch included).
+    floor of 1 µs per matmul or convolution kernel (not measured here: the
+    least a small kernel takes on a current GPU, its launch hidden behind the
+    previous kernel's).
     """
 
     name: str = "h100-node"

@@ -245,6 +245,31 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_restorable(devices,
     _assert_bitwise(checkpoint.restore(directory, params=layout).params, values(2))
 
 
+def test_close_returns_after_what_killed_saves_left_is_removed(devices, tmp_path, monkeypatch):
+    """Orbax removes a killed save's temporary folder in a background thread started with
+    the writer; ``close`` waits for it (orbax's own ``close`` does not), so a job that
+    copies the directory next never meets a half-removed folder. The removal is slowed
+    here so that a ``close`` that did not wait would return while the folder is there."""
+    from orbax.checkpoint._src.path import temporary_paths
+
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory) as ckpt:
+        ckpt.save(1, place(values(1), shardings(devices)))
+    leftover = directory / f"2{temporary_paths.TMP_DIR_SUFFIX}"
+    (leftover / "params").mkdir(parents=True)
+    original = temporary_paths.cleanup_temporary_paths
+
+    async def slow(*args, **kwargs):
+        import asyncio
+
+        await asyncio.sleep(1.0)
+        await original(*args, **kwargs)
+
+    monkeypatch.setattr(temporary_paths, "cleanup_temporary_paths", slow)
+    Checkpointer(directory).close()
+    assert sorted(p.name for p in directory.iterdir() if p.name != writer_lock.NAME) == ["1"]
+
+
 def test_delete_removes_one_committed_step_and_nothing_else(devices, tmp_path):
     directory, layout = tmp_path / "ckpt", shardings(devices)
     directory.mkdir()

@@ -90,6 +90,19 @@ def foreign_step_folders(directory: Path) -> list[str]:
                   and not any((d / name).exists() for name in written))  # fmt: skip
 
 
+def _await_leftover_removal(manager) -> None:
+    """Wait until orbax has removed the temporary folders killed saves left.
+
+    Orbax starts that removal in a background thread when a writing manager is made,
+    and its ``close`` does not wait for it: a job that copies or deletes the directory
+    right after closing could meet a half-removed folder. (A private method of orbax's
+    ``CheckpointManager``; without it, nothing to wait for is known.)
+    """
+    wait = getattr(manager, "_maybe_await_cleanup_tmp_directory", None)
+    if wait is not None:
+        wait()
+
+
 def _create_directory(directory: Path) -> None:
     """Process 0 creates ``directory``; every process returns once it exists (collective)."""
     made = None
@@ -446,13 +459,16 @@ class Checkpointer:
 
     # --- lifetime ---------------------------------------------------------
     def close(self) -> None:
-        """Finish the pending save, release orbax's threads and the writer lock.
+        """Finish the pending save and the removal of what killed saves left, then release
+        orbax's threads and the writer lock.
 
         Raises :class:`CheckpointError` if that save failed (after releasing)."""
         lifetime.closed(self)
         try:
             self.wait()
         finally:
+            with contextlib.suppress(Exception):  # orbax logs a failed removal; the next writer retries
+                _await_leftover_removal(self._manager)
             with contextlib.suppress(Exception):  # a failed save's error was raised by wait
                 self._manager.close()
             if self._lock is not None:
