@@ -118,6 +118,10 @@ def init(
             process dead.
         abort_on_exception: install the abort-on-uncaught-exception hook.
 
+    Under MPI with a grid, JAX's backends are started before it returns (every process
+    calls it), so a process may then run JAX code alone. Without a grid they start with
+    the first JAX call, which every process must make.
+
     Example: ``axonn_jax.init(grid=axonn_jax.Grid(pipeline=2, x=2, z=2))`` at the
     top of a script run as ``mpiexec -n 2`` with 4 devices per process.
     """
@@ -128,7 +132,21 @@ def init(
         _INFO = _join(cpu_collectives, initialization_timeout, heartbeat_timeout, abort_on_exception)
     if grid is not None and _INFO.distributed:
         _settle_collectives(grid)
+        _start_backends()
     return _INFO
+
+
+def _start_backends() -> None:
+    """Start JAX's backends now, on every process at once.
+
+    Their start is a handshake of all the processes of the job: JAX code that one
+    process runs alone first (``if info.is_main: ...``) would wait for the others'
+    (until jax.distributed's timeout, then fail). With the collectives chosen there is
+    nothing left to wait for.
+    """
+    import jax
+
+    jax.devices()
 
 
 def _join(cpu_collectives: str, initialization_timeout: int, heartbeat_timeout: int,

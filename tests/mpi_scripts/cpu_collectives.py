@@ -3,7 +3,7 @@
 Usage: mpiexec -n 2 python cpu_collectives.py auto|late|gloo CHECKPOINT_DIR
 
 * ``auto``: ``axonn_jax.init(grid=pipeline=2,x=2,z=2)`` picks in-process collectives
-  ("local"); a pipelined step and a checkpoint save + restore run; a later grid whose
+  ("local") and starts the backends (rank 0 then runs JAX alone); a pipelined step and a checkpoint save + restore run; a later grid whose
   stage spans both processes is refused on every rank (``REFUSED <rank>: <message>``);
 * ``late``: an array is created before any grid, so the backend starts with gloo; the
   process-local grid then warns on rank 0 (``WARNED: <message>``) and still trains;
@@ -35,9 +35,15 @@ from axonn_jax.checkpoint import Checkpointer  # noqa: E402
 from axonn_jax.models import MLP  # noqa: E402
 from axonn_jax.runtime import launch  # noqa: E402
 
+rank = info.process_index
 if mode == "late":
     jnp.zeros(3).block_until_ready()  # the backends start before axonn_jax sees a grid
-rank = info.process_index
+else:  # init(grid=...) started every process's backends: one may run JAX alone, the
+    if rank == 0:  # other waiting in MPI (before, each waited for the other until a timeout)
+        jnp.arange(3).sum().block_until_ready()
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Barrier()
 x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
 model = MLP((32, 32, 16))
 with warnings.catch_warnings(record=True) as caught:
