@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import jax
@@ -99,6 +100,34 @@ class Plan:
             if p.path == path:
                 return p
         raise KeyError(f"no parameter '{path}'; parameters are {[p.path for p in self.params]}")
+
+    @property
+    def stage_cuts(self) -> tuple[str, ...] | None:
+        """``stages=`` patterns that cut another plan of this model as this one is cut (``None``
+        without a pipeline): its evaluation program, say (``model.eval()`` in nnx, ``train=False``
+        traced anew), whose stages then use the parameters these do, so that it runs on the
+        variables this plan laid out across processes. Stage k+1 starts where the first of
+        the parameters it uses and no earlier stage does is used.
+
+        Example:
+            >>> model.eval()                                                      # doctest: +SKIP
+            >>> evaluate = axonn_jax.partition(model, grid, x, stages=pm.plan.stage_cuts)  # doctest: +SKIP
+        """
+        if len(self.stages) < 2:
+            return None
+        if self.scan_cuts:
+            raise ValueError(
+                f"the stages of {self.grid} are cut inside a scan over stacked layers, between "
+                "layers that share their parameters, so stages= patterns cannot name the cuts. "
+                "Remedy: partition the other program without stages= (its scan is cut by the same "
+                "costs) and check that its plan.stages use the parameters these do."
+            )
+        seen, cuts = set(self.stages[0].params), []
+        for st in self.stages[1:]:
+            new = [p for p in st.params if p not in seen]  # a stage uses at least one parameter
+            cuts.append("^(" + "|".join(re.escape(p) for p in new) + ")$")
+            seen.update(st.params)
+        return tuple(cuts)
 
     @property
     def total_param_bytes(self) -> int:

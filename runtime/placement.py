@@ -156,22 +156,26 @@ class PlacedModel:
                     out[i] = a if out[i] is None else out[i]
         return jax.tree.unflatten(self.plan.param_tree, out)
 
-    def param_leaves(self, params, *, state_holes: bool = False) -> list:
+    def param_leaves(self, params, *, state_holes: bool = False, unread_holes: bool = False) -> list:
         """Leaves of a params pytree (``None`` kept for leaves of other processes)."""
         check_not_donated(params)
         leaves, tree = jax.tree.flatten(params, is_leaf=lambda x: x is None)
         if tree != self.plan.param_tree or len(leaves) != len(self.plan.params):
             self.check_params(params)
         if any(leaf is None and h is not None for leaf, h in zip(leaves, self.homes.home)):
-            self.check_params(params, state_holes=state_holes)
+            self.check_params(params, state_holes=state_holes, unread_holes=unread_holes)
         return leaves
 
-    def check_params(self, params, *, dtypes: bool = True, state_holes: bool = False) -> None:
+    def check_params(self, params, *, dtypes: bool = True, state_holes: bool = False,
+                     unread_holes: bool = False) -> None:  # fmt: skip
         """Raise ``ValueError`` naming the first leaf that does not match the plan.
 
         ``dtypes=False`` accepts floating leaves of another precision (the
         half-precision device parameters of ``train_step(precision=...)``);
-        ``state_holes=True``, ``None`` for model state (BatchNorm statistics).
+        ``state_holes=True``, ``None`` for model state (BatchNorm statistics);
+        ``unread_holes=True``, ``None`` for leaves no stage reads (a forward pass
+        over variables that another plan of the model laid out: its dropout
+        stream's counter, which an evaluation program never reads).
         """
         plan = self.plan
         check_not_donated(params)
@@ -194,10 +198,14 @@ class PlacedModel:
             )
         for i, ((_, leaf), p) in enumerate(zip(leaves_with_path, plan.params)):
             if leaf is None:
-                if self.homes.home[i] is not None and not (state_holes and not p.trainable):
+                hole_allowed = (state_holes and not p.trainable) or (unread_holes and not self.homes.users[i])
+                if self.homes.home[i] is not None and not hole_allowed:
                     raise ValueError(
                         f"parameter '{p.path}' is None but this process runs a stage that uses "
-                        f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard."
+                        f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard; "
+                        "for variables laid out by another plan of this model (its training "
+                        "program, where this one evaluates), partition this one with "
+                        "stages=that_pm.plan.stage_cuts, so that its stages hold the same parameters."
                     )
                 continue
             shape, dtype = tuple(np.shape(leaf)), np.dtype(getattr(leaf, "dtype", np.float32))

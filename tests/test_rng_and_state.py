@@ -474,6 +474,43 @@ def test_nnx_state_on_a_pipeline(devices):
     assert int(state["drop/rngs/count"]) == 1
 
 
+def test_an_nnx_evaluation_program_runs_on_a_pipeline_s_training_variables(devices):
+    """``model.eval()`` then ``partition(..., stages=pm.plan.stage_cuts)``: the evaluation
+    program's stages hold the training program's parameters (cut by its own costs, its first
+    stage would end before ``norm/bias``), and it runs on variables in which the dropout
+    stream's counter, which only training reads, is ``None``, as on a process whose stages
+    do not hold it (it used to be refused: "is None but this process runs a stage that uses
+    it"). Its outputs are the plain nnx model's in evaluation mode."""
+    x = np.random.default_rng(5).standard_normal((BATCH, 16)).astype(np.float32)
+    model = NNXNet(nnx.Rngs(0, dropout=7))
+    grid = axonn_jax.Grid(pipeline=2, x=2, z=2)
+    pm = axonn_jax.partition(model, grid, x)
+    variables = pm.init(jax.random.key(0))
+    model.eval()
+
+    def trained(plan):
+        return [{p for p in st.params if p.startswith("params/")} for st in plan.stages]
+
+    assert trained(axonn_jax.partition(model, grid, x).plan) != trained(pm.plan)
+    evaluate = axonn_jax.partition(model, grid, x, stages=pm.plan.stage_cuts)
+    assert trained(evaluate.plan) == trained(pm.plan)
+    counter = "state/drop/rngs/count"
+    assert any(counter in st.params for st in pm.plan.stages)
+    assert not any(counter in st.params for st in evaluate.plan.stages)
+    holes = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: None if jax.tree_util.keystr(path) == "['state']['drop']['rngs']['count']" else leaf,
+        variables)  # fmt: skip
+    assert sum(leaf is None for leaf in jax.tree.leaves(holes, is_leaf=lambda v: v is None)) == 1
+    out, _ = evaluate.apply(holes, x)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    nnx.replace_by_pure_dict(params, pm.gather(variables)["params"])
+    plain = nnx.merge(graphdef, params, rest)  # evaluation mode: running averages, no dropout
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain(x)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"'params/out/kernel' is None .* stages=that_pm.plan.stage_cuts"):
+        evaluate.apply({**variables, "params": {**variables["params"], "out": {**variables["params"]["out"],
+                                                                                 "kernel": None}}}, x)  # fmt: skip
+
+
 def test_optimizer_helpers_see_the_params_of_a_model_with_state(devices, tmp_path):
     """DeepBN (variables = params + batch_stats), an own jitted AdamW step: init_optimizer from the
     params or the whole variables, gather of the params alone, ckpt.restore(optimizer=) and the

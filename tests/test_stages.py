@@ -67,6 +67,28 @@ def test_explicit_boundaries():
     assert [_blocks(s) for s in plan.stages] == [["block_0", "block_1", "block_2"], ["block_3"]]
 
 
+def test_stage_cuts_cut_another_plan_where_this_one_is_cut():
+    """``plan.stage_cuts`` are ``stages=`` patterns: a plan given them has stages that use the
+    same parameters (here: 3 blocks, then 1, which the costs would not choose); ``None`` without a pipeline; stages cut inside a scan over stacked layers cannot
+    be named by parameters, and the refusal says what to do instead."""
+    from control_flow_cases import ScanGPT
+
+    uneven = axonn_jax.partition(GPT4, Grid(pipeline=2), TOKENS, stages=["block_3/"]).plan
+    [cut] = uneven.stage_cuts
+    assert [p for p in uneven.stages[1].params if re.fullmatch(cut, p)] == \
+        [p for p in uneven.stages[1].params if p not in uneven.stages[0].params]  # fmt: skip
+    again = axonn_jax.partition(GPT4, Grid(pipeline=2), TOKENS, stages=uneven.stage_cuts).plan
+    assert [_blocks(st) for st in again.stages] == [["block_0", "block_1", "block_2"], ["block_3"]]
+    assert [st.params for st in again.stages] == [st.params for st in uneven.stages]
+    by_costs = axonn_jax.partition(GPT4, Grid(pipeline=2), TOKENS).plan
+    assert [st.params for st in by_costs.stages] != [st.params for st in uneven.stages]
+    assert axonn_jax.partition(GPT4, Grid(x=2), TOKENS).plan.stage_cuts is None
+    scanned = axonn_jax.partition(ScanGPT(), Grid(pipeline=2), jax.ShapeDtypeStruct((8, 16), jnp.int32)).plan
+    assert scanned.scan_cuts
+    with pytest.raises(ValueError, match=r"cut inside a scan over stacked layers.*Remedy: partition the other"):
+        scanned.stage_cuts
+
+
 def test_too_many_stages():
     one_layer = MLP(features=(16,))  # kernel and bias: one possible cut between them
     x = jax.ShapeDtypeStruct((8, 16), jnp.float32)

@@ -43,7 +43,7 @@ def pipelined_forward(stages: StagePrograms, placed: PlacedModel, params, args: 
     microbatch = call_slices(args, kwargs, m, placed.grid)
     program, programs = stages.forward(*microbatch(0))
     ModelCall.of(program.traced).check_microbatches(m)  # nnx RNG state: one key per call
-    param_leaves = placed.param_leaves(params)
+    param_leaves = placed.param_leaves(params, unread_holes=True)  # e.g. a dropout counter, in evaluation
     inputs = StageInputs(programs, placed, param_leaves, microbatch)
     compile_stages(programs, placed, lambda st: st.forward_compiled,
                    lambda s: programs[s].compile_forward_only(inputs.params[s], inputs.args(s, 0)))
