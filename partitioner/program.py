@@ -153,11 +153,14 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
     if len(plan.stages) > 1 and len(closed.jaxpr.eqns) != plan.stages[-1].stop:
         raise ValueError(
             f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} make the model run other "
-            f"operations ({len(closed.jaxpr.eqns)} where the example inputs given to partition() ran "
-            f"{plan.stages[-1].stop}, e.g. a slice of position embeddings for a shorter sequence), so "
-            f"the {len(plan.stages)} pipeline stages cut for the example do not fit them. Remedy: "
-            "call with inputs of the example's shapes (pad to its length), or partition with "
-            "example inputs of these shapes."
+            f"operations ({len(closed.jaxpr.eqns)} where the example call given to partition() ran "
+            f"{plan.stages[-1].stop}: other shapes, e.g. a slice of position embeddings for a shorter "
+            "sequence, or another mode, e.g. train=False), so the "
+            f"{len(plan.stages)} pipeline stages cut for the example do not fit them. Remedy: call "
+            "with inputs of the example's shapes (pad to its length), or partition with example "
+            "inputs of these shapes; for another mode, a pm of its own whose stages are cut where "
+            "these are: axonn_jax.partition(model, grid, *inputs, train=False, "
+            "stages=pm.plan.stage_cuts)."
         )
     return _program(traced, closed, grid, plan, layouts)
 

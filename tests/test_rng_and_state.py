@@ -511,6 +511,24 @@ def test_an_nnx_evaluation_program_runs_on_a_pipeline_s_training_variables(devic
                                                                                  "kernel": None}}}, x)  # fmt: skip
 
 
+def test_a_linen_evaluation_call_on_a_pipeline_is_refused_with_the_pm_that_runs_it(devices):
+    """On a pipeline, ``train=False`` on the training pm runs other operations than the stages
+    were cut for: refused, naming ``stages=pm.plan.stage_cuts`` (the message used to blame the
+    input shapes alone); the pm it names runs on the training variables, as the plain model."""
+    from rng_cases import DeepBN
+
+    x = np.random.default_rng(6).standard_normal((16, 16)).astype(np.float32)
+    model, grid = DeepBN(), axonn_jax.Grid(pipeline=2, x=2, z=2)
+    pm = axonn_jax.partition(model, grid, x, train=True, mutable=["batch_stats"])
+    variables = pm.init(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"another mode, e.g. train=False.*stages=pm.plan.stage_cuts"):
+        pm.apply(variables, x, train=False)
+    evaluate = axonn_jax.partition(model, grid, x, train=False, stages=pm.plan.stage_cuts)
+    np.testing.assert_allclose(np.asarray(evaluate.apply(variables, x, train=False)),
+                               np.asarray(model.apply(pm.gather(variables), x, train=False)),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 def test_optimizer_helpers_see_the_params_of_a_model_with_state(devices, tmp_path):
     """DeepBN (variables = params + batch_stats), an own jitted AdamW step: init_optimizer from the
     params or the whole variables, gather of the params alone, ckpt.restore(optimizer=) and the
