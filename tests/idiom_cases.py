@@ -6,7 +6,8 @@
   attention, and the gated feed-forward whose ``(2, hidden, ffn)`` kernel is
   indexed ``[0]``/``[1]``.
 - :class:`GraphNet`: message passing as ``jraph.GraphNetwork`` computes it
-  (one big graph: nodes, edges, senders, receivers, globals, sizes).
+  (one big graph: nodes, edges, senders, receivers, globals, sizes);
+  :class:`RepeatOntoNodes`: its globals repeated onto the nodes and added to them.
 - :class:`ResNetBN`: Flax's ImageNet-example ResNet style, BatchNorm over
   ``axis_name='batch'`` (data-parallel code written for ``pmap``).
 - :class:`AddInto`, :class:`PickTokens`: scatter-add into an activation,
@@ -199,6 +200,22 @@ class GraphNet(nn.Module):
             nodes, edges, globals_ = GraphNetwork(self.width, name=f"step_{step}")(
                 nodes, edges, senders, receivers, globals_, n_node, n_edge)
         return nn.Dense(self.targets)(globals_)
+
+
+class RepeatOntoNodes(nn.Module):
+    """Each graph's features repeated onto its nodes (``jnp.repeat(globals_, n_node)``, as
+    :class:`GraphNetwork` does) and added to the nodes' own."""
+
+    @nn.compact
+    def __call__(self, nodes, globals_, n_node):
+        per_node = jnp.repeat(nn.Dense(16)(globals_), n_node, axis=0, total_repeat_length=nodes.shape[0])
+        return nn.Dense(4)(nn.Dense(16)(nodes) + per_node)
+
+
+def repeat_onto_nodes_batch() -> tuple:
+    """Nodes ``[64, 8]``, globals ``[8, 8]`` and the sizes of 8 graphs of unequal sizes."""
+    nodes, _, _, _, globals_, n_node, _ = graph_batch()
+    return nodes, globals_, n_node
 
 
 def graph_batch(graphs: int = 8, nodes: int = 64, edges: int = 128, features: int = 8):

@@ -57,6 +57,9 @@ partial sums                        reduce-      its axes     forward (a scatter
                                     scatter or                ``PartialSums``; all-reduced
                                     all-reduce                where not scattered)
 partial sums gradient               all-gather   its axes     backward (of a scattered one)
+                                    all-reduce   its axes     backward (an all-reduced one
+                                                              sliced over them again:
+                                                              ``PartialSums.sliced``)
 weight-gradient shard               all-reduce   data         once per step
 other parameter gradients           all-reduce   data·z       once per step
 scattered-row parameter gradients   all-reduce   its rows'    once per step (biases, norm
@@ -333,6 +336,10 @@ class _Step:
             partial = spec.tokens * ps.per_token / math.prod(grid.axis_size(a) for a in ps.split_over)
             if not ps.scattered(axes, grid):
                 self.add("partial sums", "all-reduce", axes, "forward", _ring("all-reduce", g) * partial, mb)
+                for per_token, split in ps.sliced:  # sliced over those axes again: its gradient there
+                    sliced = spec.tokens * per_token / math.prod(grid.axis_size(a) for a in split)
+                    self.add("partial sums gradient", "all-reduce", axes, "backward",
+                             _ring("all-reduce", g) * sliced, mb)  # fmt: skip
                 continue
             self.add("partial sums", "reduce-scatter", axes, "forward", _ring("reduce-scatter", g) * partial, mb)
             if ps.grad:

@@ -291,6 +291,11 @@ class PartialSums:
     ``split_over`` still split it. Forward: reduce-scattered onto its ``rows`` (the length
     of the dim it is scattered onto; 0: none) where the axes divide them (backward: its
     gradient all-gathered again, where it has one, ``grad``), else all-reduced.
+
+    ``sliced``: where an all-reduced output is sliced again over the axes it was summed
+    over (a graph's globals, repeated onto its edges, concatenated with the edges' rows),
+    the elements per token of each value sliced and the tensor axes still splitting it
+    there. Backward each one's gradient is all-reduced over the same axes.
     """
 
     name: str
@@ -300,6 +305,7 @@ class PartialSums:
     grad: bool = True
     split_over: tuple[str, ...] = ()
     rows_axis: str | None = None  # its inputs' rows scattered onto the batch over it: summed too
+    sliced: tuple[tuple[float, tuple[str, ...]], ...] = ()
 
     def scattered(self, axes: tuple[str, ...], grid: Grid) -> bool:
         """Whether ``grid``'s program reduce-scatters the sums over ``axes`` (``rules.scatter_add``)."""
@@ -310,6 +316,8 @@ class PartialSums:
         _check_axes(owner, "axes", *self.axes, optional=False, allowed=VALUE_SPLITS)
         _check_axes(owner, "split_over", *self.split_over, optional=False)
         _check_axes(owner, "rows_axis", self.rows_axis)
+        for _, split in self.sliced:
+            _check_axes(owner, "sliced", *split, optional=False)
 
 
 @dataclasses.dataclass(frozen=True)

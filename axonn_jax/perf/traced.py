@@ -157,6 +157,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
     norms = _NormStatistics(layouts, grid)
     ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
     whole_uses = _WholeUses(layouts, origin)
+    sliced_sums = _SlicedSums(layouts)
     attention_flops, attention_saved = 0.0, {}
     casts = param_like_producers(jaxpr, n_params)
     trained = _from_params(jaxpr, n_params)
@@ -209,6 +210,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
             continue
         if name_ not in ("dot_general", "conv_general_dilated") and name_ not in CONTROL_FLOW:
             step = _rule_step(eqn, layouts, ctx)
+            sliced_sums.follow(eqn, step)
             for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis, unit, relayouts):
                 whole_uses.gathered(eqn, operand, len(regathers), found[2])
                 regathers.append(found)
@@ -217,9 +219,10 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
             elif name_ == "gather" and eqn.invars[0] not in origin:
                 # rows of an activation looked up by indices every device holds (jnp.repeat of a
                 # graph's globals onto its edges): each device's rows, summed over their axes
-                partial_sums += [(op, size, axes, 0, False, others, rows_axis)
-                                 for op, size, axes, _, _, others, rows_axis in _partial_sums(eqn, step, trained,
-                                                                                              flow.axis)]  # fmt: skip
+                for op, size, axes, _, grad, others, rows_axis in _partial_sums(eqn, step, trained, flow.axis):
+                    if grad:
+                        sliced_sums.summed(eqn.outvars[0], len(partial_sums), (*axes, rows_axis))
+                    partial_sums.append((op, size, axes, 0, False, others, rows_axis))
         if name_ != "dot_general":
             continue
         lhs, rhs = eqn.invars
@@ -321,8 +324,9 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
                         for i, (op, size, axis, others, rows, grad, whole, of_rows)
                         in enumerate(regathers)),  # fmt: skip
         partial_sums=tuple(PartialSums(f"{op} output", size / tokens, axes, rows=rows, grad=grad, split_over=others,
-                                       rows_axis=rows_axis)
-                           for op, size, axes, rows, grad, others, rows_axis in partial_sums),  # fmt: skip
+                                       rows_axis=rows_axis,
+                                       sliced=tuple((n / tokens, split) for n, split in sliced_sums.sliced[i]))
+                           for i, (op, size, axes, rows, grad, others, rows_axis) in enumerate(partial_sums)),  # fmt: skip
         **_split_outputs(jaxpr, layouts, grid, tokens),
     )
     return spec, layouts
@@ -528,6 +532,40 @@ class _WholeUses:
 
     def _split(self, var, axis: str) -> bool:
         return not R.is_literal(var) and any(axis in axes for axes in self.layouts.get(var, ()))
+
+
+class _SlicedSums:
+    """Where each whole output of partial sums with a gradient (rows of an activation
+    gathered by indices every device holds, all-reduced over the axes splitting them) is
+    sliced again over those axes: read by an equation whose result they split (a graph's
+    globals, repeated onto its edges, concatenated with the edges' rows). The program
+    slices the whole value there, so backward it all-reduces the gradient of what it
+    sliced over the same axes. Followed equation by equation through the others, like
+    :class:`_WholeUses`; ``sliced[i]``: (elements, tensor axes still splitting them) of
+    each value sliced from partial sums ``i``.
+    """
+
+    def __init__(self, layouts):
+        self.layouts = layouts
+        self.whole: dict = {}  # variable -> (partial sums index, the axes it is whole over)
+        self.sliced: dict[int, list[tuple[int, tuple[str, ...]]]] = collections.defaultdict(list)
+
+    def summed(self, var, index: int, axes: tuple) -> None:
+        """``var`` is partial sums ``index``, all-reduced whole over ``axes`` (None: none)."""
+        self.whole[var] = (index, tuple(a for a in axes if a))
+
+    def follow(self, eqn, step: R.Step) -> None:
+        """``eqn``, with the partitioner's rule ``step`` for it."""
+        for operand, target in zip(eqn.invars, step.targets):
+            if R.is_literal(operand) or operand not in self.whole:
+                continue
+            index, axes = self.whole[operand]
+            if any(a in dim for v in eqn.outvars for dim in self.layouts.get(v, ()) for a in axes):
+                layout = target if target is not None else self.layouts.get(operand, ())
+                split = tuple(dict.fromkeys(a for dim in layout for a in dim if a in (X, Y) and a not in axes))
+                self.sliced[index].append((math.prod(R.shape_of(operand)), split))
+            else:
+                self.whole.update((v, (index, axes)) for v in eqn.outvars)
 
 
 class _ScatterFlow:
