@@ -74,7 +74,9 @@ def step_fingerprint(optimizer, abstract_params, options: Mapping[str, Any]) -> 
     state = jax.eval_shape(optimizer.init, abstract_params)
     closed = jax.make_jaxpr(optimizer.update)(abstract_params, state, abstract_params)
     text = str(closed.jaxpr)
-    constants = sorted({float(f"{float(c):.6g}") for c in _scalars(closed)})
+    # NaN (schedule-free's) compares unequal to everything: sorted by text, a set of the same
+    # constants always lists them in the same order
+    constants = sorted({f"{float(c):.6g}" for c in _scalars(closed)}, key=lambda c: (c == "nan", float(c)))
     summary = f"update {hashlib.sha256(text.encode()).hexdigest()[:12]} with constants {constants}"
     return {"optimizer": summary, "step": repr(sorted(options.items()))}
 

@@ -96,19 +96,31 @@ def _none(x) -> bool:
 def _check_update_needs_nothing_else(optimizer: optax.GradientTransformation, trace: Callable) -> None:
     """Refuse an optimizer whose ``update`` needs more than ``(updates, state, params)``:
     ``optax.contrib.reduce_on_plateau`` needs ``value=`` (the loss), which a train step does
-    not pass; it failed inside optax at ``step.init``. ``trace()`` traces the update as the
+    not pass; it failed inside optax at ``step.init``. Refuse one that needs another params
+    structure (``optax.lookahead``'s ``LookaheadParams``) too. ``trace()`` traces the update as the
     step calls it (:attr:`TrainStep.fingerprint`)."""
     try:
         trace()
+    except AttributeError as err:  # e.g. optax.lookahead reads params.fast
+        raise TypeError(
+            f"optimizer {describe(optimizer)} cannot take the model's parameters as they are ({err}): "
+            "pm.train_step hands optimizer.init and optimizer.update the model's params tree, and "
+            "this optimizer wants another structure (optax.lookahead: LookaheadParams of fast and "
+            "slow weights). Remedy: write the step with pm.value_and_grad (or pm.apply inside "
+            "jax.value_and_grad) and build the structure the optimizer takes yourself (the "
+            "README's jitted step), or use another optimizer."
+        ) from err
     except TypeError as err:
-        found = re.search(r"required keyword-only argument: '(\w+)'", str(err))
+        found = re.search(r"required keyword-only arguments?: (.*)", str(err))
         if found is None:
             raise
+        names = re.findall(r"'(\w+)'", found.group(1))
+        keywords, passed = ", ".join(f"{n}=" for n in names), ", ".join(f"{n}=..." for n in names)
         raise TypeError(
-            f"optimizer {describe(optimizer)} needs {found.group(1)}= in optimizer.update ({err}), "
+            f"optimizer {describe(optimizer)} needs {keywords} in optimizer.update ({err}), "
             "which pm.train_step does not pass (it calls update(grads, state, params)). Remedy: "
             "write the step with pm.value_and_grad and call optimizer.update(grads, state, params, "
-            f"{found.group(1)}=...) yourself (the README's jitted step), or use another optimizer."
+            f"{passed}) yourself (the README's jitted step), or use another optimizer."
         ) from err
 
 

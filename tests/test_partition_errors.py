@@ -521,3 +521,33 @@ def test_an_optimizer_whose_update_needs_the_loss_is_refused_with_the_remedy(dev
     with pytest.raises(TypeError, match=r"needs value= in optimizer\.update .*pm\.train_step does not pass .*"
                                         r"Remedy: write the step with pm\.value_and_grad"):
         pm.train_step(lambda out, batch: jnp.mean(out**2), optimizer)
+    # optax.lbfgs needs three ("missing 3 required keyword-only arguments: ..."): all named
+    with pytest.raises(TypeError, match=r"needs value=, grad=, value_fn= in optimizer\.update .*"
+                                        r"update\(grads, state, params, value=\.\.\., grad=\.\.\., value_fn=\.\.\.\)"):
+        pm.train_step(lambda out, batch: jnp.mean(out**2), optax.lbfgs())
+
+
+def test_an_optimizer_that_wants_another_params_structure_is_refused_with_the_remedy(devices):
+    """``optax.lookahead`` takes ``LookaheadParams`` (fast and slow weights); pm.train_step hands
+    the optimizer the model's params tree, and building the step failed with optax's
+    ``AttributeError: 'dict' object has no attribute 'fast'``."""
+    import optax
+
+    pm = axonn_jax.partition(Narrow(), Grid(x=2, y=2, z=2), X)
+    with pytest.raises(TypeError, match=r"cannot take the model's parameters as they are .*'fast'.*"
+                                        r"optax\.lookahead: LookaheadParams.*Remedy: write the step"):
+        pm.train_step(lambda out, batch: jnp.mean(out**2), optax.lookahead(optax.adam(1e-2), 2, 0.5))
+
+
+def test_the_optimizer_fingerprint_lists_nan_constants_in_one_order():
+    """schedule-free AdamW's update holds a NaN; sorted with the other constants, its place
+    depended on the set's order, so two steps built alike could differ and a restore warned
+    that the checkpoint was saved by another optimizer update."""
+    import optax
+
+    from axonn_jax.runtime.consistency import step_fingerprint
+
+    params = {"w": jax.ShapeDtypeStruct((4, 3), jnp.float32), "b": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    prints = {step_fingerprint(optax.contrib.schedule_free_adamw(1e-2, warmup_steps=2), params, {})["optimizer"]
+              for _ in range(8)}  # fmt: skip
+    assert len(prints) == 1 and "nan" in next(iter(prints)), prints
