@@ -78,7 +78,8 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     """Shardings of ``optimizer``'s state: parameter-like leaves follow their parameter.
 
     Everything else (step counters, …) takes ``replicated``, and so does state kept per
-    parameter in another shape (Adafactor's factored row and column statistics).
+    parameter in another shape (Adafactor's factored row and column statistics) or in
+    another structure (SM3's list of accumulators per parameter: all its state).
     ``params`` may be arrays or ShapeDtypeStructs; ``None`` leaves (other stages) stay
     ``None``, and so do the masked-out parameters of ``optax.masked`` /
     ``optax.multi_transform`` (``MaskedNode``).
@@ -96,10 +97,14 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
             return leaf
         return sharding if np.shape(leaf) == np.shape(param) else replicated
 
-    return optax.tree_map_params(
-        optimizer, follow, abstract, param_shardings, params,
-        transform_non_params=lambda _: replicated, is_leaf=is_state_hole,
-    )  # fmt: skip
+    try:
+        return optax.tree_map_params(
+            optimizer, follow, abstract, param_shardings, params,
+            transform_non_params=lambda _: replicated, is_leaf=is_state_hole,
+        )  # fmt: skip
+    except ValueError:  # state per parameter in another structure (SM3: a list of accumulators)
+        return jax.tree.map(lambda leaf: leaf if isinstance(leaf, optax.MaskedNode) else replicated,
+                            abstract, is_leaf=is_state_hole)  # fmt: skip
 
 
 def _check_streamable(optimizer, state) -> None:
@@ -133,9 +138,33 @@ def state_labels(optimizer: optax.GradientTransformation, state, params) -> list
         [-1, 0, 1, 0, 1]
     """
     index = jax.tree.unflatten(jax.tree.structure(params), list(range(len(jax.tree.leaves(params)))))
-    labels = optax.tree_map_params(optimizer, lambda leaf, i: leaf if isinstance(leaf, optax.MaskedNode) else i,
-                                   state, index, transform_non_params=lambda _: -1, is_leaf=is_state_hole)  # fmt: skip
+    try:
+        labels = optax.tree_map_params(optimizer, lambda leaf, i: leaf if isinstance(leaf, optax.MaskedNode) else i,
+                                       state, index, transform_non_params=lambda _: -1, is_leaf=is_state_hole)  # fmt: skip
+    except ValueError:  # state per parameter in another structure (SM3: a list of accumulators)
+        return _labels_by_path(state, params)
     return list(jax.tree.leaves(labels))
+
+
+def _labels_by_path(state, params) -> list[int]:
+    """:func:`state_labels` of state kept at each parameter's place in another structure than
+    the parameter (SM3: a list of per-dimension accumulators): a state leaf is labelled with
+    the parameter whose key path it holds (e.g. ``…mu['dense']['kernel'][1]`` →
+    ``dense/kernel``), -1 when it holds none.
+
+    Example:
+        >>> _labels_by_path({"mu": {"w": [jnp.zeros(2), jnp.zeros(3)]}, "count": 0}, {"w": jnp.zeros((2, 3))})
+        [-1, 0, 0]
+    """
+    keys = [tuple(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+    def label(path) -> int:
+        for i, key in enumerate(keys):
+            if any(path[k:k + len(key)] == key for k in range(len(path) - len(key) + 1)):
+                return i
+        return -1
+
+    return [label(tuple(path)) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def check_optimizer(optimizer) -> None:
@@ -163,37 +192,51 @@ def check_optimizer(optimizer) -> None:
     )
 
 
+#: optax wrappers that choose between updating and keeping their state with ``lax.cond``
+#: (their state type → their name)
+CONDITIONAL_STATES = {
+    optax.MultiStepsState: "optax.MultiSteps",
+    optax.ApplyIfFiniteState: "optax.apply_if_finite",
+    optax.ConditionallyTransformState: "optax.transforms.conditionally_transform",
+    optax.ConditionallyMaskState: "optax.transforms.conditionally_mask",
+}
+
+
 def check_offloadable(optimizer: optax.GradientTransformation) -> None:
     """Refuse, before anything compiles, an optimizer whose state cannot live in host memory.
 
-    ``optax.MultiSteps`` (alone or inside a chain) chooses between "accumulate" and
-    "update" with ``lax.cond``; with the state in host memory the two branches return
-    arrays in different memory spaces and XLA cannot compile the update, on the host or
-    streamed through the device. The train step's own ``microbatches=k`` accumulates the
-    mean gradient of k slices of the batch and updates once: the update of
-    ``MultiSteps(optimizer, k)`` fed those k slices one call at a time.
+    ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``optax.transforms.conditionally_*``
+    (alone or inside a chain) choose between updating and keeping their state with
+    ``lax.cond``; with the state in host memory the two branches return arrays in
+    different memory spaces and XLA cannot compile the update, on the host or streamed
+    through the device. For MultiSteps, the train step's own ``microbatches=k``
+    accumulates the mean gradient of k slices of the batch and updates once: the update
+    of ``MultiSteps(optimizer, k)`` fed those k slices one call at a time.
 
         >>> check_offloadable(optax.MultiSteps(optax.adam(1e-3), 4))  # doctest: +SKIP
         ValueError: offload=True cannot keep the state of optax.MultiSteps ... Remedy: ...
     """
-    found = isinstance(optimizer, optax.MultiSteps)
+    try:  # the state says which wrappers it holds (abstract, nothing allocated)
+        state = jax.eval_shape(optimizer.init, {"p": jax.ShapeDtypeStruct((1,), jnp.float32)})
+    except Exception:  # noqa: BLE001 - an init that needs the real params: nothing to say
+        return
+    is_conditional = lambda x: type(x) in CONDITIONAL_STATES  # noqa: E731
+    found = [CONDITIONAL_STATES[type(x)] for x in jax.tree.leaves(state, is_leaf=is_conditional) if is_conditional(x)]
     if not found:
-        try:  # a chain holding MultiSteps: its state says so (abstract, nothing allocated)
-            state = jax.eval_shape(optimizer.init, {"p": jax.ShapeDtypeStruct((1,), jnp.float32)})
-        except Exception:  # noqa: BLE001 - an init that needs the real params: nothing to say
-            return
-        is_multi = lambda x: isinstance(x, optax.MultiStepsState)  # noqa: E731
-        found = any(is_multi(x) for x in jax.tree.leaves(state, is_leaf=is_multi))
-    if found:
+        return
+    why = (f"offload=True cannot keep the state of {found[0]} in host memory: its lax.cond between "
+           "updating and keeping the state returns arrays in different memory spaces, which XLA "
+           "cannot compile (update_on='host' or 'device' alike). Remedy: ")  # fmt: skip
+    if found[0] == "optax.MultiSteps":
         raise ValueError(
-            "offload=True cannot keep the state of optax.MultiSteps in host memory: its "
-            "lax.cond between accumulating and updating returns arrays in different memory "
-            "spaces, which XLA cannot compile (update_on='host' or 'device' alike). Remedy: "
-            "accumulate gradients in the step itself - pm.train_step(loss_fn, inner_optimizer, "
+            why + "accumulate gradients in the step itself - pm.train_step(loss_fn, inner_optimizer, "
             "offload=True, microbatches=k) on batches k times larger gives the update of "
             "MultiSteps(inner_optimizer, every_k_schedule=k) fed the k slices - or keep "
             "MultiSteps with offload=False."
         )
+    skip = ("precision='fp16' skips a step with a non-finite gradient by itself (on every stage and "
+            "process), or " if found[0] == "optax.apply_if_finite" else "")  # fmt: skip
+    raise ValueError(why + skip + f"keep {found[0]} with offload=False.")
 
 
 class MasterState(NamedTuple):
@@ -515,7 +558,8 @@ def coupling(optimizer: optax.GradientTransformation, params) -> str:
     out_labels = own + labels
     if len(closed.jaxpr.invars) != len(in_labels) or len(closed.jaxpr.outvars) != len(out_labels):
         return "its state could not be matched to the parameters"
-    found = dependencies(closed.jaxpr, [frozenset() if lab < 0 else frozenset({lab}) for lab in in_labels])
+    found = dependencies(closed.jaxpr, [frozenset() if lab < 0 else frozenset({lab}) for lab in in_labels],
+                         branches=True)  # fmt: skip
     depends = [frozenset() if isinstance(v, Literal) else found.get(v, frozenset()) for v in closed.jaxpr.outvars]
     paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     for label, deps in zip(out_labels, depends):

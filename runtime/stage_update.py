@@ -48,6 +48,8 @@ from axonn_jax.runtime.master_optimizer import MasterOptimizer, MasterState, sta
 #: The most elements of one value exchanged between stages (reductions such as a
 #: per-stage sum of squares are scalars; whole parameters are refused).
 MAX_EXCHANGED_ELEMENTS = 256
+#: names of the primitives that split keys and draw bits (``random_split``, ``threefry2x32``)
+RANDOM = ("random_", "threefry")
 
 
 @dataclasses.dataclass
@@ -105,6 +107,14 @@ class _Tracer:
             env.update((v, o) for v, o in zip(eqn.outvars, outs))
         return [read(v) for v in jaxpr.outvars]
 
+    def draws_random_bits(self) -> bool:
+        """Whether the update draws random numbers from state every stage shares
+        (``optax.noisy_sgd`` splits its key into one per leaf of the whole tree): run per
+        stage, each stage would split it by its own leaves, and two stages' leaves would
+        get the same noise; run from this trace, each gets its own."""
+        return any(op.owner is None and op.primitive is not None and op.primitive.name.startswith(RANDOM)
+                   for op in self.ops)  # fmt: skip
+
     def _spans_stages(self, ins) -> bool:
         return len({self.owner[a] for a in ins} - {None}) > 1
 
@@ -155,6 +165,31 @@ class _Tracer:
                 "stages only through small values (e.g. optax.clip_by_global_norm), "
                 "optax.multi_transform so that this one runs within a stage, or a grid with pipeline=1."
             )
+
+
+def init_mixing(placed, optimizer, abstract_params, trainable: Sequence[int]) -> str | None:
+    """Where ``optimizer.init`` combines parameters of several pipeline stages (``None``: it
+    does not, and each stage can initialise its own state). ``optax.contrib.dog``'s default
+    first step reads the norm of every parameter; per stage, each would read only its own.
+
+    Example:
+        >>> init_mixing(placed, optax.adam(1e-3), abstract, trainable)  # doctest: +SKIP
+        None
+    """
+    paths = [placed.plan.params[i].path for i in trainable]
+    owner_of = [placed.homes.users[i][0] if placed.homes.users[i] else 0 for i in trainable]
+    closed = jax.make_jaxpr(optimizer.init)(abstract_params)
+    tracer = _Tracer(describe(optimizer), paths)
+    in_ids = [tracer.new(owner_of[k], frozenset({k}), 0, v.aval.shape) for k, v in enumerate(closed.jaxpr.invars)]
+    try:
+        tracer.flatten(closed.jaxpr, closed.consts, in_ids)
+    except ValueError as err:  # whole parameters would move between stages
+        return str(err)
+    if not tracer.published:
+        return None
+    a = min(tracer.published)
+    leaf = paths[min(tracer.deps[a])] if tracer.deps[a] else "?"
+    return f"a value of shape {list(tracer.shape[a])} from '{leaf}' (stage {tracer.owner[a]}) meets other stages'"
 
 
 def _where(eqn) -> str:
@@ -248,7 +283,7 @@ class StageUpdate:
                     f"{tracer.owner[o]}; per-stage updates would be wrong and an exact one would move "
                     "whole parameters between stages. Remedy: a leaf-wise transformation, or pipeline=1."
                 )
-        if not tracer.published:
+        if not tracer.published and not tracer.draws_random_bits():
             return None
         groups = placed.homes.groups()
         held = {s: {k for k, i in enumerate(trainable) if i in set(groups[s])} for s in masters}

@@ -45,7 +45,7 @@ from axonn_jax.runtime.master_optimizer import (MasterOptimizer, MasterState, ch
 from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
-from axonn_jax.runtime.stage_update import StageUpdate, describe
+from axonn_jax.runtime.stage_update import StageUpdate, describe, init_mixing
 
 if TYPE_CHECKING:
     from axonn_jax.runtime.engine import Engine
@@ -279,8 +279,18 @@ class TrainStep(abc.ABC):
         if stage not in self._programs:
             shardings = jax.tree.leaves(self.placed.param_shardings, is_leaf=_none)
             optimizer = self.settings.wrap(self.optimizer, self._stage_tree(shardings, stage))
-            # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
-            out = (optimizer.param_shardings, optimizer.state_shardings(self._stage_tree(self._abstract, stage)))
+            try:  # fixed output layouts: the outputs of step k are exactly the inputs of step k+1
+                out = (optimizer.param_shardings, optimizer.state_shardings(self._stage_tree(self._abstract, stage)))
+            except (AttributeError, TypeError) as err:
+                if len(self._groups()) == 1:
+                    raise
+                raise ValueError(
+                    f"optimizer {describe(self.optimizer)} cannot initialise the state of pipeline "
+                    f"stage {stage} of {self.placed.grid}: its init reads every leaf of the params tree "
+                    f"({err}), and a stage's tree holds None where other stages' parameters are. "
+                    "Remedy: an optimizer whose init maps over the parameters with jax.tree.map (None "
+                    "is then skipped, as in optax's own), or pipeline=1."
+                ) from err
             self._programs[stage] = UpdateProgram(optimizer, self._compile(optimizer, out), out[1])
         return self._programs[stage]
 
@@ -469,12 +479,22 @@ class PipelinedStep(TrainStep):
         """The rounds of an update that mixes stages (``None``: per-stage updates are exact)."""
         optimizers = {s: self._program(s).optimizer for s in self._groups()}
         trainable = [i for i, p in enumerate(self.plan.params) if p.trainable]
+        mixing = init_mixing(self.placed, self.optimizer, self._abstract_params, trainable)
+        if mixing is not None:
+            raise ValueError(
+                f"optimizer {describe(self.optimizer)}: its init combines parameters of several "
+                f"pipeline stages ({mixing}; e.g. optax.contrib.dog's first step, a norm of every "
+                f"parameter), and each stage of {self.placed.grid} initialises its own state, so it "
+                "would differ from the plain optimizer's. Remedy: an init that reads each parameter "
+                "alone (optax.contrib.dog(..., init_step=('learning_rate', ...))), or pipeline=1."
+            )
         update = StageUpdate.of(self.placed, optimizers, self._abstract_params, trainable)
         if update is not None and self.settings.offload:
             raise ValueError(
                 f"optimizer {describe(self.optimizer)} combines parameters of several pipeline "
-                f"stages (e.g. a global norm), which offload=True cannot do exactly on "
-                f"{self.placed.grid}. Remedy: offload=False, a leaf-wise optimizer, or pipeline=1."
+                f"stages (e.g. a global norm, or random numbers drawn for the whole model at once), "
+                f"which offload=True cannot do exactly on {self.placed.grid}. Remedy: offload=False, "
+                "a leaf-wise optimizer, or pipeline=1."
             )
         return update
 

@@ -20,6 +20,7 @@ batch every step, fp32 master weights in every run. Bounds:
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -224,6 +225,19 @@ def test_streaming_refuses_coupled_optimizer():
     params, state = opt.init(initial)
     with pytest.raises(ValueError, match="couples parameters.*update_on='host'"):
         jax.eval_shape(lambda g, s, p: opt.update(g, s, p), params, state, params)
+
+
+def test_a_cond_over_every_leaf_is_not_coupling():
+    """optax.novograd initialises its moments with ``lax.cond(count == 0, ...)`` over the whole
+    tree: each leaf's update still reads only its own leaves, so it streams (it was refused as
+    "the update of dense_0/bias depends on dense_0/kernel"), as plain optax. A cond whose
+    choice reads every gradient (optax.apply_if_finite) does couple them."""
+    _, _, initial = _partitioned((("data", 2), ("x", 2), ("z", 2)))
+    assert coupling(optax.novograd(LR), initial) == ""
+    assert "depends on" in coupling(optax.apply_if_finite(optax.adam(LR), 3), initial)
+    losses, *_ = _train(dict(x=2, z=2, data=2), 4, optimizer=optax.novograd(LR), offload=True, update_on="device",
+                        bucket_bytes=4096)  # fmt: skip
+    np.testing.assert_allclose(losses, _reference(4, optax.novograd(LR)), rtol=1e-5)
 
 
 def test_buckets_respect_size_and_cover_every_parameter():
@@ -446,6 +460,25 @@ def test_a_pipeline_stage_streams_its_update_through_its_devices():
     for streamed in (("device", False), ("device", True)):
         assert runs[streamed][0] == runs["host", False][0]
         jax.tree.map(np.testing.assert_array_equal, runs[streamed][1], runs["host", False][1])
+
+
+@pytest.mark.parametrize("update_on", ["host", "device"])
+def test_other_conditional_wrappers_with_offload_are_refused_at_construction(update_on):
+    """optax.apply_if_finite and optax.transforms.conditionally_transform / _mask keep or update
+    their state with lax.cond, as MultiSteps does: offloaded, the first step failed with
+    "cond branches must have equal output types" (update_on='host'), or update_on='device'
+    called them coupled. Refused when the step is built, naming the wrapper."""
+    _, pm, _ = _partitioned((("data", 2), ("x", 2), ("z", 2)))
+    loss_fn = lambda logits, t: next_token_loss(logits, t)  # noqa: E731
+    for name, optimizer, remedy in [
+        ("optax.apply_if_finite", optax.apply_if_finite(optax.adam(LR), 3), "precision='fp16' skips a step"),
+        ("optax.transforms.conditionally_mask",
+         optax.chain(optax.transforms.conditionally_mask(optax.adam(LR), lambda step: step % 2 == 0)),
+         "keep optax.transforms.conditionally_mask with offload=False"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=rf"cannot keep the state of {re.escape(name)} in host memory.*"
+                                             rf"Remedy: {re.escape(remedy)}"):  # fmt: skip
+            pm.train_step(loss_fn, optimizer, offload=True, update_on=update_on)
 
 
 @pytest.mark.parametrize("update_on", ["host", "device"])

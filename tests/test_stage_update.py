@@ -17,10 +17,32 @@ from axonn_jax.runtime.stage_update import MAX_EXCHANGED_ELEMENTS
 GRID = axonn_jax.Grid.parse("pipeline=2,x=2,z=2")
 
 
-@pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged"])
+@pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged", "noisy_sgd", "sm3"])
 def test_cross_stage_optimizer_equals_plain_optax(name, devices):
+    """``noisy_sgd`` ran per stage, each stage splitting the key by its own leaves: the second
+    stage's leaves got the first stage's noise; it now runs from the whole-model trace.
+    ``sm3`` failed to build (its state per parameter is a list: no mirror of the params)."""
     failures = run(GRID, name)
     assert not failures, "\n".join(failures)
+
+
+def test_an_init_that_reads_several_stages_is_refused(gpt_two_stages):
+    """``optax.contrib.dog``'s default first step is a norm of every parameter; each stage
+    initialised its state from its own (silently another first step than plain optax's)."""
+    case, pm, params = gpt_two_stages
+    with pytest.raises(ValueError, match=r"its init combines parameters of several pipeline stages.*"
+                                         r"Remedy: an init that reads each parameter alone"):
+        pm.train_step(case.loss, optax.contrib.dog(), inputs=case.inputs).init(params)
+    step = pm.train_step(case.loss, optax.contrib.dog(init_step=("learning_rate", 1e-3)), inputs=case.inputs)
+    step.init(params)  # the remedy: an init of each parameter alone
+
+
+def test_an_init_that_cannot_take_a_stage_s_holes_is_refused(gpt_two_stages):
+    """``optax.contrib.galore``'s init reads every leaf, the ``None`` of other stages included
+    (optax's own map over them); it failed with ``'NoneType' object has no attribute 'dtype'``."""
+    case, pm, params = gpt_two_stages
+    with pytest.raises(ValueError, match=r"cannot initialise the state of pipeline stage 0 .*holds None"):
+        pm.train_step(case.loss, optax.contrib.galore(1e-2), inputs=case.inputs).init(params)
 
 
 @pytest.fixture(scope="module")
