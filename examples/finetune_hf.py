@@ -30,7 +30,6 @@ The steps, each one call of ``axonn_jax``:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -78,17 +77,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def configure_devices(grid: str) -> None:
-    """Simulated CPU devices for the grid, set before JAX starts (no effect on GPUs)."""
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    from axonn_jax.partitioner.grid import Grid
-    from axonn_jax.runtime.launch import mpi_world_size
-
-    count = max(1, Grid.parse(grid).size // mpi_world_size())
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
-
-
 def write_small_gpt2(directory: Path, vocab: int, seq: int) -> None:
     """A randomly initialised 2-block GPT-2 saved with ``save_pretrained`` (process 0 writes)."""
     import transformers
@@ -108,9 +96,11 @@ def model_inputs(window):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configure_devices(args.grid)
+    from axonn_jax.partitioner.grid import Grid
+    from axonn_jax.runtime.launch import simulate_cpu_devices
 
-    import jax
+    simulate_cpu_devices(Grid.parse(args.grid))  # before JAX starts; no effect on GPUs
+
     import numpy as np
     import optax
     import transformers

@@ -29,7 +29,6 @@ pipeline, ``timeline.png`` + ``trace.json`` (Perfetto) of the last step under
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -140,15 +139,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def configure_devices(args) -> None:
     """Simulated CPU devices, set before JAX starts (no effect on GPUs)."""
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
     from axonn_jax.partitioner.grid import Grid
-    from axonn_jax.runtime.launch import mpi_world_size
+    from axonn_jax.runtime.launch import simulate_cpu_devices
 
-    count = args.devices_per_process or max(1, Grid.parse(args.grid).size // mpi_world_size())
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-    )
+    simulate_cpu_devices(Grid.parse(args.grid), args.devices_per_process)
 
 
 def main(argv=None) -> int:

@@ -27,7 +27,6 @@ What the example shows:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -122,20 +121,12 @@ def make_resnet(classes: int, widths: tuple[int, ...], dropout: float, seed: int
     return ResNet(nnx.Rngs(seed, dropout=seed + 1))
 
 
-def configure_devices(grid: str) -> None:
-    """Simulated CPU devices for the grid, set before JAX starts (no effect on GPUs)."""
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    from axonn_jax.partitioner.grid import Grid
-    from axonn_jax.runtime.launch import mpi_world_size
-
-    count = max(1, Grid.parse(grid).size // mpi_world_size())
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configure_devices(args.grid)
+    from axonn_jax.partitioner.grid import Grid
+    from axonn_jax.runtime.launch import simulate_cpu_devices
+
+    simulate_cpu_devices(Grid.parse(args.grid))  # before JAX starts; no effect on GPUs
 
     import jax
     import numpy as np

@@ -94,6 +94,22 @@ def mpi_world_size() -> int:
     return 1
 
 
+def simulate_cpu_devices(grid: Grid, per_process: int | None = None) -> None:
+    """Ask XLA for the CPU devices ``grid`` needs in this process: ``per_process``, or the
+    grid's size over the MPI ranks. Call it before JAX's backends start; it does nothing
+    when ``XLA_FLAGS`` already sets a count, and nothing for GPUs (each process has its own).
+
+    Example (the examples' first line, so that they run as they are on a laptop)::
+
+        simulate_cpu_devices(Grid.parse("pipeline=2,x=2,z=2"))   # 8 CPU devices, 4 under mpiexec -n 2
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        return
+    count = per_process or max(1, grid.size // mpi_world_size())
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
 def init(
     *,
     grid: Grid | None = None,
