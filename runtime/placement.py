@@ -200,9 +200,11 @@ class PlacedModel:
             if leaf is None:
                 hole_allowed = (state_holes and not p.trainable) or (unread_holes and not self.homes.users[i])
                 if self.homes.home[i] is not None and not hole_allowed:
+                    where = ("runs a stage that uses it" if self.homes.users[i] else
+                             "keeps it (no stage reads it; such a leaf is kept with stage 0)")  # fmt: skip
                     raise ValueError(
-                        f"parameter '{p.path}' is None but this process runs a stage that uses "
-                        f"it (grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard; "
+                        f"parameter '{p.path}' is None but this process {where} "
+                        f"(grid {self.grid}). Remedy: pass the pytree from pm.init / pm.shard; "
                         "for variables laid out by another plan of this model (its training "
                         "program, where this one evaluates), partition this one with "
                         "stages=that_pm.plan.stage_cuts, so that its stages hold the same parameters."

@@ -506,6 +506,9 @@ def test_an_nnx_evaluation_program_runs_on_a_pipeline_s_training_variables(devic
     nnx.replace_by_pure_dict(params, pm.gather(variables)["params"])
     plain = nnx.merge(graphdef, params, rest)  # evaluation mode: running averages, no dropout
     np.testing.assert_allclose(np.asarray(out), np.asarray(plain(x)), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"'state/drop/rngs/count' is None but this process keeps it \(no stage "
+                                         r"reads it"):  # outside a forward pass: refused, truthfully
+        evaluate.gather(holes)
     with pytest.raises(ValueError, match=r"'params/out/kernel' is None .* stages=that_pm.plan.stage_cuts"):
         evaluate.apply({**variables, "params": {**variables["params"], "out": {**variables["params"]["out"],
                                                                                  "kernel": None}}}, x)  # fmt: skip
