@@ -222,12 +222,13 @@ def plan_stages(
     flops = np.array([equation_flops(e) for e in eqns], dtype=np.float64)
     seconds = np.array([costs.equation_seconds(e, devices) for e in eqns], dtype=np.float64)
     users = _param_consumers(jaxpr, n_params)
+    holders = _returned_by_last_stage(traced, jaxpr, users)  # which stages hold each parameter
     points = cut_points(jaxpr, n_params, flops, seconds, traced.state_outputs)
     if num_stages == 1 and not boundaries:
-        return StagePlan(_stages(traced, flops, seconds, users, [], costs, devices), costs)
+        return StagePlan(_stages(traced, flops, seconds, holders, [], costs, devices), costs)
     if boundaries is not None:
         cuts = _explicit_cuts(traced, users, points, boundaries, num_stages, where)
-        return StagePlan(_stages(traced, flops, seconds, users, cuts, costs, devices), costs, tuple(boundaries))
+        return StagePlan(_stages(traced, flops, seconds, holders, cuts, costs, devices), costs, tuple(boundaries))
     if len(points) < num_stages - 1:
         raise ValueError(
             f"{where + ': ' if where else ''}the model has {len(points)} layer boundaries "
@@ -237,7 +238,7 @@ def plan_stages(
         )
     cuts = choose_cuts(points, float(seconds.sum()), num_stages, costs, devices,
                        total_flops=float(flops.sum()))  # fmt: skip
-    stages = _stages(traced, flops, seconds, users, cuts, costs, devices)
+    stages = _stages(traced, flops, seconds, holders, cuts, costs, devices)
     by_flops = choose_cuts([dataclasses.replace(p, seconds_before=p.flops_before) for p in points],
                            float(flops.sum()), num_stages,
                            dataclasses.replace(costs, link_gbps=math.inf, latency_us=0.0))  # fmt: skip
@@ -325,6 +326,18 @@ def _explicit_cuts(traced, users, points: list[CutPoint], boundaries, num_stages
             )
         cuts.append(cut)
     return cuts
+
+
+def _returned_by_last_stage(traced, jaxpr, users: dict[int, list[int]]) -> dict[int, list[int]]:
+    """``users`` with the parameters the model returns as outputs (a learnable temperature
+    beside the logits) used by its last equation too: the last stage produces the outputs,
+    so it holds them. Model state returned as it is (its new value) is not an output here."""
+    state = {k for k, _ in traced.state_outputs}
+    origin = param_origins(jaxpr, traced.num_params)
+    last = len(jaxpr.eqns) - 1
+    returned = {origin[v] for k, v in enumerate(jaxpr.outvars)
+                if k not in state and not R.is_literal(v) and v in origin}  # fmt: skip
+    return {i: ks + [last] if i in returned and last >= 0 and last not in ks else ks for i, ks in users.items()}
 
 
 def _stages(traced, flops, seconds, users, cuts: list[CutPoint], costs: StageCosts,

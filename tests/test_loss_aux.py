@@ -236,8 +236,11 @@ def test_a_loss_refused_on_the_last_stage_raises_on_every_process():
     result = run_mpi(2, "refused_loss.py", timeout=360)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     refused = dict(((r, case), msg) for r, case, msg in re.findall(r"REFUSED rank (\d) (\S+): ([^\n]+)", result.stdout))
-    assert set(refused) == {(r, c) for r in "01" for c in ("scalar-with-has_aux", "int-aux")}, result.stdout
+    assert set(refused) == {(r, c) for r in "01" for c in ("scalar-with-has_aux", "int-aux", "missing-leaf")}, \
+        result.stdout  # fmt: skip
     assert "failed on process 1 (TypeError)" in refused[("0", "int-aux")]
+    assert "failed on process 1 (ValueError)" in refused[("0", "missing-leaf")]
+    assert "'dense_3/kernel' is None but this process runs a stage" in refused[("1", "missing-leaf")]
     assert "has_aux=True it must return a pair" in refused[("0", "scalar-with-has_aux")]
     trained = re.findall(r"TRAINED rank (\d) ([^\n]+)", result.stdout)
     assert sorted(r for r, _ in trained) == ["0", "1"] and trained[0][1] == trained[1][1], result.stdout

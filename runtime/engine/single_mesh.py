@@ -131,9 +131,19 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: ScalarLoss, inpu
             total = grads if total is None else jax.tree.map(jax.numpy.add, total, grads)
         loss = losses[0] if microbatches == 1 else sum(losses[1:], losses[0]) / microbatches
         grads = total if microbatches == 1 else jax.tree.map(lambda g: g / microbatches, total)
+        grads = jax.tree.map(_on_layout_of, grads, params)
         value = loss_fn.value(loss, mean_aux(auxes))
         if not call.stateful:
             return value, grads
         return (value, mean_updates(updates)), grads
 
     return value_and_grad
+
+
+def _on_layout_of(grad, param):
+    """``grad`` on ``param``'s layout. Run eagerly, the gradient of a parameter the loss never
+    reads is JAX's zeros on one device (``pm.gather`` of it failed); traced, XLA lays it out."""
+    sharding = getattr(param, "sharding", None)
+    if isinstance(grad, jax.core.Tracer) or sharding is None or getattr(grad, "sharding", None) == sharding:
+        return grad
+    return jax.device_put(grad, sharding)

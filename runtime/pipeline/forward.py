@@ -29,7 +29,7 @@ from axonn_jax.partitioner.program import Program
 from axonn_jax.runtime.microbatches import call_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
-from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages
+from axonn_jax.runtime.pipeline.setup import StagePrograms, compile_stages, stage_inputs
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.placement import PlacedModel
@@ -43,10 +43,10 @@ def pipelined_forward(stages: StagePrograms, placed: PlacedModel, params, args: 
     microbatch = call_slices(args, kwargs, m, placed.grid)
     program, programs = stages.forward(*microbatch(0))
     ModelCall.of(program.traced).check_microbatches(m)  # nnx RNG state: one key per call
-    param_leaves = placed.param_leaves(params, unread_holes=True)  # e.g. a dropout counter, in evaluation
-    inputs = StageInputs(programs, placed, param_leaves, microbatch)
+    param_leaves, inputs, error = stage_inputs(  # a leaf no stage reads may be None: e.g. a dropout counter
+        programs, placed, lambda: placed.param_leaves(params, unread_holes=True), microbatch)
     compile_stages(programs, placed, lambda st: st.forward_compiled,
-                   lambda s: programs[s].compile_forward_only(inputs.params[s], inputs.args(s, 0)))
+                   lambda s: programs[s].compile_forward_only(inputs.params[s], inputs.args(s, 0)), error)
     queue = DispatchQueue(programs, placed.homes.local, placed.transport, timeout=timeout)
     result = queue.run_forward(inputs.params, inputs.args, m)
     full = _outputs(placed, programs[-1], result.outputs, program)

@@ -7,8 +7,11 @@
 * :class:`StageInputs`: one call's parameters on each local stage's mesh (in
   the dtype the programs were built for) and each microbatch's arguments,
   placed where the stage reads them.
+* :func:`stage_inputs`: the parameter leaves and :class:`StageInputs`, or the error
+  building them raised on this process.
 * :func:`compile_stages`: compile the local stages ahead of the first run,
-  then wait for every process (a peer still compiling must not look dead).
+  then wait for every process (a peer still compiling must not look dead); an
+  error of one process raises on all.
 
 Example:
     >>> program, stages = stage_programs.training(args, kwargs, loss_fn, remat=None, call=call)  # doctest: +SKIP
@@ -133,17 +136,32 @@ class StageInputs:
         return [place(arg_leaves[j], st.sharding(st.executor.arg_layouts[j])) for j in st.flow.args]
 
 
+def stage_inputs(stages: Sequence[StageProgram], placed: PlacedModel, leaves_of: Callable[[], list],
+                 calls: Callable) -> tuple[list | None, StageInputs | None, BaseException | None]:  # fmt: skip
+    """``(parameter leaves, StageInputs, None)``, or ``(None, None, error)`` when building them
+    failed on this process (a leaf its stage reads is missing): hand the error to
+    :func:`compile_stages`, which raises it on every process instead of here alone."""
+    try:
+        leaves = leaves_of()
+        return leaves, StageInputs(stages, placed, leaves, calls), None
+    except Exception as err:  # noqa: BLE001 - raised again by compile_stages
+        return None, None, err
+
+
 def compile_stages(stages: Sequence[StageProgram], placed: PlacedModel, compiled: Callable[[StageProgram], bool],
-                   compile_one: Callable[[int], None]) -> None:  # fmt: skip
+                   compile_one: Callable[[int], None], error: BaseException | None = None) -> None:  # fmt: skip
     """Compile this process's stages unless ``compiled`` says they are, then wait for every
     process (a peer still compiling must not look like a dead peer); a stage that fails to
-    trace or compile (a refused loss) raises on every process."""
+    trace or compile (a refused loss), or ``error`` (this process could not prepare its
+    stages' inputs), raises on every process. Once compiled, ``error`` is raised here (the
+    others' stages then time out waiting for this one)."""
     local = placed.homes.local
     if all(compiled(stages[s]) for s in local):
+        if error is not None:
+            raise error
         return
-    error = None
     try:
-        for s in local:
+        for s in local if error is None else ():
             compile_one(s)
     except Exception as err:  # noqa: BLE001 - raised again by raise_together, on every process
         error = err

@@ -39,7 +39,7 @@ from axonn_jax.runtime.pipeline import timeline
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.layer_rows import owned_rows, whole_gradient
 from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
-from axonn_jax.runtime.pipeline.setup import StageInputs, StagePrograms, compile_stages
+from axonn_jax.runtime.pipeline.setup import StagePrograms, compile_stages, stage_inputs
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
 from axonn_jax.runtime.pipeline.state_updates import deliver_updates
 from axonn_jax.runtime.pipeline.tasks import TrainingRun
@@ -127,8 +127,7 @@ class PipelinedValueAndGrad:
             return self.call.of_inputs(self.inputs(microbatch(mb)), rngs, mb, m)
 
         programs, call, planned = self._stages(model_call, loss_microbatch, scaled=loss_scale is not None)
-        leaves = placed.param_leaves(params)
-        inputs = StageInputs(programs, placed, leaves, call)
+        leaves, inputs, error = stage_inputs(programs, placed, lambda: placed.param_leaves(params), call)
         last_mesh, last = programs[-1].mesh, len(programs) - 1
 
         def loss_batch(mb):  # planned: the batch is an argument of the last stage's program
@@ -138,7 +137,8 @@ class PipelinedValueAndGrad:
         split = splits_weights(opts.schedule)
         compile_stages(programs, placed, lambda st: st.split_compiled if split else st.compiled,
                        lambda s: programs[s].compile(inputs.params[s], inputs.args(s, 0),
-                                                     loss_batch(0) if s == last else None, split=split))  # fmt: skip
+                                                     loss_batch(0) if s == last else None, split=split),
+                       error)  # fmt: skip
         queue = DispatchQueue(programs, placed.homes.local, placed.transport, schedule=opts.schedule,
                               limit=opts.limit, timeout=opts.timeout, delay=opts.delay,
                               asynchronous=opts.asynchronous)  # fmt: skip

@@ -3,6 +3,7 @@
 Usage: mpiexec -n 2 python refused_loss.py (1 device per process, pipeline=2: the last
 stage on rank 1). Each refusal is caught, as a script or test that retries would; the other
 rank used to wait forever for rank 1 (in the compile barrier, or the loss's broadcast).
+A parameter its stage reads, missing on one process, is refused on every process too.
 Prints "REFUSED rank R <case>: <message>" per case, then "TRAINED rank R <loss>" from a
 step that runs after them.
 """
@@ -42,6 +43,16 @@ for name, (loss_fn, m) in cases.items():
         print(f"REFUSED rank {info.process_index} {name}: {str(err).splitlines()[0]}", flush=True)
     else:
         print(f"NOT REFUSED rank {info.process_index} {name}", flush=True)
+# a leaf the last stage reads is missing on its process (rank 1): refused there while the
+# stage inputs are built, and on rank 0 too (it used to wait forever in the compile barrier)
+holes = {**params, "dense_3": {**params["dense_3"], "kernel": None}} if info.process_index == 1 else params
+step = pm.value_and_grad(lambda out, b: mse(out, b), inputs=lambda b: (b[0],), timeout=60)
+try:
+    step(holes, (x, y))
+except ValueError as err:
+    print(f"REFUSED rank {info.process_index} missing-leaf: {str(err).splitlines()[0]}", flush=True)
+else:
+    print(f"NOT REFUSED rank {info.process_index} missing-leaf", flush=True)
 step = pm.value_and_grad(lambda out, b: (mse(out, b), {"mse": mse(out, b)}), inputs=lambda b: (b[0],),
                          microbatches=2, has_aux=True)  # fmt: skip
 (loss, aux), _ = step(params, (x, y))

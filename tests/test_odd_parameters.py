@@ -1,0 +1,66 @@
+"""Parameters a model never reads, or returns as they are (a learnable temperature), on one
+mesh and on a pipeline: held where they are needed, and their gradients the plain model's.
+
+Both are common in reinforcement learning (SAC's ``log_alpha`` returned beside the actions;
+a target network's parameters created but used by another method).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import axonn_jax
+
+X = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+
+
+class WithTemperature(nn.Module):
+    """Four Dense layers, a parameter never read, and ``log_alpha`` returned as it is."""
+
+    @nn.compact
+    def __call__(self, x):
+        self.param("unused", nn.initializers.normal(1.0), (8, 8))
+        for width in (32, 32, 32):
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(4)(x), self.param("log_alpha", nn.initializers.constant(0.3), ())
+
+
+def loss_fn(out, batch):
+    actions, log_alpha = out
+    return jnp.mean(actions**2) * jnp.exp(log_alpha) - log_alpha
+
+
+def _plain(params):
+    return jax.value_and_grad(lambda p: loss_fn(WithTemperature().apply({"params": p}, X), X))(params)
+
+
+def _check(pm, params):
+    loss, grads = pm.value_and_grad(loss_fn, inputs=lambda b: (b,))(pm.shard(params), X)
+    want_loss, want = _plain(params)
+    np.testing.assert_allclose(float(loss), float(want_loss), rtol=1e-6)
+    got = pm.gather(grads)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=str(path))
+    return grads
+
+
+def test_an_unused_parameter_s_gradient_is_zero_in_its_layout(devices):
+    """Eager ``pm.value_and_grad`` gave the never-read parameter JAX's zeros on one device, and
+    ``pm.gather(grads)`` failed ('SingleDeviceSharding' object has no attribute 'mesh')."""
+    params = WithTemperature().init(jax.random.key(0), X)["params"]
+    pm = axonn_jax.partition(WithTemperature(), axonn_jax.Grid(x=2, y=2, z=2), X)
+    grads = _check(pm, params)
+    assert grads["unused"].sharding == pm.shard(params)["unused"].sharding
+    assert not np.asarray(pm.gather(grads)["unused"]).any()
+
+
+def test_a_parameter_returned_as_an_output_is_held_by_the_last_stage(devices):
+    """``log_alpha`` is read by no equation, only returned: no stage listed it, so it was kept
+    with stage 0, while the last stage's program reads it. Under mpiexec the last stage's process
+    had ``None`` there ('NoneType' object has no attribute 'dtype'); now the last stage holds it."""
+    params = WithTemperature().init(jax.random.key(0), X)["params"]
+    pm = axonn_jax.partition(WithTemperature(), axonn_jax.Grid(pipeline=2, x=2, z=2), X)
+    assert "log_alpha" in pm.plan.stages[-1].params and "log_alpha" not in pm.plan.stages[0].params
+    assert not any("unused" in st.params for st in pm.plan.stages)
+    _check(pm, params)
