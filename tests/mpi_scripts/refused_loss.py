@@ -29,6 +29,16 @@ def mse(out, b):
     return jnp.mean((out - b[1]) ** 2)
 
 
+def refused(name: str, step, params, error: type[Exception]) -> None:
+    """Run ``step`` and print whether (and how) it was refused on this rank."""
+    try:
+        step(params, (x, y))
+    except error as err:
+        print(f"REFUSED rank {info.process_index} {name}: {str(err).splitlines()[0]}", flush=True)
+    else:
+        print(f"NOT REFUSED rank {info.process_index} {name}", flush=True)
+
+
 cases = {
     # refused where the last stage is traced (compiling the stages)
     "scalar-with-has_aux": (lambda out, b: mse(out, b), 1),
@@ -37,22 +47,11 @@ cases = {
 }
 for name, (loss_fn, m) in cases.items():
     step = pm.value_and_grad(loss_fn, inputs=lambda b: (b[0],), microbatches=m, has_aux=True, timeout=60)
-    try:
-        step(params, (x, y))
-    except TypeError as err:
-        print(f"REFUSED rank {info.process_index} {name}: {str(err).splitlines()[0]}", flush=True)
-    else:
-        print(f"NOT REFUSED rank {info.process_index} {name}", flush=True)
+    refused(name, step, params, TypeError)
 # a leaf the last stage reads is missing on its process (rank 1): refused there while the
 # stage inputs are built, and on rank 0 too (it used to wait forever in the compile barrier)
 holes = {**params, "dense_3": {**params["dense_3"], "kernel": None}} if info.process_index == 1 else params
-step = pm.value_and_grad(lambda out, b: mse(out, b), inputs=lambda b: (b[0],), timeout=60)
-try:
-    step(holes, (x, y))
-except ValueError as err:
-    print(f"REFUSED rank {info.process_index} missing-leaf: {str(err).splitlines()[0]}", flush=True)
-else:
-    print(f"NOT REFUSED rank {info.process_index} missing-leaf", flush=True)
+refused("missing-leaf", pm.value_and_grad(mse, inputs=lambda b: (b[0],), timeout=60), holes, ValueError)
 step = pm.value_and_grad(lambda out, b: (mse(out, b), {"mse": mse(out, b)}), inputs=lambda b: (b[0],),
                          microbatches=2, has_aux=True)  # fmt: skip
 (loss, aux), _ = step(params, (x, y))
