@@ -3,6 +3,8 @@ mesh and on a pipeline: held where they are needed, and their gradients the plai
 
 Both are common in reinforcement learning (SAC's ``log_alpha`` returned beside the actions;
 a target network's parameters created but used by another method).
+
+Bounds (float32): the loss to rtol 1e-6, every gradient to rtol 1e-5 / atol 1e-6.
 """
 
 import flax.linen as nn

@@ -6,6 +6,10 @@
   trained weights';
 * ``examples/train_resnet_nnx.py`` trains an nnx ResNet (BatchNorm, Dropout) and
   evaluates it with its evaluation program (``model.eval()``) on held-out images.
+
+Bounds: the exported model's logits within 1e-5 of the trained weights' (fp32); a run
+under mpiexec equal to the one-process run to rtol 1e-5 (losses) or to the printed
+digits (2e-3 on three decimals).
 """
 
 import os
