@@ -167,6 +167,13 @@ class _Tracer:
             )
 
 
+def _owners(placed, trainable: Sequence[int]) -> tuple[list[int], list[str]]:
+    """Each trained parameter's owner (the first stage that uses it; stage 0 if none does),
+    and its path: how the traced update and init attribute values to stages."""
+    owners = [placed.homes.users[i][0] if placed.homes.users[i] else 0 for i in trainable]
+    return owners, [placed.plan.params[i].path for i in trainable]
+
+
 def init_mixing(placed, optimizer, abstract_params, trainable: Sequence[int]) -> str | None:
     """Where ``optimizer.init`` combines parameters of several pipeline stages (``None``: it
     does not, and each stage can initialise its own state). ``optax.contrib.dog``'s default
@@ -176,8 +183,7 @@ def init_mixing(placed, optimizer, abstract_params, trainable: Sequence[int]) ->
         >>> init_mixing(placed, optax.adam(1e-3), abstract, trainable)  # doctest: +SKIP
         None
     """
-    paths = [placed.plan.params[i].path for i in trainable]
-    owner_of = [placed.homes.users[i][0] if placed.homes.users[i] else 0 for i in trainable]
+    owner_of, paths = _owners(placed, trainable)
     closed = jax.make_jaxpr(optimizer.init)(abstract_params)
     tracer = _Tracer(describe(optimizer), paths)
     in_ids = [tracer.new(owner_of[k], frozenset({k}), 0, v.aval.shape) for k, v in enumerate(closed.jaxpr.invars)]
@@ -248,8 +254,7 @@ class StageUpdate:
         plan = placed.plan
         trainable = list(range(len(plan.params)) if trainable is None else trainable)
         n = len(trainable)
-        owner_of = [placed.homes.users[i][0] if placed.homes.users[i] else 0 for i in trainable]
-        paths = [plan.params[i].path for i in trainable]
+        owner_of, paths = _owners(placed, trainable)
         params = jax.eval_shape(master.precision.to_device, abstract_params)
         state = jax.eval_shape(_full_state(master), abstract_params)
         finite = jax.ShapeDtypeStruct((), np.bool_) if master.precision.half else None
