@@ -776,15 +776,17 @@ def _hf_entry(name: str):
     return hf_zoo.build(name)
 
 
-def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None,
-                               group_size: int | None = None) -> dict[str, list[float]]:  # fmt: skip
+def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None, group_size: int | None = None,
+                               text: str | None = None) -> dict[str, list[float]]:  # fmt: skip
     """Per kind, the wire bytes of each collective of a ``pm.apply``-based jitted train step
     of ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``:
     one input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss;
-    ``group_size``: only the collectives over groups of that size."""
+    ``group_size``: only the collectives over groups of that size; ``text``: the step's
+    compiled HLO, where the caller has it already."""
     from axonn_jax.runtime.hlo import collectives as hlo_collectives
 
-    text = compile_apply_step(model, inputs, grid, loss, kwargs).as_text()
+    if text is None:
+        text = compile_apply_step(model, inputs, grid, loss, kwargs).as_text()
     out: dict[str, list[float]] = {}
     for c in hlo_collectives(text, num_devices=8):
         if not c.trivial and group_size in (None, c.group_size):
@@ -927,6 +929,43 @@ def test_a_layer_after_one_of_the_same_orientation_is_priced_as_compiled(name, o
     for kind in ("all-gather", "reduce-scatter", "all-reduce"):
         ours = sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
         assert ours == pytest.approx(sum(compiled[kind]), rel=1e-12), kind
+
+
+@pytest.mark.parametrize("grid", ["y=2,data=4", "y=8"])
+def test_a_tied_head_meeting_features_split_the_other_way_gathers_its_weight(grid):
+    """A weight whose storage is another use's can meet an input whose features are split
+    over the other tensor axis: HF BERT's masked-LM decoder reads the word-embedding table
+    (stored as its lookup wants: vocabulary over x, hidden over y) transposed, after the
+    head's transform (a layer of y in, x out: features over x, rows reduce-scattered over
+    y). ``rules._consistent`` cannot split k over x on the weight (x splits its vocabulary)
+    and leaves k whole: the weight is all-gathered over y (``Param.read_whole``), the
+    input's features over x, and the products are whole, so the layer reduces nothing
+    forward and gathers no output gradient backward (``MatMul.weight_gathered``). Its
+    input rows still split over y, each device's gradient of the gathered table is of its
+    rows: the gather's transpose reduce-scatters it over y (``Param.read_whole_rows``).
+    The two are the compiled step's decoder all-gather and reduce-scatter to the byte, and
+    every kind is the compiled step's. Before, the layer was priced as one contracting over
+    y (its output reduce-scattered, its gradient all-gathered): 0.951 of the compiled bytes
+    on y=2,data=4 (and on y=2,z=2,data=2), 1.068 on y=8; on x=2,y=2,z=2 the two happen to
+    move the same bytes of each kind, so that grid was exact already."""
+    from axonn_jax.perf.traced import PerGridSpec
+    from axonn_jax.runtime.hlo import collectives as hlo_collectives
+
+    entry, g = _hf_entry("hf_bert"), Grid.parse(grid)
+    spec = PerGridSpec(entry.model, *entry.args, **entry.kwargs).for_grid(g)
+    table = "bert/embeddings/word_embeddings/embedding"
+    assert [(p.read_whole, p.read_whole_rows) for p in spec.params if p.name == table] == [(Y, True)]
+    assert [m.name for m in spec.matmuls if m.weight_gathered] == [table]
+    ours = collectives(spec, g, recompute=False)
+    text = compile_apply_step(entry.model, entry.args, g, entry.loss, entry.kwargs).as_text()
+    compiled = [c for c in hlo_collectives(text, num_devices=8) if not c.trivial]
+    decoder = {c.kind: c.wire_bytes for c in compiled if "cls/predictions/decoder/" in c.op_name}
+    assert {c.kind: 4 * c.elements for c in ours if c.what.startswith("whole-read weight")} == decoder
+    assert set(decoder) == {"all-gather", "reduce-scatter"}
+    by_kind = _compiled_step_collectives(entry.model, entry.args, g, text=text)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        priced = sum(4 * c.elements for c in ours if c.kind == kind)
+        assert priced == pytest.approx(sum(by_kind[kind]), rel=1e-12), kind
 
 
 @pytest.mark.parametrize("grid", [Grid(x=8), Grid(x=2, y=2, z=2)], ids=["x8", "x2y2z2"])

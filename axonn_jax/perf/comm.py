@@ -21,11 +21,17 @@ whole-read weight gather            all-gather   its axis     forward, per micro
 whole-read weight gradient          all-reduce   its axis     backward (a kernel gathered,
                                                               then sliced on another dim:
                                                               ``Param.read_whole_grad``)
+whole-read weight gradient          reduce-scat  its axis     backward (a weight gathered to
+                                                              meet rows split over its axis:
+                                                              ``Param.read_whole_rows``)
 weight-gradient scatter             reduce-scat  z            backward, per microbatch
 layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
 layer output (default)              reduce-scat  in axis      forward (×2 recompute;
                                                               q/k/v stacked in one)
-layer output gradient (default)     all-gather   in axis      backward (its transpose)
+layer output gradient (default)     all-gather   in axis      backward (its transpose; none of
+                                                              the three for a layer whose
+                                                              weight is gathered whole:
+                                                              ``MatMul.weight_gathered``)
 layer input (default)               all-gather   out axis     forward (×2 recompute),
                                                               unless the input is whole
 input gradient                      all-reduce   out axis     backward (default: whole
@@ -221,6 +227,10 @@ class _Step:
                     self.add("whole-read weight gradient", "all-reduce", (p.read_whole,), "backward",
                              _ring("all-reduce", g) * p.use_elements(grid) * g * copies * mb, calls,
                              repeats=True)  # fmt: skip
+                if p.read_whole_rows and p.read_whole in self.scattered:  # of each device's rows
+                    self.add("whole-read weight gradient", "reduce-scatter", (p.read_whole,), "backward",
+                             _ring("reduce-scatter", g) * p.use_elements(grid) * g * copies * mb, calls,
+                             repeats=True)  # fmt: skip
             if p.depth and grid.z > 1:
                 full = p.use_elements(grid)
                 wire = _ring("all-gather", grid.z) * full * copies * mb
@@ -265,7 +275,9 @@ class _Step:
             again = 2 if self.recompute and m.recomputed else 1
             calls = copies * self.mb
             output = rows * m.n / g_out  # the layer's partial sums on one device, whole batch
-            if m.in_axis in self.scattered and m.scatters:
+            if m.weight_gathered:  # its weight gathered whole over in_axis: whole products
+                pass
+            elif m.in_axis in self.scattered and m.scatters:
                 # onto the batch, q/k/v stacked in one; the backward all-gathers the output
                 # gradients (the transpose; runtime.param_reads.reduce_scatter_together)
                 self.add("layer output", "reduce-scatter", (m.in_axis,), "forward",

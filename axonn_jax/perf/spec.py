@@ -81,6 +81,11 @@ class Param:
     #: its output channels split over the axis that splits the input channels it meets):
     #: its gradient, of one slice on each device, is all-reduced whole over that axis
     read_whole_grad: bool = False
+    #: the use meets input rows split over :attr:`read_whole` (``MatMul.weight_gathered``: a
+    #: tied output head after a layer of the same orientation): each device's gradient of
+    #: the whole weight is of its rows, reduce-scattered over the axis (the gather's
+    #: transpose, ``runtime.executor._partial_gathers``)
+    read_whole_rows: bool = False
     #: False for model state (BatchNorm's running statistics): stored, never differentiated,
     #: so no gradient of it is reduced
     trainable: bool = True
@@ -173,6 +178,14 @@ class MatMul:
     #: after one whose output channels are split over x·y): the partial sums are reduced
     #: over both
     in_also: str | None = None
+    #: its weight, stored with k split over :attr:`in_axis`, is all-gathered whole over it
+    #: (``Param.read_whole``) to meet input rows an earlier layer of the same orientation
+    #: reduce-scattered over that axis (``rules._consistent`` keeps the rows split and gives
+    #: up k's split: a tied output head, BERT's MLM decoder, on y grids): its products are
+    #: whole, so the forward reduces nothing and the backward gathers no output gradient.
+    #: The input's rows stay split over :attr:`in_axis` (so :meth:`in_split` still divides
+    #: them), and the weight's gradient is reduce-scattered (``Param.read_whole_rows``)
+    weight_gathered: bool = False
 
     @property
     def in_axes(self) -> tuple[str, ...]:

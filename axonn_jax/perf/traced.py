@@ -43,7 +43,8 @@ grids where the one-device plan does not hold). From the plan and the jaxpr:
 * norm statistics (:class:`_NormStatistics`): the reductions over a split dim
   (a transformer's y-split hidden dim), one all-reduce per norm;
 * fallback moves of the partitioner: a kernel stored split but read whole
-  (``Param.read_whole``), an activation gathered whole for a reshape or split
+  (``Param.read_whole``; a layer weight too, stored as another use wants it and read
+  with k whole: a tied output head, ``MatMul.weight_gathered``), an activation gathered whole for a reshape or split
   (``Regather``), its gradient all-reduced where it meets a split value
   (:class:`_WholeUses`), unless that is a layer whose input gradient is all-
   reduced over the same axis anyway.
@@ -154,6 +155,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
     matmuls, saved, looked_up, weight_of, outputs = [], {}, set(), [], []
     read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
     read_whole_grad: set[int] = set()  # parameters gathered whole and sliced on another dim
+    read_whole_rows: set[int] = set()  # parameters gathered whole to meet rows split over the axis
     norms = _NormStatistics(layouts, grid)
     ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
     whole_uses = _WholeUses(layouts, origin)
@@ -250,8 +252,16 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
         whole = not (_gathered_over(eqn, act_var, out_axis, layouts, ctx) if planned_for_grid
                      else act_var in flow.axis)  # fmt: skip
         whole_uses.layer(whole)
+        gathered_weight = _weight_gathered(eqn, w_side, in_axis, layouts, ctx)
+        if gathered_weight:
+            read_whole[p] = in_axis
+            # on input rows an earlier layer scattered over the axis: the gradient is of those rows
+            input_rows = _rows_axis(layouts.get(act_var, ()), unit) if planned_for_grid else flow.axis.get(act_var)
+            if input_rows == in_axis:
+                read_whole_rows.add(p)
         matmuls.append((act_var, MatMul(path, m, k, n, in_axis, out_axis, recomputed=_in_block(path),
-                                        whole_inputs=int(whole), input_grad=act_var in trained)))  # fmt: skip
+                                        whole_inputs=int(whole), input_grad=act_var in trained,
+                                        weight_gathered=gathered_weight)))  # fmt: skip
         flow.layer(eqn, in_axis)
         saved.setdefault(act_var, (math.prod(R.shape_of(act_var)), in_axis))
         outputs.append((math.prod(R.shape_of(eqn.outvars[0])), out_axis, in_axis))  # scattered over in_axis
@@ -273,7 +283,8 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
         Param(p.path, p.shape, tuple(_tensor_axis(d, grid) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
               per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i),
-              read_whole_grad=i in read_whole_grad, trainable=p.trainable)  # fmt: skip
+              read_whole_grad=i in read_whole_grad, read_whole_rows=i in read_whole_rows,
+              trainable=p.trainable)  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
     params = _gathered_together(params, weight_of)
@@ -697,6 +708,31 @@ def _kernel_read_whole(stored, used, grid: Grid) -> str | None:
 _PRICED_REDUCTIONS = frozenset(["reduce_sum", "gather"])
 
 
+def _weight_gathered(eqn, w_side: int, in_axis: str | None, layouts, ctx: R.Context) -> bool:
+    """Whether the partitioner's rule for layer ``eqn`` reads its weight (operand ``w_side``)
+    with k whole: it drops ``in_axis``, which the weight's storage splits k over, from the
+    weight's contracted dims (so the runtime all-gathers the weight over it).
+
+    A weight whose storage is another use's (a tied embedding table, stored with its
+    hidden dim split over y for the lookup, read transposed as the output head) can meet
+    an input whose features are split over the other axis (BERT's MLM decoder after its
+    transform, a layer of y in, x out): ``rules._consistent`` cannot split k alike on both
+    sides (x already splits the weight's vocabulary dim) and leaves k whole, gathering the
+    weight over y and the input's features over x. Its products are whole: nothing is
+    reduced in the forward. Where the input's rows are split over ``in_axis`` (the
+    transform reduce-scattered them), each device's gradient of the gathered weight is of
+    its rows and the gather's transpose reduce-scatters it
+    (``runtime.executor._partial_gathers``; ``Param.read_whole_rows``).
+    """
+    if in_axis is None or eqn.invars[w_side] not in layouts:
+        return False
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    stored, target = layouts[eqn.invars[w_side]], _rule_step(eqn, layouts, ctx).targets[w_side]
+    if target is None:
+        return False
+    return any(in_axis in stored[d][len(common_prefix(stored[d], target[d])):] for d in (lc, rc)[w_side])
+
+
 def _partial_sums(eqn, step: R.Step, trained: set, scattered: dict) -> list[tuple]:
     """(op, elements, axes, rows, has a gradient, other tensor axes, rows axis) for each output
     the rule sums over mesh axes (a scatter-add): a :class:`PartialSums`. ``rows``: the length
@@ -859,13 +895,13 @@ def _merge_params(params) -> tuple[Param, ...]:
     groups: dict[tuple, list[Param]] = collections.defaultdict(list)
     for p in params:
         groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket, p.read_whole,
-                p.read_whole_grad, p.trainable)].append(p)
+                p.read_whole_grad, p.read_whole_rows, p.trainable)].append(p)
     return tuple(
         Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
               ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
               scatter_axis=ps[0].scatter_axis, fused=ps[0].fused, bucket=ps[0].bucket,
               read_whole=ps[0].read_whole, read_whole_grad=ps[0].read_whole_grad,
-              trainable=ps[0].trainable)  # fmt: skip
+              read_whole_rows=ps[0].read_whole_rows, trainable=ps[0].trainable)  # fmt: skip
         for ps in groups.values()
     )
 
@@ -903,14 +939,14 @@ def _merge_matmuls(matmuls) -> tuple[MatMul, ...]:
     groups: dict[tuple, list[MatMul]] = collections.defaultdict(list)
     for m in matmuls:
         groups[(m.m, m.k, m.n, m.in_axis, m.out_axis, m.recomputed, m.fused, m.scatters,
-                m.input_width, m.input_grad, m.sliced_output, m.in_also)].append(m)
+                m.input_width, m.input_grad, m.sliced_output, m.in_also, m.weight_gathered)].append(m)
     return tuple(
         MatMul(ms[0].name + (f" (+{len(ms) - 1} alike)" if len(ms) > 1 else ""),
                ms[0].m, ms[0].k, ms[0].n, ms[0].in_axis, ms[0].out_axis, count=len(ms),
                recomputed=ms[0].recomputed, fused=ms[0].fused, scatters=ms[0].scatters,
                input_width=ms[0].input_width, input_grad=ms[0].input_grad,
                whole_inputs=sum(m.whole_inputs for m in ms), sliced_output=ms[0].sliced_output,
-               in_also=ms[0].in_also)  # fmt: skip
+               in_also=ms[0].in_also, weight_gathered=ms[0].weight_gathered)  # fmt: skip
         for ms in groups.values()
     )
 
