@@ -19,6 +19,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,7 +36,7 @@ from axonn_jax.partitioner.propagation import PlannedLayouts, batch_problems, pl
 from axonn_jax.partitioner.rules import Context
 from axonn_jax.partitioner.scan_cuts import cut_stages, with_cuts
 from axonn_jax.partitioner.stages import plan_stages
-from axonn_jax.partitioner.trace import TracedModel, abstract, call_leaves, inline_calls, trace_model
+from axonn_jax.partitioner.trace import TracedModel, abstract, call_leaves, inline_calls, retrace, trace_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,21 +131,33 @@ def plan_traced(traced: TracedModel, grid: Grid, *, options: PlanOptions = PlanO
     return plan, _program(traced, with_cuts(closed, cuts), grid, plan, layouts)
 
 
-def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), **kwargs) -> Program:
+def program_for(model, plan: Plan, args: tuple, kwargs: dict, *, example: TracedModel | None = None,
+                options: PlanOptions = PlanOptions()) -> Program:  # fmt: skip
     """The :class:`Program` of ``model`` called on other inputs, laid out as ``plan``.
 
-    Raises ``ValueError`` when the batch does not split over the grid, or when
-    these shapes would give the parameters another layout than the plan's.
+    ``example``: the model as traced for ``plan`` (``partition()``'s); the call is then
+    traced from it (:func:`~axonn_jax.partitioner.trace.retrace`: the variables and the
+    nnx graph of then), else from ``model`` as it is now. A batch data·z does not divide
+    is replicated with a warning, as ``partition()`` does (``ValueError`` when
+    ``options.strict``); ``ValueError`` too when these shapes would give the parameters
+    another shape or layout than the plan's.
     """
-    traced = trace_model(model, *args, **kwargs)
+    if example is None:
+        traced = trace_model(model, *args, **kwargs)
+    else:
+        try:
+            traced = retrace(example, args, kwargs)
+        except Exception:
+            _explain_by_param_shapes(model, plan, args, kwargs)
+            raise
     grid = plan.grid
     _check_param_shapes(traced, plan)
-    problems = batch_problems([a.shape for j, a in enumerate(traced.arg_avals)
-                               if j not in traced.rng_args], grid)  # fmt: skip
-    if problems:
-        raise ValueError(f"{problems[0]} (grid {grid})")
     closed = inline_calls(traced.jaxpr)
-    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
+    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())  # strict: raises
+    problems = batch_problems([a.shape for j, a in enumerate(traced.arg_avals) if j not in traced.rng_args], grid)
+    if problems:  # as partition() does: replicated, with a warning (a batch-1 generation step)
+        more = f"; {len(problems) - 1} more inputs alike" if len(problems) > 1 else ""
+        warnings.warn(f"{problems[0]} (grid {grid}{more})", stacklevel=_caller_level())
     if layouts.storage != {p.path: p.storage for p in plan.params}:
         raise ValueError(
             f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} give a different "
@@ -163,6 +178,27 @@ def program_for(model, plan: Plan, *args, options: PlanOptions = PlanOptions(), 
             "stages=pm.plan.stage_cuts)."
         )
     return _program(traced, closed, grid, plan, layouts)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside this project (the user's call)."""
+    ours = tuple(str(pathlib.Path(__file__).resolve().parents[1] / d) for d in ("axonn_jax", "partitioner", "runtime"))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and str(pathlib.Path(frame.f_code.co_filename).resolve()).startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _explain_by_param_shapes(model, plan: Plan, args: tuple, kwargs: dict) -> None:
+    """Where a call fails to trace with the plan's variables because its inputs would make
+    parameters of other shapes (a feature dim other than the example's), say so, naming
+    the first such parameter (:func:`_check_param_shapes`); else return (the caller raises
+    the tracing error)."""
+    try:
+        fresh = trace_model(model, *args, **kwargs)
+    except Exception:  # noqa: BLE001 - the model's own error on these inputs: the caller's stands
+        return
+    _check_param_shapes(fresh, plan)
 
 
 def _check_param_shapes(traced: TracedModel, plan: Plan) -> None:

@@ -402,6 +402,32 @@ def _finish(kind, params, abstract_args, apply, init, *, returns_updates: bool) 
     )
 
 
+def retrace(traced: TracedModel, args: tuple, kwargs: dict) -> TracedModel:
+    """``traced``'s model called on other inputs, with the variables it was traced with.
+
+    The model is not initialised again, nor read again: the call runs as traced at
+    ``partition()``, with the variables' shapes of then (a linen cache sized for the
+    example's maximum length serves a prefill and one-token decode steps, as
+    ``model.apply`` does) and, for nnx, its graph of then (``model.eval()`` after
+    ``partition()`` changes neither that model's programs nor those of new shapes).
+
+    Example:
+        >>> retrace(trace_model(model, x), (x[:4],), {}).arg_avals  # doctest: +SKIP
+        (ShapeDtypeStruct(shape=(4, 16), dtype=float32),)
+    """
+    if traced.kind == "linen":
+        returns_updates = bool(_split_apply_kwargs(kwargs)[1].get("mutable"))
+    else:  # an nnx call returns its state's updates where it has state
+        returns_updates = traced.has_state
+    params = jax.tree.unflatten(traced.param_tree, list(traced.param_avals))
+    abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+    with bound_axis_names(traced.axis_names), _linen_remedies():
+        again = _finish(traced.kind, params, abstract_args, traced.apply, traced.init,
+                        returns_updates=returns_updates)  # fmt: skip
+    return dataclasses.replace(again, rng_state=traced.rng_state, axis_names=traced.axis_names,
+                               notes=traced.notes)  # fmt: skip
+
+
 def trace_composite(traced: TracedModel, fn: Callable, args: tuple, kwargs: dict, *,
                     returns_updates: bool) -> TracedModel:
     """Trace ``fn(variables, *args, **kwargs)``, a function of ``traced``'s variables (the model

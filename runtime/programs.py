@@ -33,7 +33,8 @@ class ProgramCache:
         key = call_signature(args, kwargs)
         if key not in self._programs:
             try:
-                self._programs[key] = program_for(self.model, self.plan, *args, options=self.options, **kwargs)
+                self._programs[key] = program_for(self.model, self.plan, args, kwargs, example=self.example.traced,
+                                                  options=self.options)  # fmt: skip
             except TypeError as err:
                 example = len(self.example.traced.example_call()[0])
                 if "positional argument" not in str(err) or len(args) == example:

@@ -1,0 +1,115 @@
+"""Calls with other inputs than partition()'s example run as the example was traced.
+
+A call with new shapes (another batch, a shorter sequence, a one-token decode step)
+is traced again from the example's trace (``partitioner.trace.retrace``): with the
+variables' shapes of then, and for nnx with the module's graph of then. Each case is
+checked against the plain single-device Flax call; each failed before (bounds: 8
+simulated CPU devices, grids of 8).
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import axonn_jax
+from axonn_jax import Grid
+
+GRIDS = [Grid(x=2, z=2, data=2), Grid(x=2, y=2, z=2)]
+IDS = ["x2z2d2", "x2y2z2"]
+
+
+class _Net(nnx.Module):
+    """Linear → BatchNorm → Dropout → Linear: both depend on the train/eval mode."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.l1, self.bn = nnx.Linear(16, 32, rngs=rngs), nnx.BatchNorm(32, rngs=rngs)
+        self.drop, self.l2 = nnx.Dropout(0.5, rngs=rngs), nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(self.drop(nnx.relu(self.bn(self.l1(x)))))
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=IDS)
+def test_an_nnx_model_s_programs_keep_the_mode_it_was_partitioned_in(devices, grid):
+    """``model.eval()``, an evaluation pm, then ``model.train()`` to train on (the
+    documented evaluation recipe): the evaluation pm's program for a new batch size
+    runs in eval mode too. It used to be traced from the module as it was at the call,
+    in train mode: dropout and batch statistics, off by 2.7, silently."""
+    model = _Net(nnx.Rngs(0))
+    x8 = np.random.default_rng(0).normal(size=(8, 16)).astype(np.float32) * 3 + 1
+    plain = nnx.clone(model)
+    plain.eval()
+    model.eval()
+    evaluate = axonn_jax.partition(model, grid, x8)
+    variables = evaluate.init(jax.random.key(0))  # an nnx module's own values
+    model.train()  # back to training, as the recipe goes on
+    for x in (x8, x8[:4]):  # the example's batch, then a new one
+        out, _ = evaluate.apply(variables, x)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(plain(x)), rtol=1e-5, atol=1e-5)
+
+
+class _Cached(nn.Module):
+    """A cache sized by ``init``'s input (HF's ``init_cache`` on the maximum length):
+    each call writes its tokens at the cache's index and reads the whole cache."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(16, name="proj")(x)
+        k = self.variable("cache", "k", jnp.zeros, h.shape, h.dtype)
+        i = self.variable("cache", "i", lambda: jnp.array(0, jnp.int32))
+        if not self.is_initializing():
+            k.value = jax.lax.dynamic_update_slice(k.value, h, (0, i.value, 0))
+            i.value = i.value + x.shape[1]
+        return nn.Dense(8, name="out")(k.value)
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=IDS)
+def test_a_linen_cache_planned_at_its_full_length_serves_shorter_calls(devices, grid):
+    """Partitioned on a maximum-length call, the cache has that length; a prefill of 3
+    tokens and one-token decode steps then write into it, as ``model.apply`` does with
+    the same variables. The calls' programs used to initialise the model again on their
+    own inputs, which made a cache of their length and refused it."""
+    model, length = _Cached(), 8
+    x = np.random.default_rng(1).normal(size=(4, length, 12)).astype(np.float32)
+    variables = model.init(jax.random.key(0), x)
+    pm = axonn_jax.partition(model, grid, x, mutable=["cache"])
+    ours, theirs = pm.shard(variables), variables
+    for start, stop in ((0, 3), (3, 4), (4, 5)):  # prefill, then two decode steps
+        part = x[:, start:stop]
+        out, updates = pm.apply(ours, part, mutable=["cache"])
+        ref, ref_updates = model.apply(theirs, part, mutable=["cache"])
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-6)
+        ours, theirs = {**ours, **updates}, {**theirs, **ref_updates}
+    np.testing.assert_allclose(np.asarray(pm.gather(ours)["cache"]["k"]), np.asarray(theirs["cache"]["k"]),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert int(pm.gather(ours)["cache"]["i"]) == 5
+
+
+class _Small(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(8, name="out")(nn.gelu(nn.Dense(16, name="hidden")(x)))
+
+
+def test_a_call_with_a_batch_the_grid_does_not_divide_runs_replicated_with_a_warning(devices):
+    """As ``partition()`` does with such an example: a batch of 1 (the next step of a
+    batch-1 generation) or 3 on data·z = 4 is replicated, with a warning naming the
+    input, and exact. It used to be refused with the warning's own text ("so it is
+    replicated"), while the same batch ran through ``pm.train_step``. ``strict=True``
+    refuses it."""
+    model, grid = _Small(), Grid(x=2, z=2, data=2)
+    x8 = np.random.default_rng(2).normal(size=(8, 12)).astype(np.float32)
+    params = model.init(jax.random.key(0), x8)["params"]
+    pm = axonn_jax.partition(model, grid, x8)
+    for n in (1, 3):
+        with pytest.warns(UserWarning, match=rf"input 0 has shape \({n}, 12\).*not divisible by data·z.*"
+                                             r"replicated.*Remedy"):  # fmt: skip
+            out = pm.apply(pm.shard(params), x8[:n])
+        np.testing.assert_allclose(np.asarray(out), np.asarray(model.apply({"params": params}, x8[:n])),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+    strict = axonn_jax.partition(model, grid, x8, strict=True)
+    with pytest.raises(ValueError, match=r"batch dim 3.*not divisible by data·z.*strict=True"):
+        strict.apply(strict.shard(params), x8[:3])
