@@ -102,9 +102,17 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
             optimizer, follow, abstract, param_shardings, params,
             transform_non_params=lambda _: replicated, is_leaf=is_state_hole,
         )  # fmt: skip
-    except ValueError:  # state per parameter in another structure (SM3: a list of accumulators)
-        return jax.tree.map(lambda leaf: leaf if isinstance(leaf, optax.MaskedNode) else replicated,
-                            abstract, is_leaf=is_state_hole)  # fmt: skip
+    except Exception:  # noqa: BLE001 - optax's placeholder init failed (see state_labels): by key path
+        labels, shapes = iter(_labels_by_path(abstract, params)), [np.shape(p) for p in jax.tree.leaves(params)]
+        shardings = jax.tree.leaves(param_shardings)
+
+        def by_path(leaf):
+            if is_state_hole(leaf):
+                return leaf
+            i = next(labels)
+            return shardings[i] if i >= 0 and np.shape(leaf) == shapes[i] else replicated
+
+        return jax.tree.map(by_path, abstract, is_leaf=is_state_hole)
 
 
 def _check_streamable(optimizer, state) -> None:
@@ -131,6 +139,11 @@ def state_labels(optimizer: optax.GradientTransformation, state, params) -> list
     -1 marks state shared by all parameters (a step count). The one labelling
     of state leaves by parameter (streamed updates, the coupling check and the
     pipeline's stage update all use it); ``state`` and ``params`` may be abstract.
+    ``optax.tree_map_params`` finds the state's parameter-like parts by running
+    ``init`` on a placeholder of the parameters; where that fails (SM3's per-parameter
+    lists, a ``multi_transform`` label function that reads the parameters:
+    ``{k: ... for k in params}``, Flax's ``traverse_util.path_aware_map``), the state is
+    labelled by key path (:func:`_labels_by_path`).
 
     Example:
         >>> params = {"b": jnp.zeros(2), "w": jnp.zeros((2, 2))}
@@ -141,7 +154,7 @@ def state_labels(optimizer: optax.GradientTransformation, state, params) -> list
     try:
         labels = optax.tree_map_params(optimizer, lambda leaf, i: leaf if isinstance(leaf, optax.MaskedNode) else i,
                                        state, index, transform_non_params=lambda _: -1, is_leaf=is_state_hole)  # fmt: skip
-    except ValueError:  # state per parameter in another structure (SM3: a list of accumulators)
+    except Exception:  # noqa: BLE001 - optax's placeholder init failed: by key path
         return _labels_by_path(state, params)
     return list(jax.tree.leaves(labels))
 

@@ -42,9 +42,14 @@ OPTIMIZERS = {
     "noisy_sgd": lambda: optax.noisy_sgd(1e-2, eta=0.1, key=0),
     # leaf-wise, its state per parameter a list of accumulators (one per dim), not a mirror
     "sm3": lambda: optax.sm3(1e-2),
+    # leaf-wise; its labels read the parameters' keys (optax's placeholder has none)
+    "multi_transform_by_key": lambda: optax.multi_transform(
+        {"adam": optax.adam(1e-2), "sgd": optax.sgd(1e-2, momentum=0.9)},
+        lambda params: {k: jax.tree.map(lambda _, k=k: "sgd" if k == "embed" else "adam", v)
+                        for k, v in params.items()}),
 }  # fmt: skip
 #: those whose update runs per stage (each stage's leaves alone are exact)
-PER_STAGE = ("sm3",)
+PER_STAGE = ("sm3", "multi_transform_by_key")
 
 
 def logged_norm(state) -> float | None:

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import grid_id
+from flax import traverse_util
 
 import axonn_jax
 from axonn_jax.runtime.mesh import stage_meshes
@@ -196,6 +197,14 @@ UNSHAPED_STATE = {
             lambda path, _: "sgd" if "bias" in jax.tree_util.keystr(path) else "adam", params)),
     "masked_adam": lambda: optax.chain(optax.masked(optax.adam(LR), lambda params: jax.tree.map(
         lambda p: p.ndim > 1, params)), optax.sgd(1.0)),
+    # label functions that read the parameters (optax's placeholder for them has no keys)
+    "multi_transform_by_key": lambda: optax.multi_transform(
+        {"adam": optax.adam(LR), "sgd": optax.sgd(LR, momentum=0.9)},
+        lambda params: {k: jax.tree.map(lambda _, k=k: "sgd" if k == "embed" else "adam", v)
+                        for k, v in params.items()}),
+    "multi_transform_path_aware": lambda: optax.multi_transform(
+        {"adam": optax.adam(LR), "sgd": optax.sgd(LR, momentum=0.9)},
+        lambda params: traverse_util.path_aware_map(lambda path, _: "sgd" if "bias" in path else "adam", params)),
 }
 
 
@@ -205,9 +214,11 @@ UNSHAPED_STATE = {
                          ids=["on_device", "host", "streamed"])  # fmt: skip
 def test_optimizer_state_shaped_otherwise_trains_as_plain_optax(name, options):
     """Such state used to fail at init (a parameter's sharding given to Adafactor's row
-    vector; a pytree error at a MaskedNode). Parameter-shaped leaves follow their parameter,
-    the rest is replicated, and the losses are plain optax's. Masked state cannot stream
-    bucket by bucket: refused at init with the remedy (it failed inside optax at the step)."""
+    vector; a pytree error at a MaskedNode; a TypeError or AssertionError where the label
+    function reads the parameters, which optax's placeholder cannot serve: the state is then
+    followed by key path). Parameter-shaped leaves follow their parameter, the rest is
+    replicated, and the losses are plain optax's. Masked state cannot stream bucket by
+    bucket: refused at init with the remedy (it failed inside optax at the step)."""
     if name != "adafactor" and options.get("update_on") == "device":
         with pytest.raises(ValueError, match=r"masks parameters out.*Remedy: update_on='host'"):
             _train(dict(x=2, z=2, data=2), 1, optimizer=UNSHAPED_STATE[name](), **options)

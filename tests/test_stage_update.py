@@ -17,11 +17,12 @@ from axonn_jax.runtime.stage_update import MAX_EXCHANGED_ELEMENTS
 GRID = axonn_jax.Grid.parse("pipeline=2,x=2,z=2")
 
 
-@pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged", "noisy_sgd", "sm3"])
+@pytest.mark.parametrize("name", ["clip_adamw", "multisteps_logged", "noisy_sgd", "sm3", "multi_transform_by_key"])
 def test_cross_stage_optimizer_equals_plain_optax(name, devices):
     """``noisy_sgd`` ran per stage, each stage splitting the key by its own leaves: the second
     stage's leaves got the first stage's noise; it now runs from the whole-model trace.
-    ``sm3`` failed to build (its state per parameter is a list: no mirror of the params)."""
+    ``sm3`` failed to build (its state per parameter is a list: no mirror of the params);
+    so did a ``multi_transform`` whose label function reads the parameters' keys."""
     failures = run(GRID, name)
     assert not failures, "\n".join(failures)
 
