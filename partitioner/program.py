@@ -166,18 +166,27 @@ def program_for(model, plan: Plan, args: tuple, kwargs: dict, *, example: Traced
         )
     closed = with_cuts(closed, plan.scan_cuts)
     if len(plan.stages) > 1 and len(closed.jaxpr.eqns) != plan.stages[-1].stop:
+        dtypes = ""
+        if example is not None and [a.shape for a in example.arg_avals] == [a.shape for a in traced.arg_avals]:
+            dtypes = (f" (the example's: {_described(example.arg_avals)}; a dtype other than the example's "
+                      "also changes the operations: cast the inputs to the example's dtypes)")  # fmt: skip
         raise ValueError(
-            f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} make the model run other "
+            f"inputs {_described(traced.arg_avals)}{dtypes} make the model run other "
             f"operations ({len(closed.jaxpr.eqns)} where the example call given to partition() ran "
             f"{plan.stages[-1].stop}: other shapes, e.g. a slice of position embeddings for a shorter "
             "sequence, or another mode, e.g. train=False), so the "
             f"{len(plan.stages)} pipeline stages cut for the example do not fit them. Remedy: call "
-            "with inputs of the example's shapes (pad to its length), or partition with example "
-            "inputs of these shapes; for another mode, a pm of its own whose stages are cut where "
+            "with inputs of the example's shapes and dtypes (pad to its length), or partition with "
+            "example inputs of these; for another mode, a pm of its own whose stages are cut where "
             "these are: axonn_jax.partition(model, grid, *inputs, train=False, "
             "stages=pm.plan.stage_cuts)."
         )
     return _program(traced, closed, grid, plan, layouts)
+
+
+def _described(avals) -> str:
+    """``[int32(16, 16), bool(16,)]``: each input's dtype and shape."""
+    return "[" + ", ".join(f"{a.dtype}{tuple(a.shape)}" for a in avals) + "]"
 
 
 def _caller_level() -> int:

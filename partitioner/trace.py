@@ -86,11 +86,19 @@ class TracedModel:
 
 
 def abstract(x) -> jax.ShapeDtypeStruct:
-    """The shape and dtype of an array argument (a ShapeDtypeStruct passes through)."""
+    """The shape and dtype of an array argument (a ShapeDtypeStruct passes through), the
+    dtype as JAX computes with it: a NumPy int64 batch is int32 without ``jax_enable_x64``,
+    as ``jnp.asarray`` makes it (so both are one signature, one compiled program).
+
+    Example:
+        >>> abstract(np.zeros((2, 3), np.int64)).dtype  # doctest: +SKIP
+        dtype('int32')
+    """
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
     x = jnp.asarray(x) if not hasattr(x, "shape") else x
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    dtype = x.dtype if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) else jax.dtypes.canonicalize_dtype(x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, dtype)
 
 
 def is_static(x) -> bool:

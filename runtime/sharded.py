@@ -150,6 +150,26 @@ def _identity(values):
     return values
 
 
+def onto_mesh(tree, mesh, grid: Grid):
+    """``tree`` with its device arrays committed elsewhere than ``mesh`` (to one device, or to
+    another mesh, its devices in another order included) moved onto it, dim 0 over the batch
+    axes where it divides (:func:`batch_sharding`); host arrays, tracers, uncommitted arrays
+    and arrays on ``mesh`` stay (``jax.jit`` takes those as they are).
+
+    Example:
+        >>> batch = onto_mesh(jax.device_put(batch, jax.devices()[3]), pm.mesh, pm.grid)  # doctest: +SKIP
+    """
+    def elsewhere(x) -> bool:
+        if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
+            return False
+        return not (isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh)
+
+    def one(x):
+        return place(x, batch_sharding(mesh, grid, x.shape)) if elsewhere(x) else x
+
+    return jax.tree.map(one, tree)
+
+
 def batch_sharding(mesh, grid: Grid, shape: Sequence[int]) -> NamedSharding:
     """Dim 0 over the live batch axes (data, z) when it divides, else replicated."""
     axes = tuple(a for a in BATCH_AXES if grid.axis_size(a) > 1)

@@ -45,6 +45,7 @@ from axonn_jax.runtime.master_optimizer import (MasterOptimizer, MasterState, ch
 from axonn_jax.runtime.model_call import wrap_params
 from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
+from axonn_jax.runtime.sharded import onto_mesh
 from axonn_jax.runtime.stage_update import StageUpdate, describe, init_mixing
 
 if TYPE_CHECKING:
@@ -438,6 +439,7 @@ class SingleMeshStep(TrainStep):
         return step
 
     def _step(self, params, opt_state: OptState, batch, rngs):
+        batch = onto_mesh(batch, self.engine.mesh, self.plan.grid)  # a batch put on other devices
         return self._program(0).run(params, opt_state, batch, rngs)
 
     one_program = True

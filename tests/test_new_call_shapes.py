@@ -2,20 +2,25 @@
 
 A call with new shapes (another batch, a shorter sequence, a one-token decode step)
 is traced again from the example's trace (``partitioner.trace.retrace``): with the
-variables' shapes of then, and for nnx with the module's graph of then. Each case is
-checked against the plain single-device Flax call; each failed before (bounds: 8
-simulated CPU devices, grids of 8).
+variables' shapes of then, and for nnx with the module's graph of then. A batch the
+caller put on other devices is moved onto the mesh; a NumPy int64 batch is the
+signature of its int32 form. Each case is checked against the plain single-device
+Flax call; each failed before (bounds: 8 simulated CPU devices, grids of 8).
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import axonn_jax
 from axonn_jax import Grid
+from axonn_jax.partitioner.program import call_signature
 
 GRIDS = [Grid(x=2, z=2, data=2), Grid(x=2, y=2, z=2)]
 IDS = ["x2z2d2", "x2y2z2"]
@@ -113,3 +118,39 @@ def test_a_call_with_a_batch_the_grid_does_not_divide_runs_replicated_with_a_war
     strict = axonn_jax.partition(model, grid, x8, strict=True)
     with pytest.raises(ValueError, match=r"batch dim 3.*not divisible by data·z.*strict=True"):
         strict.apply(strict.shard(params), x8[:3])
+
+
+def test_a_batch_put_on_other_devices_is_moved_onto_the_mesh(devices):
+    """A batch committed to one device, or to a mesh of the same devices in another order,
+    trains as the host batch does (``pm.train_step``, eager ``pm.value_and_grad``,
+    ``pm.apply``); the single-mesh step used to fail inside ``jax.jit`` with "incompatible
+    devices" (the pipeline engine placed them already)."""
+    model, grid = _Small(), Grid(x=2, z=2, data=2)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(8, 12)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32)
+    pm = axonn_jax.partition(model, grid, x)
+    loss_fn = lambda out, batch: jnp.mean((out - batch[1]) ** 2)  # noqa: E731
+    step = pm.train_step(loss_fn, optax.sgd(0.1), inputs=lambda batch: batch[:1])
+    grads = pm.value_and_grad(loss_fn, inputs=lambda batch: batch[:1])
+    params = pm.init(jax.random.key(0))
+    want_loss, _ = grads(params, (x, y))
+    want_out = np.asarray(pm.apply(params, x))
+    _, _, want_step = step(*step.init(params), (x, y))
+    reversed_mesh = Mesh(np.array(jax.devices()[::-1]).reshape(2, 4), ("a", "b"))
+    for place in (lambda v: jax.device_put(v, jax.devices()[3]),
+                  lambda v: jax.device_put(v, NamedSharding(reversed_mesh, P("a")))):  # fmt: skip
+        batch = (place(x), place(y))
+        _, _, loss = step(*step.init(params), batch)
+        assert float(loss) == pytest.approx(float(want_step), rel=1e-6)
+        assert float(grads(params, batch)[0]) == pytest.approx(float(want_loss), rel=1e-6)
+        np.testing.assert_allclose(np.asarray(pm.apply(params, batch[0])), want_out, rtol=1e-6, atol=1e-7)
+
+
+def test_a_numpy_int64_batch_has_the_signature_of_its_int32_form(devices):
+    """Without ``jax_enable_x64`` JAX computes a NumPy int64 batch as int32: both are one
+    signature, so one compiled program (a pipeline compiled every stage again when an
+    int64 NumPy batch followed a JAX one of the same shape)."""
+    tokens = np.arange(32).reshape(4, 8)
+    assert not jax.config.jax_enable_x64
+    assert call_signature((tokens.astype(np.int64),), {}) == call_signature((jnp.asarray(tokens),), {})
+    assert call_signature((tokens.astype(np.int64),), {}) != call_signature((tokens.astype(np.float32),), {})

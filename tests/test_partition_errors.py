@@ -354,12 +354,33 @@ def test_a_pipeline_refuses_inputs_that_make_the_model_run_other_operations(devi
     params = pm.init(jax.random.key(0))
     tokens = np.random.default_rng(1).integers(0, 64, (8, 16)).astype(np.int32)
     for _ in range(2):
-        with pytest.raises(ValueError, match=r"shapes \[\(4, 15\)\] make the model run other operations.*"
+        with pytest.raises(ValueError, match=r"inputs \[int32\(4, 15\)\] make the model run other operations.*"
                                              r"pipeline stages.*Remedy: call with inputs of the example's shapes"):
             pm.apply(params, tokens[:4, :15])
     out = pm.apply(params, tokens)  # 8 rows where the example had 4: the same operations
     np.testing.assert_allclose(np.asarray(out), np.asarray(model.apply({"params": pm.gather(params)}, tokens)),
                                rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+class _Masked(nn.Module):
+    @nn.compact
+    def __call__(self, x, mask):
+        h = nn.Dense(16, name="a")(x)
+        return nn.Dense(4, name="b")(jnp.where(mask[:, None], h, 0.0))
+
+
+def test_a_pipeline_names_an_input_dtype_other_than_the_example_s(devices):
+    """Partitioned with a bool mask, called with an int32 one of the same shape: the
+    conversion is one more operation, so the stages cut for the example do not fit. The
+    refusal used to speak of shapes only (the shapes are the example's); it names the
+    dtypes of both calls and the cast that helps."""
+    x, mask = np.ones((8, 12), np.float32), np.ones((8,), bool)
+    pm = axonn_jax.partition(_Masked(), Grid(pipeline=2, x=2, z=2), x, mask)
+    params = pm.init(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"inputs \[float32\(8, 12\), int32\(8,\)\] \(the example's: "
+                                         r"\[float32\(8, 12\), bool\(8,\)\]; a dtype other than the example's.*"
+                                         r"cast the inputs to the example's dtypes\)"):  # fmt: skip
+        pm.apply(params, x, mask.astype(np.int32))
 
 
 @pytest.mark.parametrize("grid", [dict(x=2, z=2, data=2), dict(pipeline=2, x=2, z=2)],

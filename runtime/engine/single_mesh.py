@@ -15,7 +15,7 @@ from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.loss_program import ScalarLoss, mean_aux, scaled
 from axonn_jax.runtime.model_call import ModelCall, mean_updates
 from axonn_jax.runtime.precision import as_planned
-from axonn_jax.runtime.sharded import place, program_function
+from axonn_jax.runtime.sharded import onto_mesh, place, program_function
 from axonn_jax.runtime.step_report import StepReport, step_report
 from axonn_jax.runtime.train_step import SingleMeshStep
 
@@ -41,7 +41,7 @@ class SingleMesh(Engine):
     # --- execution ------------------------------------------------------------
     def apply(self, params, args, kwargs):
         params, _ = self.plan_tree(params)
-        arg_leaves, _ = call_leaves(args, kwargs)
+        arg_leaves = onto_mesh(call_leaves(args, kwargs)[0], self.mesh, self.grid)  # a batch put elsewhere
         program = self.program_for(args, kwargs)
         self.placed.check_params(params, dtypes=False)  # names, shapes, dtypes: a wrong tree never runs
         params = jax.tree.map(place, params, self.placed.param_shardings)  # another grid's layout
@@ -61,7 +61,7 @@ class SingleMesh(Engine):
 
         planned = PlannedLoss(self, loss_fn)  # the loss planned with the model (or, failing that, after it)
         step = microbatched_value_and_grad(self.apply, self.grid, loss_fn, inputs, microbatches, remat,
-                                           self.call, model_loss=planned)  # fmt: skip
+                                           self.call, model_loss=planned, mesh=self.mesh)  # fmt: skip
         step.loss_notes = planned.notes
         return step
 
@@ -89,7 +89,7 @@ class SingleMesh(Engine):
 def microbatched_value_and_grad(apply: Callable, grid, loss_fn: ScalarLoss, inputs: Callable,
                                 microbatches: int, remat: Callable | None = None,
                                 call: ModelCall | None = None,
-                                model_loss: Callable | None = None) -> Callable:  # fmt: skip
+                                model_loss: Callable | None = None, mesh=None) -> Callable:  # fmt: skip
     """A jittable ``(variables, batch, rngs=None) → (loss, grads)`` on one mesh.
 
     ``apply(variables, args, kwargs)`` runs the model. Microbatches run one
@@ -103,6 +103,8 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: ScalarLoss, inpu
     loss of one model call itself (:class:`~axonn_jax.runtime.planned_loss.PlannedLoss`).
     ``loss_scale`` (an fp16 step's dynamic scale, an array) multiplies the loss
     that is differentiated (and returned); an input, so a new scale compiles nothing.
+    ``mesh``: batch arrays the caller put on other devices are moved onto it
+    (:func:`~axonn_jax.runtime.sharded.onto_mesh`).
     """
     call = call or ModelCall({}, stateful=False, mutable=())
     microbatches = check_microbatches(microbatches)
@@ -121,6 +123,8 @@ def microbatched_value_and_grad(apply: Callable, grid, loss_fn: ScalarLoss, inpu
 
     def value_and_grad(variables, batch, rngs=None, *, loss_scale=None):
         params, state = call.split(variables)
+        if mesh is not None:  # a batch put elsewhere: the loss reads it beside the outputs
+            batch = onto_mesh(batch, mesh, grid)
         part = (lambda mb: batch) if microbatches == 1 else batch_slices(batch, microbatches, grid)
         losses, auxes, updates, total = [], [], [], None
         for mb in range(microbatches):
