@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -102,12 +103,13 @@ def abstract(x) -> jax.ShapeDtypeStruct:
 
 
 def is_static(x) -> bool:
-    """Python scalars and strings in the call (flags such as ``deterministic=True``).
+    """Python scalars, strings and functions in the call (flags such as ``deterministic=True``;
+    linen's ``method=Model.encode``, or ``method='encode'``, which ``model.apply`` takes).
 
     They are baked into the traced program, like ``static_argnums`` of
     ``jax.jit``; arrays (NumPy or JAX, any rank) are the program's inputs.
     """
-    return isinstance(x, (bool, int, float, complex, str))
+    return isinstance(x, (bool, int, float, complex, str)) or inspect.isroutine(x)
 
 
 def call_leaves(args, kwargs) -> tuple[list, tuple]:

@@ -154,3 +154,39 @@ def test_a_numpy_int64_batch_has_the_signature_of_its_int32_form(devices):
     assert not jax.config.jax_enable_x64
     assert call_signature((tokens.astype(np.int64),), {}) == call_signature((jnp.asarray(tokens),), {})
     assert call_signature((tokens.astype(np.int64),), {}) != call_signature((tokens.astype(np.float32),), {})
+
+
+class _EncoderDecoder(nn.Module):
+    def setup(self):
+        self.embed, self.enc = nn.Embed(64, 32), nn.Dense(32)
+        self.dec, self.head = nn.Dense(32), nn.Dense(64)
+
+    def encode(self, src):
+        return nn.gelu(self.enc(self.embed(src)))
+
+    def decode(self, memory, tgt):
+        return self.head(nn.gelu(self.dec(self.embed(tgt))) + memory.mean(1, keepdims=True))
+
+    def __call__(self, src, tgt):
+        return self.decode(self.encode(src), tgt)
+
+
+@pytest.mark.parametrize("method", ["name", "function"])
+def test_a_linen_method_is_partitioned_as_model_apply_runs_it(devices, method):
+    """``method=`` as ``model.apply`` takes it, its name or the function itself: the encoder
+    of an encoder–decoder partitioned alone (its parameters are those its method reads),
+    exact. The function used to be taken for an array input ("dtype object is not a valid
+    JAX array type")."""
+    model = _EncoderDecoder()
+    rng = np.random.default_rng(4)
+    src, tgt = rng.integers(0, 64, (4, 8)).astype(np.int32), rng.integers(0, 64, (4, 3)).astype(np.int32)
+    params = model.init(jax.random.key(0), src, tgt)["params"]
+    encode = "encode" if method == "name" else _EncoderDecoder.encode
+    pm = axonn_jax.partition(model, Grid(x=2, z=2, data=2), src, method=encode)
+    assert sorted(p.path for p in pm.plan.params) == ["embed/embedding", "enc/bias", "enc/kernel"]
+    mine = pm.shard({k: params[k] for k in ("embed", "enc")})
+    for rows in (4, 8):  # the example's batch, then another
+        batch = np.concatenate([src, src])[:rows]
+        np.testing.assert_allclose(np.asarray(pm.apply(mine, batch, method=encode)),
+                                   np.asarray(model.apply({"params": params}, batch, method=encode)),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
