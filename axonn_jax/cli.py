@@ -249,7 +249,12 @@ def _model(parser, args) -> tuple:
     import jax.numpy as jnp
 
     if args.model:
-        return _made_model(parser, args.model)
+        model, inputs = _made_model(parser, args.model)
+        if isinstance(inputs, dict):
+            parser.error(f"--model {args.model}: --check compiles steps of positional inputs; the factory "
+                         "returns keyword inputs (a dict). Remedy: plan without --check, or return a tuple "
+                         "of the inputs in the order the model takes them.")  # fmt: skip
+        return model, inputs
     from axonn_jax.models import GPT, GPTConfig
 
     config = GPTConfig(vocab_size=args.vocab, num_layers=args.layers, hidden=args.hidden,
@@ -286,15 +291,17 @@ def _spec_from_factory(parser, target: str):
     from axonn_jax.perf.traced import PerGridSpec
 
     model, inputs = _made_model(parser, target)
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
     try:
-        return PerGridSpec(model, *inputs, name=f"{target} ({type(model).__name__})")
-    except (TypeError, ValueError) as e:
-        parser.error(f"--model {target}: cannot plan the model: {e}")
+        return PerGridSpec(model, *args, name=f"{target} ({type(model).__name__})", **kwargs)
+    except Exception as e:  # noqa: BLE001 - tracing the user's model: its error, named, not a traceback
+        parser.error(f"--model {target}: cannot plan the model: {type(e).__name__}: {e}")
 
 
 def _made_model(parser, target: str) -> tuple:
-    """``(flax model, example inputs as a tuple)`` from the factory ``target`` names; a
-    factory that raises, or returns something else, is a usage error naming it."""
+    """``(flax model, example inputs)`` from the factory ``target`` names: the inputs as a
+    tuple (positional), or a dict (keyword inputs, ``model(**inputs)``); a factory that
+    raises, or returns something else, is a usage error naming it."""
     try:
         made = _factory(parser, target)()
     except Exception as e:  # noqa: BLE001 - the user's code: say where it failed, not a traceback of ours
@@ -308,6 +315,8 @@ def _made_model(parser, target: str) -> tuple:
             f"{type(made).__name__}"
         )
     model, inputs = made
+    if isinstance(inputs, dict):
+        return model, dict(inputs)
     return model, tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 

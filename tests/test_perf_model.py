@@ -544,6 +544,38 @@ def test_cli_a_model_factory_that_fails_is_a_usage_error_naming_it(tmp_path, mon
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_cli_a_model_factory_may_return_keyword_inputs(tmp_path, monkeypatch, capsys):
+    """A factory returning a dict of example inputs gives them as keywords, as
+    ``partition(model, grid, **inputs)`` takes them (the dict used to be one positional
+    input: a raw ``IndexError`` from inside the model). ``--check`` compiles steps of
+    positional inputs only: a usage error naming the remedy; a model that fails to trace
+    is a usage error naming its error, not a traceback."""
+    (tmp_path / "kw_models.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "import flax.linen as nn\n"
+        "class Net(nn.Module):\n"
+        "    @nn.compact\n"
+        "    def __call__(self, *, features):\n"
+        "        return nn.Dense(8)(nn.relu(nn.Dense(64)(features)))\n"
+        "def make():\n"
+        "    return Net(), {'features': jax.ShapeDtypeStruct((16, 32), jnp.float32)}\n"
+        "def broken():\n"
+        "    return Net(), {'features': jax.ShapeDtypeStruct((16,), jnp.float32), 'other': 1}\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["plan", "--gpus", "8", "--machine", "h100-node", "--model", "kw_models:make", "--json",
+                 "--no-pipeline"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)
+    for target, flags, message in [("kw_models:make", ["--check", "2"], r"--check compiles steps of positional "
+                                    r"inputs.*Remedy"),
+                                   ("kw_models:broken", [], r"kw_models:broken: cannot plan the model: TypeError")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["plan", "--gpus", "8", "--machine", "h100-node", "--model", target, "--no-pipeline", *flags])
+        assert exit_.value.code == 2
+        assert re.search(message, capsys.readouterr().err)
+
+
 def test_cli_profile_then_plan(tmp_path, capsys):
     out = tmp_path / "here.json"
     assert main(["profile", "--devices", "8", "--out", str(out), "--repeats", "2"]) == 0
