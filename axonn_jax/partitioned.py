@@ -50,6 +50,7 @@ def partition(
     machine: str | Machine | StageCosts | None = None,
     overlap: Overlap | str = Overlap(),
     scatter_batch: bool = True,
+    init_inputs: Sequence | None = None,
     **example_kwargs,
 ) -> Partitioned:
     """Plan ``model`` for ``grid`` from example inputs (arrays or ShapeDtypeStructs).
@@ -84,7 +85,12 @@ def partition(
             dim (what follows runs on a share of the batch; the next layer
             gathers it back) instead of all-reducing them; the same bytes,
             no repeated work between layers (docs/partitioning.md). False keeps
-            the all-reduce form that ``axonn_jax.perf`` models and OAR overlaps.
+            the all-reduce form (``axonn_jax.perf`` prices either, by this option).
+        init_inputs: a linen model's variables are those ``model.init`` makes of
+            these positional inputs, not of the example's: Flax's ``decode=True``
+            cache, initialised on the maximum length and called one token at a
+            time: ``partition(model, grid, token, mutable=["cache"],
+            init_inputs=(jnp.zeros((batch, max_len), jnp.int32),))``.
     """
     if launch.mpi_world_size() > 1:  # join the job (and choose its collectives) before tracing
         launch.init(grid=grid)  # can start JAX's backends
@@ -93,7 +99,8 @@ def partition(
                           scatter_batch=scatter_batch)  # fmt: skip
     if machine is not None:
         options = dataclasses.replace(options, stage_costs=_stage_costs(machine, grid))
-    plan, program = plan_model(model, grid, *example_args, options=options, **example_kwargs)
+    plan, program = plan_model(model, grid, *example_args, options=options, init_inputs=init_inputs,
+                               **example_kwargs)  # fmt: skip
     if isinstance(overlap, str):
         overlap = Overlap.parse(overlap)
     return Partitioned(model, plan, program, options, overlap=overlap)

@@ -111,11 +111,12 @@ def call_signature(args, kwargs) -> tuple:
 
 
 def plan_model(model, grid: Grid, *example_args, options: PlanOptions = PlanOptions(),
-               **example_kwargs) -> tuple[Plan, Program]:  # fmt: skip
-    """Trace ``model`` on example inputs (arrays or ShapeDtypeStructs) and plan it for ``grid``."""
+               init_inputs: Sequence | None = None, **example_kwargs) -> tuple[Plan, Program]:  # fmt: skip
+    """Trace ``model`` on example inputs (arrays or ShapeDtypeStructs) and plan it for ``grid``
+    (``init_inputs``: see :func:`~axonn_jax.partitioner.trace.trace_model`)."""
     if not isinstance(grid, Grid):
         raise TypeError(f"grid must be an axonn_jax.Grid, got {type(grid).__name__}")
-    traced = trace_model(model, *example_args, **example_kwargs)
+    traced = trace_model(model, *example_args, init_inputs=init_inputs, **example_kwargs)
     return plan_traced(traced, grid, options=options, name=type(model).__name__)
 
 

@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -132,8 +132,12 @@ def path_string(path) -> str:
     return "/".join(parts)
 
 
-def trace_model(model, *args, **kwargs) -> TracedModel:
+def trace_model(model, *args, init_inputs: Sequence | None = None, **kwargs) -> TracedModel:
     """Trace ``model`` called on ``args``/``kwargs`` (arrays or ShapeDtypeStructs).
+
+    ``init_inputs``: a linen model's variables are those ``model.init`` makes of these
+    positional inputs instead of ``args`` (Flax's ``decode=True`` cache: initialised on
+    the maximum length, called one token at a time).
 
     Collective axis names the model uses itself (data-parallel code written for
     ``pmap``: ``BatchNorm(axis_name='batch')``, ``lax.pmean(x, 'batch')``) are
@@ -145,7 +149,7 @@ def trace_model(model, *args, **kwargs) -> TracedModel:
     while True:
         try:
             with bound_axis_names(names):
-                traced = _trace(model, args, kwargs)
+                traced = _trace(model, args, kwargs, init_inputs)
             break
         except NameError as err:
             name = unbound_axis_name(err)
@@ -158,7 +162,7 @@ def trace_model(model, *args, **kwargs) -> TracedModel:
                                init=_binding(traced.init, names))  # fmt: skip
 
 
-def _trace(model, args, kwargs) -> TracedModel:
+def _trace(model, args, kwargs, init_inputs=None) -> TracedModel:
     try:
         from flax import nnx
     except ImportError:  # pragma: no cover - flax always has nnx since 0.8
@@ -167,8 +171,15 @@ def _trace(model, args, kwargs) -> TracedModel:
 
     abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
     if isinstance(model, nn.Module):
-        return _trace_linen(model, abstract_args)
+        init_args = None if init_inputs is None else jax.tree.map(
+            lambda x: x if is_static(x) else abstract(x), tuple(init_inputs))
+        return _trace_linen(model, abstract_args, init_args)
     if nnx is not None and isinstance(model, nnx.Module):
+        if init_inputs is not None:
+            raise TypeError(
+                "init_inputs= is for linen models (model.init's inputs); an nnx module holds its "
+                "variables already. Remedy: size its cache on the module before partition(), e.g. "
+                "model.init_cache(...) (nnx.MultiHeadAttention), and drop init_inputs.")
         return _trace_nnx(model, abstract_args)
     raise TypeError(
         f"axonn_jax.partition expects a flax.linen.Module or flax.nnx.Module, got "
@@ -243,17 +254,18 @@ def check_rngs(rngs) -> None:
         )
 
 
-def _trace_linen(model, abstract_args) -> TracedModel:
+def _trace_linen(model, abstract_args, init_args: tuple | None = None) -> TracedModel:
     args, kwargs = abstract_args
     call_kwargs, apply_kwargs = _split_apply_kwargs(kwargs)
     streams = sorted(apply_kwargs.get("rngs") or {})
+    init_args = args if init_args is None else init_args
 
     def init_variables(key):
         if isinstance(key, Mapping):  # linen's {'params': key, 'dropout': key, ...}
             keys = dict(key)
         else:
             keys = dict(zip(["params", *streams], jax.random.split(key, 1 + len(streams))))
-        return model.init(keys, *args_like(args), **args_like(call_kwargs))
+        return model.init(keys, *args_like(init_args), **args_like(call_kwargs))
 
     with _linen_remedies():
         variables = jax.eval_shape(init_variables, jax.random.key(0))

@@ -190,3 +190,54 @@ def test_a_linen_method_is_partitioned_as_model_apply_runs_it(devices, method):
         np.testing.assert_allclose(np.asarray(pm.apply(mine, batch, method=encode)),
                                    np.asarray(model.apply({"params": params}, batch, method=encode)),
                                    rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+class _Decoder(nn.Module):
+    """Flax's own generation idiom: ``MultiHeadDotProductAttention(decode=True)`` keeps a
+    key/value cache that ``init`` sizes by its input (the maximum length) and each call
+    extends by one token."""
+
+    decode: bool = False
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(64, 32)(tokens)
+        mask = None if self.decode else nn.make_causal_mask(tokens)
+        x = x + nn.MultiHeadDotProductAttention(4, decode=self.decode)(nn.LayerNorm()(x), mask=mask)
+        return nn.Dense(64)(nn.LayerNorm()(x))
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=IDS)
+def test_flax_s_decode_cache_is_initialised_on_init_inputs_and_decodes_one_token_a_call(devices, grid):
+    """``init_inputs=`` gives ``model.init`` the maximum length while the example is the
+    one-token call: the cache is planned at its full length (a one-token example alone made
+    a cache of length 1; a full-length example is no valid decode call). Greedy decoding
+    through ``pm.apply`` gives the plain decoder's logits at every step; ``pm.init`` makes
+    the full-length cache too."""
+    batch, length = 4, 8
+    decoder, trained = _Decoder(decode=True), _Decoder()
+    prompt = np.random.default_rng(5).integers(0, 64, (batch, 3)).astype(np.int32)
+    full = jnp.zeros((batch, length), jnp.int32)
+    params = trained.init(jax.random.key(0), full)["params"]
+    cache = decoder.init(jax.random.key(0), full)["cache"]
+    pm = axonn_jax.partition(decoder, grid, prompt[:, :1], mutable=["cache"], init_inputs=(full,))
+    assert jax.tree.map(np.shape, pm.init(jax.random.key(0))["cache"]) == jax.tree.map(np.shape, cache)
+
+    def generate(call, variables):
+        logits, token = [], prompt[:, :1]
+        for t in range(length):
+            out, updates = call(variables, token)
+            variables = {**variables, **updates}
+            logits.append(np.asarray(out[:, -1]))
+            token = prompt[:, t + 1:t + 2] if t + 1 < 3 else logits[-1].argmax(-1)[:, None].astype(np.int32)
+        return np.stack(logits, 1)
+
+    ours = generate(lambda v, t: pm.apply(v, t, mutable=["cache"]), pm.shard({"params": params, "cache": cache}))
+    plain = generate(lambda v, t: decoder.apply(v, t, mutable=["cache"]), {"params": params, "cache": cache})
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=2e-6)
+
+
+def test_init_inputs_are_refused_for_an_nnx_model(devices):
+    with pytest.raises(TypeError, match=r"init_inputs= is for linen models.*Remedy: size its cache"):
+        axonn_jax.partition(_Net(nnx.Rngs(0)), Grid(x=2, z=2, data=2), np.ones((8, 16), np.float32),
+                            init_inputs=(np.ones((8, 16), np.float32),))  # fmt: skip
