@@ -23,6 +23,8 @@ Example (under ``mpiexec -n 2``)::
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -52,6 +54,10 @@ class HostCollectives(Protocol):
     def barrier(self) -> None:
         """Return once every process got here."""
 
+    def allgather_within(self, record: bytes, timeout: float) -> list[bytes] | None:
+        """Every process's ``record`` (at most :data:`RECORD_BYTES`, zero-padded), or ``None``
+        when not every process made this call within ``timeout`` s (a bounded collective)."""
+
     def sum_shared(self, grads: list, users: Sequence[Sequence[int]], homes: Sequence[int | None],
                    shared: Sequence[int], meshes: Sequence,
                    rows: Mapping[int, Mapping[int, tuple[int, int]]] | None = None) -> list:  # fmt: skip
@@ -76,15 +82,26 @@ class HostComm:
         comm.broadcast("hello", root=0)   # "hello" on both ranks
     """
 
-    def __init__(self, comm: Any):
+    #: seconds :meth:`allgather_within` tests without sleeping before it sleeps between tests
+    SPIN = 0.02
+    #: longest sleep between two tests of :meth:`allgather_within` (bounds its added latency)
+    NAP = 0.0005
+
+    def __init__(self, comm: Any, bounded: Any = None):
         self.comm = comm  # an mpi4py communicator
+        # the bounded collectives' own communicator: a call that one process gave up on stays
+        # posted there (MPI cannot cancel it) and is matched by the others' next bounded call,
+        # never by one of the blocking collectives on ``comm``
+        self._bounded = bounded
+        self._abandoned: list = []  # (request, buffers) given up on: kept alive for MPI
 
     @classmethod
     def duplicate_world(cls) -> HostComm:
-        """A communicator of its own over every process (a ``Dup`` of ``COMM_WORLD``)."""
+        """A communicator of its own over every process (a ``Dup`` of ``COMM_WORLD``), and one
+        more for :meth:`allgather_within` (``Dup`` is collective: made here, not on first use)."""
         from mpi4py import MPI
 
-        return cls(MPI.COMM_WORLD.Dup())
+        return cls(MPI.COMM_WORLD.Dup(), MPI.COMM_WORLD.Dup())
 
     @property
     def rank(self) -> int:
@@ -106,6 +123,36 @@ class HostComm:
 
     def barrier(self) -> None:
         self.comm.Barrier()
+
+    def allgather_within(self, record: bytes, timeout: float) -> list[bytes] | None:
+        """A non-blocking ``Iallgather`` tested until it completes or ``timeout`` s pass: spins
+        for :attr:`SPIN` s (yielding the CPU), then sleeps at most :attr:`NAP` s between tests.
+        A call given up on stays posted (kept alive here) and completes with the others' next
+        call: its callers compare the records, so they notice (:mod:`~axonn_jax.runtime.pipeline.agreement`)."""
+        if len(record) > RECORD_BYTES:
+            raise ValueError(f"a bounded allgather record holds at most {RECORD_BYTES} bytes, got {len(record)}")
+        if self._bounded is None:
+            self._bounded = self.comm.Dup()  # only for a HostComm built around a communicator
+        size = self._bounded.Get_size()
+        send = np.zeros(RECORD_BYTES, np.uint8)
+        send[: len(record)] = np.frombuffer(record, np.uint8)
+        received = np.empty((size, RECORD_BYTES), np.uint8)
+        request = self._bounded.Iallgather(send, received)
+        now = start = time.perf_counter()
+        nap = 0.00005
+        while not request.Test():
+            now = time.perf_counter()
+            if now - start >= timeout:
+                if request.Test():
+                    break
+                self._abandoned.append((request, send, received))
+                return None
+            if now - start < self.SPIN:
+                os.sched_yield()
+            else:
+                time.sleep(nap)
+                nap = min(2 * nap, self.NAP)
+        return [bytes(row) for row in received]
 
     def sum_shared(self, grads, users, homes, shared, meshes, rows=None):
         """Each shard is exchanged with the processes holding the same mesh position in
@@ -147,6 +194,10 @@ class HostComm:
                 summed.append(jax.device_put(_combined(me, mine, received), shard.device))
             grads[i] = jax.make_array_from_single_device_arrays(g.shape, g.sharding, summed)
         return grads
+
+
+#: the size of one process's record in :meth:`HostComm.allgather_within`
+RECORD_BYTES = 1024
 
 
 def _combined(me: int, mine: np.ndarray, received: dict) -> np.ndarray:
@@ -233,6 +284,9 @@ class SingleProcess:
 
     def barrier(self) -> None:
         pass
+
+    def allgather_within(self, record: bytes, timeout: float) -> list[bytes]:
+        return [record]
 
     def sum_shared(self, grads, users, homes, shared, meshes, rows=None):
         return grads  # the local stages' gradients are already summed

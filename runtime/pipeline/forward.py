@@ -28,6 +28,7 @@ import numpy as np
 from axonn_jax.partitioner.program import Program
 from axonn_jax.runtime.microbatches import call_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall
+from axonn_jax.runtime.pipeline.agreement import agree_on_call, call_description
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.setup import StagePrograms, compile_stages, stage_inputs
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
@@ -39,6 +40,8 @@ from axonn_jax.runtime.sharded import replicate
 def pipelined_forward(stages: StagePrograms, placed: PlacedModel, params, args: tuple, kwargs: dict, *,
                       microbatches: int = 1, timeout: float = 60.0):  # fmt: skip
     """The model's outputs for ``args``/``kwargs`` (split into ``microbatches`` along dim 0)."""
+    described = call_description(dict(args=args, kwargs=kwargs), microbatches=microbatches)
+    agree_on_call(placed.host, "pm.apply", described, timeout)  # before any collective: bounded
     m = check_microbatches(microbatches)
     microbatch = call_slices(args, kwargs, m, placed.grid)
     program, programs = stages.forward(*microbatch(0))

@@ -36,6 +36,7 @@ from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss, mean_aux, 
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
 from axonn_jax.runtime.pipeline import timeline
+from axonn_jax.runtime.pipeline.agreement import agree_on_call, call_description
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.layer_rows import owned_rows, whole_gradient
 from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
@@ -117,6 +118,7 @@ class PipelinedValueAndGrad:
     # --- one step ---------------------------------------------------------------
     def __call__(self, params, batch, rngs=None, *, loss_scale=None) -> tuple[Any, Any]:
         placed, m, opts = self.placed, self.options.microbatches, self.options
+        self._agree(batch, rngs, loss_scale)
         params, wrapped = unwrap_params(params, placed.plan.param_tree)  # linen's {'params': tree}
         microbatch = loss_microbatch = batch_slices(batch, m, placed.grid)
         if loss_scale is not None:  # the loss's batch: (microbatch, scale); the scale replicated
@@ -152,6 +154,14 @@ class PipelinedValueAndGrad:
         new_state = [u if u is not None else x for u, x in zip(updated, leaves)]
         _, state = self.call.split(jax.tree.unflatten(placed.plan.param_tree, new_state))
         return (loss, state), self.call.split(grads)[0]
+
+    def _agree(self, batch, rngs, loss_scale) -> None:
+        """Every process makes this step with the same batch shapes (and, with
+        ``AXONN_JAX_CHECK_BATCH=1``, values), or all raise within the timeout
+        (:mod:`~axonn_jax.runtime.pipeline.agreement`): before anything compiles or runs."""
+        described = call_description(dict(batch=batch, rngs=rngs), microbatches=self.options.microbatches,
+                                     loss_scale=None if loss_scale is None else np.shape(loss_scale))  # fmt: skip
+        agree_on_call(self.placed.host, "train step", described, self.options.timeout)
 
     def _stages(self, model_call: Callable, microbatch: Callable, *,
                 scaled: bool) -> tuple[list[StageProgram], Callable, bool]:  # fmt: skip
