@@ -227,10 +227,11 @@ def _clock(t: float) -> str:
 
 
 def _dtype_name(dtype) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:  # typed PRNG keys
+    """The dtype as JAX computes with it (a NumPy int64 batch is int32 without x64, as
+    ``partitioner.trace.abstract`` has it: one call, not a mismatch)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # typed PRNG keys
         return str(dtype)
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype)).name
 
 
 def _call_site() -> str:
