@@ -104,6 +104,9 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("mpi_step", "Pipelined step: one process vs mpiexec -n 2 (CPU collectives)",
               ("--rounds", "3", "--steps", "10"), ("--rounds", "1", "--steps", "4"),
               devices=1, timeout_s=1500),  # fmt: skip
+    Benchmark("call_agreement", "The call agreement's cost on a pipelined step, one process and mpiexec -n 2",
+              ("--blocks", "10", "--steps", "20"), ("--blocks", "2", "--steps", "5"), devices=1,
+              timeout_s=900),  # fmt: skip
     Benchmark("pipeline_scan", "A scanned layer stack pipelined under mpiexec -n 2: scan vs unrolled",
               ("--rounds", "3", "--steps", "8"), ("--rounds", "1", "--steps", "2", "--layers", "2", "--hidden", "64"),
               devices=1, timeout_s=1800),  # fmt: skip

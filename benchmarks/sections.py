@@ -216,6 +216,11 @@ def mpi_step_summary(r: dict) -> Rows:
             for c in r["configs"][1:]]  # fmt: skip
 
 
+def call_agreement_summary(r: dict) -> Rows:
+    return [(f"pipelined step with the call agreement / without, {c['label']}", f"{c['ratio']:.2f}")
+            for c in r["configs"]]  # fmt: skip
+
+
 def pipeline_scan_summary(r: dict) -> Rows:
     return [(f"GPT {r['layers']}L/{r['hidden']}H written as one nn.scan / unrolled: step time on {row['where']}",
              f"{row['ratio']:.2f}") for row in r["rows"]]  # fmt: skip
@@ -347,6 +352,7 @@ FORMATTERS: dict[str, tuple[Callable[[dict], Rows], Callable[[dict], str]]] = {
     "pipeline_zero_bubble": (zero_bubble_summary, lambda r: r["table"]),
     "pipeline_hop": (hop_summary, hop_section),
     "mpi_step": (mpi_step_summary, lambda r: r["table"]),
+    "call_agreement": (call_agreement_summary, lambda r: r["table"]),
     "pipeline_scan": (pipeline_scan_summary, lambda r: r["table"]),
     "checkpoint_save": (checkpoint_summary, checkpoint_section),
     "memory_offload": (offload_summary, offload_section),

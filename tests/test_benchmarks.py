@@ -197,6 +197,20 @@ def test_mpi_step_compares_one_process_and_mpiexec():
 
 @pytest.mark.slow
 @pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_call_agreement_times_a_pipelined_step_with_and_without_it():
+    """Both configurations run the step with the agreement and with it patched out; the
+    summary has one ratio for each."""
+    import call_agreement
+
+    r = call_agreement.main(["--blocks", "1", "--steps", "2"])
+    assert [c["label"] for c in r["configs"]] == ["one process", "mpiexec -n 2"]
+    assert all(c["on_s"] > 0 and c["off_s"] > 0 and c["ratio"] > 0 for c in r["configs"])
+    assert len(FORMATTERS["call_agreement"][0](r)) == 2 and "| mpiexec -n 2 |" in r["table"]
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
 @pytest.mark.timeout(900)
 def test_pipeline_scan_compares_scan_and_unrolled_on_a_pipeline_and_one_device():
     import pipeline_scan
