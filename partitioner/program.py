@@ -19,8 +19,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import pathlib
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +31,7 @@ from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, output_layout
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.propagation import PlannedLayouts, batch_problems, plan_layouts
+from axonn_jax.partitioner.provenance import user_frame
 from axonn_jax.partitioner.rules import Context
 from axonn_jax.partitioner.scan_cuts import cut_stages, with_cuts
 from axonn_jax.partitioner.stages import plan_stages
@@ -158,7 +157,7 @@ def program_for(model, plan: Plan, args: tuple, kwargs: dict, *, example: Traced
     problems = batch_problems([a.shape for j, a in enumerate(traced.arg_avals) if j not in traced.rng_args], grid)
     if problems:  # as partition() does: replicated, with a warning (a batch-1 generation step)
         more = f"; {len(problems) - 1} more inputs alike" if len(problems) > 1 else ""
-        warnings.warn(f"{problems[0]} (grid {grid}{more})", stacklevel=_caller_level())
+        warnings.warn(f"{problems[0]} (grid {grid}{more})", stacklevel=user_frame()[1])
     if layouts.storage != {p.path: p.storage for p in plan.params}:
         raise ValueError(
             f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} give a different "
@@ -188,15 +187,6 @@ def program_for(model, plan: Plan, args: tuple, kwargs: dict, *, example: Traced
 def _described(avals) -> str:
     """``[int32(16, 16), bool(16,)]``: each input's dtype and shape."""
     return "[" + ", ".join(f"{a.dtype}{tuple(a.shape)}" for a in avals) + "]"
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside this project (the user's call)."""
-    ours = tuple(str(pathlib.Path(__file__).resolve().parents[1] / d) for d in ("axonn_jax", "partitioner", "runtime"))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and str(pathlib.Path(frame.f_code.co_filename).resolve()).startswith(ours):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _explain_by_param_shapes(model, plan: Plan, args: tuple, kwargs: dict) -> None:

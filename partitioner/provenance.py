@@ -17,10 +17,25 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
+import types
 
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.stages import param_origins
 from axonn_jax.partitioner.trace import inlined_body
+
+def user_frame() -> tuple[types.FrameType | None, int]:
+    """Where the user's code called into axonn_jax: the first frame outside it, and its
+    ``stacklevel`` for ``warnings.warn`` counted from the function that asks (1).
+
+    Example:
+        >>> warnings.warn("replicated", stacklevel=user_frame()[1])  # doctest: +SKIP
+    """
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("axonn_jax"):
+        frame, level = frame.f_back, level + 1
+    return frame, level
+
 
 #: how far back (in equations) :meth:`Provenance.nearest_params` looks
 MAX_SEARCH = 256

@@ -41,13 +41,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import sys
 import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from axonn_jax.partitioner.provenance import user_frame
 from axonn_jax.runtime.collectives import RECORD_BYTES, HostCollectives
 
 #: set to 1 to compare the values of the inputs too (host copies: a debugging aid)
@@ -237,9 +237,7 @@ def _dtype_name(dtype) -> str:
 def _call_site() -> str:
     """``file:line`` of the first caller outside axonn_jax (for the messages only: processes may
     make the same call from other lines)."""
-    frame = sys._getframe(2)
-    while frame is not None and "axonn_jax" in frame.f_globals.get("__name__", ""):
-        frame = frame.f_back
+    frame, _ = user_frame()
     if frame is None:
         return "?"
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
