@@ -102,7 +102,7 @@ from fractions import Fraction
 
 from axonn_jax.partitioner.grid import DATA, PIPELINE, X, Y, Z, Grid
 from axonn_jax.partitioner.report import ring_wire_bytes
-from axonn_jax.perf.spec import ModelSpec, Param
+from axonn_jax.perf.spec import ModelSpec, Param, split_axes, split_size
 
 #: Axis nesting, innermost first (the 4D algorithm's hierarchy); groups of later axes contain earlier ones.
 NESTING = ("x", "y", "z", "data", "pipeline")
@@ -380,16 +380,16 @@ class _Step:
 
     def _norms(self, group) -> None:
         """A :class:`~axonn_jax.perf.spec.NormGroup`'s statistics, forward and backward."""
-        grid, axis = self.grid, group.axis
+        grid, axes = self.grid, split_axes(group.axis)  # one axis, or x and y
         norms = group.count * (self.share if group.rows_axis else 1)  # whole rows: the first stage
         scattered = group.rows_axis in self.scattered
         rows = self.rows * group.rows_per_token / (grid.axis_size(group.rows_axis) if scattered else 1)
-        wire = _ring("all-reduce", grid.axis_size(axis)) * group.stats * norms * rows
+        wire = _ring("all-reduce", split_size(axes, grid)) * group.stats * norms * rows
         calls, stats = norms * self.mb, norms * self.mb * group.stats
         again = 2 if self.recompute else 1
-        self.add("norm statistics", "all-reduce", (axis,), "forward", wire * again, calls * again,
+        self.add("norm statistics", "all-reduce", axes, "forward", wire * again, calls * again,
                  transfers=stats * again)  # fmt: skip
-        self.add("norm statistics", "all-reduce", (axis,), "backward", wire, calls, transfers=stats)
+        self.add("norm statistics", "all-reduce", axes, "backward", wire, calls, transfers=stats)
 
     def _batch_statistics(self, b) -> None:
         """A :class:`~axonn_jax.perf.spec.BatchStatistics`' all-reduces over the batch axes."""

@@ -35,18 +35,31 @@ TENSOR_SPLITS = (X, Y)
 VALUE_SPLITS = TENSOR_SPLITS + BATCH_AXES
 
 
+def split_axes(axis: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The axes of a split: none, one axis, or a tuple of them (a dim the partitioner splits
+    over both x and y, moving an axis that does not divide one dim onto another)."""
+    return () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def split_size(axis: str | tuple[str, ...] | None, grid: Grid) -> int:
+    """Devices a dim split over ``axis`` (see :func:`split_axes`) is split among on ``grid``."""
+    return math.prod(grid.axis_size(a) for a in split_axes(axis))
+
+
 def _check_axes(owner: str, field: str, *axes, optional: bool = True,
                 allowed: tuple[str, ...] = TENSOR_SPLITS) -> None:  # fmt: skip
     """Raise ``ValueError`` naming ``owner`` and ``field`` for an axis that is not one of
     ``allowed`` (``optional``: None is allowed)."""
-    for axis in axes:
+    for axis in (a for split in axes for a in (split if isinstance(split, tuple) else (split,))):
         if not (optional and axis is None) and axis not in allowed:
             raise ValueError(f"{owner}: {field} {axis!r} is not one of {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """A parameter as it is used: ``axes[d]`` splits dim ``d`` (``None``: not split).
+    """A parameter as it is used: ``axes[d]`` splits dim ``d`` (``None``: not split; a
+    tuple of axes: split over each, x·y, where the partitioner moves an axis that does not
+    divide one dim onto another and both are larger than 1 on the grid).
 
     ``depth`` marks matmul and embedding weights, which are also split over z
     (gathered for use; their gradient is reduce-scattered over z).
@@ -105,7 +118,7 @@ class Param:
 
     def use_elements(self, grid: Grid) -> float:
         """Elements of one copy on one device where it is used (after the z gather)."""
-        return self._size / math.prod(grid.axis_size(axis) for axis in self.axes if axis)
+        return self._size / math.prod(split_size(axis, grid) for axis in self.axes)
 
     def local_elements(self, grid: Grid) -> float:
         """Elements of one copy stored on one device."""
@@ -122,12 +135,12 @@ class Param:
         """True if every split dim divides (a :attr:`read_whole` dim need not: see
         :meth:`read_whole_split`), and (for depth weights) some dim also takes z."""
         for size, axis in zip(self.shape, self.axes):
-            if axis and size % grid.axis_size(axis) and axis != self.read_whole:
+            if axis and size % split_size(axis, grid) and axis != self.read_whole:
                 return False
         if not self.depth or grid.z == 1:
             return True
         return any(
-            size % ((grid.axis_size(axis) if axis else 1) * grid.z) == 0
+            size % (split_size(axis, grid) * grid.z) == 0
             for size, axis in zip(self.shape, self.axes)
         )
 
@@ -370,12 +383,13 @@ class NormGroup:
     norms on whole rows (block 0's first, before any layer scatters the stream), which the
     first pipeline stage runs, while the others are shared out among the stages.
     ``rows_per_token``: the rows each normalises, per token of the spec (1; Whisper's and
-    wav2vec2's stream has fewer rows than their inputs have frames).
+    wav2vec2's stream has fewer rows than their inputs have frames). ``axis`` may be a
+    tuple: a dim split over x·y (:class:`Param`), its statistics all-reduced over both.
     """
 
     count: int
     stats: float = 2
-    axis: str = Y
+    axis: str | tuple[str, ...] = Y
     rows_axis: str | None = None
     rows_per_token: float = 1.0
 

@@ -280,7 +280,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
         )
     tokens = max(mm.m for mm in matmuls)
     params = [
-        Param(p.path, p.shape, tuple(_tensor_axis(d, grid) for d in p.use),
+        Param(p.path, p.shape, tuple(_tensor_split(d, grid) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
               per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i),
               read_whole_grad=i in read_whole_grad, read_whole_rows=i in read_whole_rows,
@@ -415,7 +415,7 @@ class _NormStatistics:
             self.roots[eqn.outvars[0]] = self.roots.get(ins[0], ins[0])
         elif name == "reduce_sum" and not R.is_literal(ins[0]) and ins[0] in self.layouts:
             reduced = tuple(a for d in eqn.params["axes"] for a in self.layouts[ins[0]][d])
-            axis = _tensor_axis(reduced, self.grid)
+            axis = _tensor_split(reduced, self.grid)
             if set(reduced) & set(BATCH_AXES):  # over the batch: BatchNorm's statistics
                 root = self.roots.get(ins[0], ins[0])
                 over = tuple(a for a in VALUE_SPLITS if a in reduced)
@@ -872,6 +872,15 @@ def _tensor_axis(axes: tuple[str, ...], grid: Grid) -> str | None:
     the one larger than 1 on ``grid``, else the first."""
     tensor = [a for a in axes if a in (X, Y)]
     return next((a for a in tensor if grid.axis_size(a) > 1), tensor[0] if tensor else None)
+
+
+def _tensor_split(axes: tuple[str, ...], grid: Grid) -> str | tuple[str, ...] | None:
+    """The tensor axes a dim split over ``axes`` is split among on ``grid``: of a dim split
+    over both x and y, both where both are larger than 1 (the partitioner's fallback, a ViT's
+    patch-convolution channels over x·y: each device holds a 1/(x·y) slice, its norms'
+    statistics are all-reduced over x·y), else :func:`_tensor_axis`'s one."""
+    live = tuple(a for a in axes if a in (X, Y) and grid.axis_size(a) > 1)
+    return live if len(live) > 1 else _tensor_axis(axes, grid)
 
 
 def _in_block(path: str) -> bool:
