@@ -249,10 +249,11 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
         out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]), grid)
         path = plan.params[p].path
         weight_of.append((act_var, p))
-        whole = not (_gathered_over(eqn, act_var, out_axis, layouts, ctx) if planned_for_grid
+        targets = _rule_step(eqn, layouts, ctx).targets  # where the partitioner's rule reads both
+        whole = not (_gathered_over(layouts.get(act_var), targets[1 - w_side], out_axis) if planned_for_grid
                      else act_var in flow.axis)  # fmt: skip
         whole_uses.layer(whole)
-        gathered_weight = _weight_gathered(eqn, w_side, in_axis, layouts, ctx)
+        gathered_weight = _weight_gathered(w_lay, w_c, targets[w_side], in_axis)
         if gathered_weight:
             read_whole[p] = in_axis
             # on input rows an earlier layer scattered over the axis: the gradient is of those rows
@@ -708,10 +709,11 @@ def _kernel_read_whole(stored, used, grid: Grid) -> str | None:
 _PRICED_REDUCTIONS = frozenset(["reduce_sum", "gather"])
 
 
-def _weight_gathered(eqn, w_side: int, in_axis: str | None, layouts, ctx: R.Context) -> bool:
-    """Whether the partitioner's rule for layer ``eqn`` reads its weight (operand ``w_side``)
-    with k whole: it drops ``in_axis``, which the weight's storage splits k over, from the
-    weight's contracted dims (so the runtime all-gathers the weight over it).
+def _weight_gathered(stored, contracted, target, in_axis: str | None) -> bool:
+    """Whether the partitioner's rule for a layer reads its weight (stored as ``stored``,
+    contracted over dims ``contracted``; ``target``: the rule's layout for it) with k whole:
+    it drops ``in_axis``, which the weight's storage splits k over, from the weight's
+    contracted dims (so the runtime all-gathers the weight over it).
 
     A weight whose storage is another use's (a tied embedding table, stored with its
     hidden dim split over y for the lookup, read transposed as the output head) can meet
@@ -724,13 +726,7 @@ def _weight_gathered(eqn, w_side: int, in_axis: str | None, layouts, ctx: R.Cont
     its rows and the gather's transpose reduce-scatters it
     (``runtime.executor._partial_gathers``; ``Param.read_whole_rows``).
     """
-    if in_axis is None or eqn.invars[w_side] not in layouts:
-        return False
-    (lc, rc), _ = eqn.params["dimension_numbers"]
-    stored, target = layouts[eqn.invars[w_side]], _rule_step(eqn, layouts, ctx).targets[w_side]
-    if target is None:
-        return False
-    return any(in_axis in stored[d][len(common_prefix(stored[d], target[d])):] for d in (lc, rc)[w_side])
+    return _drops(stored, target, in_axis, contracted)
 
 
 def _partial_sums(eqn, step: R.Step, trained: set, scattered: dict) -> list[tuple]:
@@ -796,7 +792,7 @@ def _whole_gathers(eqn, step: R.Step, layouts, trained: set, scattered: dict,
             continue  # relaid out on the one-device plan
         # as runtime.executor.relayout moves it: each dim's axes past what it shares with
         # the target's are gathered, then the target's are sliced off
-        dropped = {a for axes, kept in zip(lay, target) for a in axes[len(common_prefix(axes, kept)):]}
+        dropped = _dropped(lay, target)
         gathered = [a for a in VALUE_SPLITS if a in dropped]
         rows = scattered.get(operand)  # priced by grid (``rows_axis``), also where a grid's plan marks it
         split = {a for axes in lay for a in axes if a in (X, Y)} - {rows}
@@ -818,18 +814,32 @@ def _rule_step(eqn, layouts, ctx: R.Context) -> R.Step:
     return R.rule(eqn, [None if R.is_literal(v) else layouts.get(v) for v in eqn.invars], ctx)
 
 
-def _gathered_over(eqn, act_var, axis: str | None, layouts, ctx: R.Context) -> bool:
-    """Whether the partitioner's rule for layer ``eqn`` gathers its input ``act_var`` over
-    ``axis`` (the layer's output axis): rows an earlier layer reduce-scattered over it, or
-    features an earlier layer split over it (a layer after one of the same orientation).
-    Then the input gradient is reduce-scattered back; else it is all-reduced.
+def _gathered_over(layout, target, axis: str | None) -> bool:
+    """Whether the partitioner's rule for a layer gathers its input (laid out as ``layout``;
+    ``target``: the rule's layout for it) over ``axis`` (the layer's output axis): rows an
+    earlier layer reduce-scattered over it, or features an earlier layer split over it (a
+    layer after one of the same orientation). Then the input gradient is reduce-scattered
+    back; else it is all-reduced.
     """
-    if axis is None or act_var not in layouts:
-        return False
-    target = _rule_step(eqn, layouts, ctx).targets[list(eqn.invars).index(act_var)]
-    if target is None:
-        return False
-    return any(axis in axes[len(common_prefix(axes, kept)):] for axes, kept in zip(layouts[act_var], target))
+    return _drops(layout, target, axis)
+
+
+def _drops(layout, target, axis: str | None, dims=None) -> bool:
+    """Whether ``target`` (a rule's layout for an operand laid out as ``layout``; ``None``:
+    as it is) drops ``axis`` from one of ``dims`` (every dim by default)."""
+    return axis is not None and layout is not None and target is not None and axis in _dropped(layout, target, dims)
+
+
+def _dropped(layout, target, dims=None) -> set[str]:
+    """The axes ``target`` drops from ``layout``'s ``dims`` (every dim by default), as
+    ``runtime.executor.relayout`` moves a value: each dim's axes past what it shares with
+    the target's are gathered.
+
+    >>> sorted(_dropped((("data", "y"), ("x",)), (("data",), ())))
+    ['x', 'y']
+    """
+    dims = range(len(layout)) if dims is None else dims
+    return {a for d in dims for a in layout[d][len(common_prefix(layout[d], target[d])):]}
 
 
 def _rows_axis(layout, unit: frozenset) -> str | None:
