@@ -78,8 +78,9 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
     """Shardings of ``optimizer``'s state: parameter-like leaves follow their parameter.
 
     Everything else (step counters, …) takes ``replicated``, and so does state kept per
-    parameter in another shape (Adafactor's factored row and column statistics) or in
-    another structure (SM3's list of accumulators per parameter: all its state).
+    parameter in another shape (Adafactor's factored row and column statistics, SM3's
+    per-dimension accumulators). Which leaves mirror which parameter is
+    :func:`state_labels`' answer.
     ``params`` may be arrays or ShapeDtypeStructs; ``None`` leaves (other stages) stay
     ``None``, and so do the masked-out parameters of ``optax.masked`` /
     ``optax.multi_transform`` (``MaskedNode``).
@@ -89,30 +90,17 @@ def optimizer_state_shardings(optimizer: optax.GradientTransformation, params, p
         ...                           NamedSharding(pm.mesh, P()))
     """
     abstract = jax.eval_shape(optimizer.init, params)
+    labels = iter(state_labels(optimizer, abstract, params))  # one per state leaf that is no hole
+    shapes = [np.shape(p) for p in jax.tree.leaves(params)]
+    shardings = jax.tree.structure(params).flatten_up_to(param_shardings)
 
-    def follow(leaf, sharding, param):
-        if sharding is None:  # another stage's parameter
-            return None
-        if isinstance(leaf, optax.MaskedNode):
+    def follow(leaf):
+        if is_state_hole(leaf):  # another stage's parameter, or a masked-out one
             return leaf
-        return sharding if np.shape(leaf) == np.shape(param) else replicated
+        i = next(labels)
+        return shardings[i] if i >= 0 and np.shape(leaf) == shapes[i] else replicated
 
-    try:
-        return optax.tree_map_params(
-            optimizer, follow, abstract, param_shardings, params,
-            transform_non_params=lambda _: replicated, is_leaf=is_state_hole,
-        )  # fmt: skip
-    except Exception:  # noqa: BLE001 - optax's placeholder init failed (see state_labels): by key path
-        labels, shapes = iter(_labels_by_path(abstract, params)), [np.shape(p) for p in jax.tree.leaves(params)]
-        shardings = jax.tree.leaves(param_shardings)
-
-        def by_path(leaf):
-            if is_state_hole(leaf):
-                return leaf
-            i = next(labels)
-            return shardings[i] if i >= 0 and np.shape(leaf) == shapes[i] else replicated
-
-        return jax.tree.map(by_path, abstract, is_leaf=is_state_hole)
+    return jax.tree.map(follow, abstract, is_leaf=is_state_hole)
 
 
 def _check_streamable(optimizer, state) -> None:
