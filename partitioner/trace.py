@@ -102,6 +102,11 @@ def abstract(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(x.shape, dtype)
 
 
+def abstract_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's inputs as ``ShapeDtypeStruct`` (static values, :func:`is_static`, kept as they are)."""
+    return jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+
+
 def is_static(x) -> bool:
     """Python scalars, strings and functions in the call (flags such as ``deterministic=True``;
     linen's ``method=Model.encode``, or ``method='encode'``, which ``model.apply`` takes).
@@ -169,10 +174,9 @@ def _trace(model, args, kwargs, init_inputs=None) -> TracedModel:
         nnx = None
     import flax.linen as nn
 
-    abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+    abstract_args = abstract_call(args, kwargs)
     if isinstance(model, nn.Module):
-        init_args = None if init_inputs is None else jax.tree.map(
-            lambda x: x if is_static(x) else abstract(x), tuple(init_inputs))
+        init_args = None if init_inputs is None else abstract_call(tuple(init_inputs), {})[0]
         return _trace_linen(model, abstract_args, init_args)
     if nnx is not None and isinstance(model, nnx.Module):
         if init_inputs is not None:
@@ -442,7 +446,7 @@ def retrace(traced: TracedModel, args: tuple, kwargs: dict) -> TracedModel:
     else:  # an nnx call returns its state's updates where it has state
         returns_updates = traced.has_state
     params = jax.tree.unflatten(traced.param_tree, list(traced.param_avals))
-    abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+    abstract_args = abstract_call(args, kwargs)
     with bound_axis_names(traced.axis_names), _linen_remedies():
         again = _finish(traced.kind, params, abstract_args, traced.apply, traced.init,
                         returns_updates=returns_updates)  # fmt: skip
@@ -459,7 +463,7 @@ def trace_composite(traced: TracedModel, fn: Callable, args: tuple, kwargs: dict
     the model's own collective axis names stay bound while tracing and calling.
     """
     params = jax.tree.unflatten(traced.param_tree, list(traced.param_avals))
-    abstract_args = jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
+    abstract_args = abstract_call(args, kwargs)
     with bound_axis_names(traced.axis_names):
         composite = _finish(traced.kind, params, abstract_args, fn, traced.init,
                             returns_updates=returns_updates)  # fmt: skip

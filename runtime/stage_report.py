@@ -28,12 +28,12 @@ from axonn_jax.partitioner.layout import local_shape
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport
-from axonn_jax.partitioner.trace import call_leaves
+from axonn_jax.partitioner.trace import abstract_call, call_leaves
 from axonn_jax.runtime.executor import Executor
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.pipeline.stage_program import StageProgram
-from axonn_jax.runtime.step_report import (abstract_call, abstract_stage_mesh, cotangent, plain_flops, saved_bytes,
-                                           step_collectives, without_dead_residuals)  # fmt: skip
+from axonn_jax.runtime.step_report import (abstract_stage_mesh, cotangent, plain_flops, saved_bytes, step_collectives,
+                                           without_dead_residuals)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

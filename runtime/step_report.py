@@ -34,7 +34,7 @@ from axonn_jax.partitioner.jaxprs import open_jaxpr, subjaxprs
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import Program
 from axonn_jax.partitioner.report import CommReport, MemoryReport, Transfer
-from axonn_jax.partitioner.trace import abstract, bound_axis_names, call_leaves, is_static
+from axonn_jax.partitioner.trace import abstract_call, bound_axis_names, call_leaves, is_static
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.sharded import apply_program
 
@@ -69,11 +69,6 @@ class StepReport:
     def __str__(self) -> str:
         return (f"{self.plan}\n{self.plan.table()}\n\n{self.memory}\n\n{self.communication}"
                 f"\n\n{self.compute}")
-
-
-def abstract_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """A call's inputs as ``ShapeDtypeStruct`` (static flags kept as they are)."""
-    return jax.tree.map(lambda x: x if is_static(x) else abstract(x), (args, kwargs))
 
 
 def abstract_stage_mesh(grid: Grid) -> AbstractMesh:

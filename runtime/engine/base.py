@@ -12,6 +12,7 @@ import jax
 
 from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, call_signature
+from axonn_jax.partitioner.trace import abstract_call
 from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss, loss_program
 from axonn_jax.runtime.microbatches import default_inputs
 from axonn_jax.runtime.model_call import ModelCall, check_differentiable, is_params_of_state, unwrap_params
@@ -19,7 +20,6 @@ from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import PlacedModel
 from axonn_jax.runtime.programs import ProgramCache
 from axonn_jax.runtime.remat import resolve_remat
-from axonn_jax.runtime.step_report import abstract_call
 
 if TYPE_CHECKING:
     from axonn_jax.runtime.stage_report import PipelineReport
