@@ -91,6 +91,10 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
                            "on this machine's devices, drop those whose compiled bytes exceed "
                            "the device memory, and reorder the rest by the step time their compiled "
                            "programs imply (CPU: --gpus devices are simulated)")  # fmt: skip
+    plan.add_argument("--within", type=float, metavar="FRACTION",
+                      help="with --check: also compile every configuration predicted within this "
+                           "share of the first's step time (default 0.1: the analytical model's near "
+                           "ties, which it does not order; 0: the top K only)")  # fmt: skip
     plan.add_argument("--trial", type=int, nargs="?", const=10, default=0, metavar="STEPS",
                       help="with --check: also run each checked configuration STEPS (default 10) "
                            "timed steps on this machine's devices (twice, in opposite orders) and "
@@ -155,6 +159,10 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
         parser.error(f"--trial must be >= 0 (timed steps per configuration), got {args.trial}")
     if args.trial and not args.check:
         parser.error("--trial times the configurations --check compiles; remedy: add --check [K]")
+    if args.within is not None and not args.check:
+        parser.error("--within widens the configurations --check compiles; remedy: add --check [K]")
+    if args.within is not None and args.within < 0:
+        parser.error(f"--within must be >= 0 (a share of the first's predicted step time), got {args.within}")
     if args.no_recompute and args.recompute != "auto":
         parser.error(f"--no-recompute is --recompute off; it cannot be combined with --recompute {args.recompute}")
     recompute = "off" if args.no_recompute else args.recompute
@@ -178,7 +186,7 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     if model is not None and result.ranked:
         from axonn_jax.compiled_check import rerank
 
-        checks = _check(model, result, args.check, machine, args.trial)
+        checks, checked = _check(model, result, args.check, machine, args.trial, args.within)
         kept = rerank(checks)
         result = dataclasses.replace(result, ranked=tuple(c.prediction for c in kept))
     # grids where the partitioner falls back (a dim it does not divide): priced on their own plan
@@ -192,11 +200,14 @@ def _plan(parser: argparse.ArgumentParser, args) -> int:
     elif result.ranked:
         print(_table(spec, machine, options, args.gpus, result, seconds, recompute, own_plan))
         if checks is not None:
-            from axonn_jax.compiled_check import format_checks
+            from axonn_jax.compiled_check import NEAR_TIE, format_checks
 
             by = (f"the median of {args.trial} steps run here (the lesser of two passes)" if args.trial
                   else "the compiled ms")  # fmt: skip
-            print(f"\ncompiled ahead of time on this machine's devices (limit "
+            ties = checked - min(args.check, checked)
+            which = f"the top {args.check}" + (f" and {ties} more predicted within {args.within or NEAR_TIE:.0%} "
+                                               "of the first" if ties else "")  # fmt: skip
+            print(f"\n{which} compiled ahead of time on this machine's devices (limit "
                   f"{machine.memory_gib:g} GiB per device; compiled ms: XLA's FLOPs, bytes and "
                   f"collectives of the program on {machine.name}; the table above is reranked by "
                   f"{by}):\n{format_checks(checks)}")  # fmt: skip
@@ -230,16 +241,19 @@ def loss_rows(spec, loss: str = "planned") -> int:
     return spec.tokens if loss == "planned" and spec.split_outputs else 0
 
 
-def _check(model, result, k: int, machine, trial_steps: int = 0):
-    """The compiled checks (and ``trial_steps`` timed steps) of the top ``k`` configurations,
-    then the others unchecked."""
-    from axonn_jax.compiled_check import CompiledCheck, check_compiled
+def _check(model, result, k: int, machine, trial_steps: int = 0, within: float | None = None):
+    """The compiled checks (and ``trial_steps`` timed steps) of the top ``k`` configurations
+    and those predicted ``within`` of the first (:func:`~axonn_jax.compiled_check.to_check`),
+    then the others unchecked; and how many were checked."""
+    from axonn_jax.compiled_check import NEAR_TIE, CompiledCheck, check_compiled, to_check
 
     flax_model, inputs = model
     limit = machine.memory_gib * 2**30
-    checked = check_compiled(flax_model, inputs, result.ranked[:k], limit_bytes=limit, machine=machine,
+    candidates = to_check(result.ranked, k, NEAR_TIE if within is None else within)
+    checked = check_compiled(flax_model, inputs, candidates, limit_bytes=limit, machine=machine,
                              trial_steps=trial_steps)  # fmt: skip
-    return checked + [CompiledCheck(p, limit, note=f"beyond the top {k}") for p in result.ranked[k:]]
+    beyond = f"beyond the top {k} and their near ties" if len(candidates) > k else f"beyond the top {k}"
+    return checked + [CompiledCheck(p, limit, note=beyond) for p in result.ranked[len(candidates):]], len(candidates)
 
 
 def _model(parser, args) -> tuple:

@@ -29,7 +29,8 @@ is reported unchecked and kept in its place.
 Example::
 
     result = search(spec, 8, machine, top=6)
-    checks = check_compiled(model, (tokens,), result.ranked[:3], limit_bytes=16 * 2**30, machine=machine)
+    checks = check_compiled(model, (tokens,), to_check(result.ranked, 3), limit_bytes=16 * 2**30,
+                            machine=machine)
     print(format_checks(checks))
     best = rerank(checks)[0].prediction
 """
@@ -61,6 +62,28 @@ from axonn_jax.runtime.memory import compiled_bytes
 
 #: the runtime's precision for each precision the model prices
 RUNTIME_PRECISION = {"mixed": "bf16", "fp32": "fp32"}
+
+#: configurations predicted within this share of the first's step time are checked beside the
+#: top K: the analytical model does not order configurations that close (on the simulated
+#: devices of ``benchmarks/grid_prediction.py`` the measured best was predicted 3-6 % behind
+#: the first, outside the top 3)
+NEAR_TIE = 0.10
+
+
+def to_check(ranked: Sequence[Prediction], k: int, within: float = NEAR_TIE) -> list[Prediction]:
+    """The configurations ``axonn-jax plan --check K`` compiles: the first ``k`` of ``ranked``
+    (best predicted first) and every later one predicted within ``within`` of the first's step
+    time (the model's near ties), so the compiled programs or a trial decide between them.
+
+    Example, ``ranked`` predicted 1.0, 1.04, 1.09 and 1.2 s::
+
+        to_check(ranked, 2, within=0.1)   # the first three
+    """
+    if not ranked:
+        return []
+    limit = ranked[0].step_seconds * (1 + within)
+    near = sum(1 for p in ranked if p.step_seconds <= limit)
+    return list(ranked[: max(k, near)])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,14 @@
 3. Predict each grid's step time (float32, no recompute, as measured) with
    the profile, and report per model Spearman's rank correlation and the
    measured rank of the planner's pick (the target: #1): as ``axonn-jax plan
-   --check K`` picks, the analytical model's top ``--check`` grids reordered by
+   --check K`` picks, the analytical model's top ``--check`` grids and those
+   predicted within ``--within`` of its first (its near ties,
+   :func:`axonn_jax.compiled_check.to_check`) reordered by
    the step time their compiled programs imply (XLA's FLOPs, bytes accessed
    and collectives priced with the same profile,
    :mod:`axonn_jax.perf.compiled`); the analytical first and the compiled
    estimate's own ranking are reported too. And the planner's timed pick, as
-   ``axonn-jax plan --check K --trial STEPS`` picks: the same top ``--check``
-   grids, each run ``--trial`` steps here by
+   ``axonn-jax plan --check K --trial STEPS`` picks: the same grids, each run ``--trial`` steps here by
    :func:`axonn_jax.compiled_check.check_compiled` (its own train step and
    timing, after the measurement below and apart from it), the fastest
    first. With how sure
@@ -250,6 +251,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--check", type=int, default=3,
                     help="the planner's pick: its top K reordered by compiled step time (default 3, "
                          "axonn-jax plan --check's)")  # fmt: skip
+    ap.add_argument("--within", type=float, default=0.1,
+                    help="... and those predicted within this share of the first's step time (default "
+                         "0.1, axonn-jax plan --check's --within)")  # fmt: skip
     ap.add_argument("--trial", type=int, default=10,
                     help="the planner's timed pick: its top K each run this many steps (plan --check K "
                          "--trial STEPS; default 10, 0: none)")  # fmt: skip
@@ -295,10 +299,11 @@ def main(argv=None) -> dict:
              + ("(processes, then rounds in each) " if a.runs > 1 else "of the rounds ")
              + f"in which the grid's figure is the least (≥ {TIE_SHARE:.0%}: tied with the measured best). "
              "Predicted: float32, AdamW, no recompute, one microbatch, as measured.", "",
-             f"The planner's pick: the analytical top {a.check} reordered by the step time their "
+             f"The planner's pick: the analytical top {a.check} and those predicted within "
+             f"{a.within:.0%} of the first, reordered by the step time their "
              "compiled programs imply (`axonn-jax plan --check`)"
-             + (f"; its timed pick: the same {a.check} each run {a.trial} steps here by the planner, "
-                f"twice (`axonn-jax plan --check {a.check} --trial {a.trial}`), after the measurement "
+             + (f"; its timed pick: the same each run {a.trial} steps here by the planner, twice "
+                f"(`axonn-jax plan --check {a.check} --within {a.within:g} --trial {a.trial}`), after the measurement "
                 "and apart from it." if a.trial else "."), "",
              "| model | grids | the planner's pick | its measured rank | fastest in | tied for the fastest "
              "| timed pick (measured rank, fastest in) "
@@ -387,6 +392,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
 
     ``children``: the ``--runs`` processes' measurements of this model (else it is measured here).
     """
+    from axonn_jax.compiled_check import to_check
     from axonn_jax.partitioner.grid import Grid
     from axonn_jax.perf.compiled import ProgramCollective, ProgramCost
     from axonn_jax.perf.options import Options
@@ -417,8 +423,9 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     order = sorted(grids, key=lambda g: measured[g])
     rho = spearman([predicted[g].step_seconds for g in grids], [measured[g] for g in grids])
     pred_order = sorted(grids, key=lambda g: predicted[g].step_seconds)
-    pick = min(pred_order[: a.check], key=compiled.__getitem__)  # axonn-jax plan --check's first
-    trial = timed_pick(case, [predicted[g] for g in pred_order[: a.check]], machine, a.trial) if a.trial else {}
+    candidates = [p.grid for p in to_check([predicted[g] for g in pred_order], a.check, a.within)]
+    pick = min(candidates, key=compiled.__getitem__)  # axonn-jax plan --check's first
+    trial = timed_pick(case, [predicted[g] for g in candidates], machine, a.trial) if a.trial else {}
     rank_of_pick, rank_of_first = order.index(pick) + 1, order.index(pred_order[0]) + 1
     compiled_order = sorted(grids, key=compiled.__getitem__)
     rho_compiled = spearman([compiled[g] for g in grids], [measured[g] for g in grids])
@@ -428,7 +435,8 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
         "",
         f"Model: {spec.name}, {spec.num_params:,} parameters.",
         "",
-        f"**The planner's pick (the analytical top {a.check} reordered by their compiled step time), "
+        f"**The planner's pick (the analytical top {a.check} and {max(0, len(candidates) - a.check)} near ties, "
+        f"reordered by their compiled step time), "
         f"{_g(pick)}, is measured #{rank_of_pick}**"
         f"{' (the measured best)' if rank_of_pick == 1 else f'; measured best {_g(order[0])}'}; fastest in "
         f"{shares[pick]:.0%} of the resamples (measured best: {shares[order[0]]:.0%}); tied for the "
@@ -438,7 +446,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
         f"compiled estimate over every grid: {rho_compiled:.3f}, its first {_g(compiled_order[0])} "
         f"measured #{order.index(compiled_order[0]) + 1}."
         + (f" The fastest in each process: {', '.join(per_run_best)}." if len(runs) > 1 else "")
-        + (f" **The planner's timed pick (the same top {a.check}, each run {a.trial} steps by "
+        + (f" **The planner's timed pick (the same {len(candidates)}, each run {a.trial} steps by "
            f"`check_compiled`), {_g(trial['pick'])}, is measured #{order.index(trial['pick']) + 1}**, "
            f"fastest in {shares[trial['pick']]:.0%} of the resamples; the planner measured "
            + ", ".join(f"{_g(g)} {ms:.1f} ms" for g, ms in trial["ms"].items()) + "." if trial else ""),
@@ -461,7 +469,7 @@ def run_model(case: Case, machine, a, children: list[dict] | None = None) -> dic
     lines += ["", f"Compile {t_compile:.0f} s, measure {t_measure:.0f} s."]
     return {"spearman": rho, "spearman_median": rho_median, "best_rank": rank_of_pick,
             "pick": _g(pick), "analytical_first": _g(pred_order[0]), "analytical_first_rank": rank_of_first,
-            "spearman_compiled": rho_compiled, "compiled_first": _g(compiled_order[0]), "check": a.check,
+            "spearman_compiled": rho_compiled, "compiled_first": _g(compiled_order[0]), "check": a.check, "checked": [_g(g) for g in candidates],
             "compiled_first_rank": order.index(compiled_order[0]) + 1,
             "predicted_best": _g(pick), "measured_best": _g(order[0]), "grids": len(grids),
             "predicted_best_share": shares[pick], "tied": [_g(g) for g in tied],
@@ -483,7 +491,7 @@ def timed_pick(case: Case, predictions, machine, steps: int) -> dict:
     ``{"pick": grid, "ms": {grid: measured ms}}``."""
     from axonn_jax.compiled_check import check_compiled, rerank
 
-    print(f"{case.name}: the planner's trial of its top {len(predictions)} ...", flush=True)
+    print(f"{case.name}: the planner's trial of its {len(predictions)} candidates ...", flush=True)
     checks = check_compiled(case.model, (case.batch,), predictions, limit_bytes=float("inf"), machine=machine,
                             loss_fn=case.loss, trial_steps=steps)  # fmt: skip
     return {"pick": rerank(checks)[0].prediction.grid,

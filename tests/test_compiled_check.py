@@ -11,7 +11,7 @@ import pytest
 
 from axonn_jax.cli import _grid_flag, main
 from axonn_jax.compiled_check import (CompiledCheck, check_compiled, format_checks, program_cost, rerank,
-                                      synthetic_batch)
+                                      synthetic_batch, to_check)
 from axonn_jax.models import MLP
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.perf import machines
@@ -237,7 +237,7 @@ def test_cli_trial_reorders_by_the_measured_step(monkeypatch, capsys):
     monkeypatch.setattr(compiled_check, "check_compiled", fake)
     monkeypatch.setattr("axonn_jax.cli._factory", lambda parser, target: lambda: (MODEL, INPUTS))
     argv = ["plan", "--gpus", "8", "--machine", "frontier", "--model", "tiny:make", "--no-pipeline", "--top", "3",
-            "--check", "2", "--trial", "4"]  # fmt: skip
+            "--check", "2", "--within", "0", "--trial", "4"]  # fmt: skip
     assert main([*argv, "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["compiled_check"]["measured_seconds"] for r in rows] == [0.4, 0.5, None]
@@ -245,11 +245,56 @@ def test_cli_trial_reorders_by_the_measured_step(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "reranked by the median of 4 steps run here" in out
     assert rows[0]["grid_flag"] in out.splitlines()[-1]
-    for bad, message in ((["--trial", "3"], "add --check"), (["--check", "--trial", "-1"], "--trial must be >= 0")):
+    for bad, message in ((["--trial", "3"], "add --check"), (["--check", "--trial", "-1"], "--trial must be >= 0"),
+                         (["--within", "0.1"], "add --check"), (["--check", "--within", "-0.1"], "--within must be >= 0")):
         with pytest.raises(SystemExit) as exit_info:
             main(["plan", "--gpus", "8", "--machine", "frontier", "--layers", "2", "--hidden", "128", "--heads",
                   "4", "--seq", "64", "--batch", "16", "--vocab", "256", *bad])  # fmt: skip
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_check_takes_the_top_k_and_the_near_ties_of_the_first():
+    """:func:`to_check`: the top K, widened to every configuration predicted within ``within``
+    of the first's step time (the model does not order those), in the ranked order."""
+    spec = spec_from_model(MODEL, INPUTS)
+    ranked = search(spec, 8, machines.get("frontier"), top=8, pipeline=False).ranked
+    first = ranked[0].step_seconds
+    near = [p for p in ranked if p.step_seconds <= 1.1 * first]
+    assert 1 < len(near) < len(ranked)  # the case tests something: near ties, and others beyond them
+    assert to_check(ranked, 1, within=0.1) == near
+    assert to_check(ranked, 1, within=0.0) == [ranked[0]] == to_check(ranked[:1], 1)
+    assert to_check(ranked, len(near) + 1, within=0.1) == list(ranked[: len(near) + 1])  # K beyond the ties
+    assert to_check((), 3) == []
+
+
+def test_cli_check_compiles_the_near_ties_and_a_trial_may_pick_one_beyond_the_top_k(monkeypatch, capsys):
+    """``--check 1``: the first and (by default) every configuration predicted within 10% of
+    it are handed to check_compiled; a near tie measured fastest is the launch line's; the
+    table says how many near ties were checked."""
+    import axonn_jax.compiled_check as compiled_check
+
+    handed = []
+
+    def fake(model, inputs, predictions, *, limit_bytes, machine, trial_steps):
+        handed[:] = predictions
+        return [compiled_check.CompiledCheck(p, limit_bytes, compiled=1, time=ProgramTime(1.0, 0.0, 0.0),
+                                             measured=1.0 - 0.1 * i) for i, p in enumerate(predictions)]  # fmt: skip
+
+    monkeypatch.setattr(compiled_check, "check_compiled", fake)
+    monkeypatch.setattr("axonn_jax.cli._factory", lambda parser, target: lambda: (MODEL, INPUTS))
+    argv = ["plan", "--gpus", "8", "--machine", "frontier", "--model", "tiny:make", "--no-pipeline", "--top", "8",
+            "--check", "1", "--trial", "2"]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    first = handed[0].step_seconds
+    assert len(handed) > 1 and all(p.step_seconds <= 1.1 * first for p in handed)
+    assert all(r["step_seconds"] > 1.1 * first for r in rows[len(handed):]) and rows[len(handed):]
+    assert rows[0]["grid_flag"] == _grid_flag(handed[-1].grid)  # measured fastest: the last near tie
+    assert rows[len(handed)]["compiled_check"]["note"] == "beyond the top 1 and their near ties"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"the top 1 and {len(handed) - 1} more predicted within 10% of the first compiled ahead" in out
+    assert _grid_flag(handed[-1].grid) in out.splitlines()[-1]
 
 
 def test_cli_refuses_a_negative_check_count(capsys):
