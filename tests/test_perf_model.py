@@ -45,7 +45,7 @@ from axonn_jax.perf.memory import (
 )
 from axonn_jax.perf.options import Options
 from axonn_jax.perf.paper import layer_volumes
-from axonn_jax.perf.spec import MatMul, ModelSpec, NormGroup, Param, Regather, gpt_spec
+from axonn_jax.perf.spec import MatMul, ModelSpec, NormGroup, Param, Regather, Sliced, gpt_spec
 from axonn_jax.perf.step import predict
 from axonn_jax.search import grids, search
 from compiled_steps import compile_apply_step
@@ -809,19 +809,25 @@ def _hf_entry(name: str):
 
 
 def _compiled_step_collectives(model, inputs, grid: Grid, loss=None, kwargs=None, group_size: int | None = None,
-                               text: str | None = None) -> dict[str, list[float]]:  # fmt: skip
+                               text: str | None = None,
+                               axes: tuple[str, ...] | None = None) -> dict[str, list[float]]:  # fmt: skip
     """Per kind, the wire bytes of each collective of a ``pm.apply``-based jitted train step
     of ``model`` (``benchmarks/grid_prediction.py``'s), the scalar loss's aside. ``inputs``:
     one input or a tuple of them; ``loss(outputs, *inputs)``, by default the squares loss;
-    ``group_size``: only the collectives over groups of that size; ``text``: the step's
-    compiled HLO, where the caller has it already."""
-    from axonn_jax.runtime.hlo import collectives as hlo_collectives
+    ``group_size``: only the collectives over groups of that size; ``axes``: only those
+    over these mesh axes (their replica groups); ``text``: the step's compiled HLO, where
+    the caller has it already."""
+    from axonn_jax.partitioner.grid import STAGE_AXES
+    from axonn_jax.runtime.hlo import collectives as hlo_collectives, mesh_axis_groups
 
     if text is None:
         text = compile_apply_step(model, inputs, grid, loss, kwargs).as_text()
+    shape = [grid.axis_size(a) for a in STAGE_AXES]
+    groups = None if axes is None else mesh_axis_groups(np.arange(math.prod(shape)).reshape(shape), STAGE_AXES, axes)
     out: dict[str, list[float]] = {}
     for c in hlo_collectives(text, num_devices=8):
-        if not c.trivial and group_size in (None, c.group_size):
+        if (not c.trivial and group_size in (None, c.group_size)
+                and groups in (None, frozenset(frozenset(g) for g in c.groups))):  # fmt: skip
             out.setdefault(c.kind, []).append(c.wire_bytes * (1 - sum(4 for _, dims in c.shapes if dims == ())
                                                               / c.result_bytes))  # fmt: skip
     return {kind: sorted(v) for kind, v in out.items()}
@@ -1186,8 +1192,9 @@ RESNET_BN_GRIDS = [
     ("y=8", ("all-gather", "reduce-scatter", "all-reduce"), None),
     ("x=8", ("all-gather", "reduce-scatter", "all-reduce"), None),
     ("x=4,data=2", ("all-gather", "reduce-scatter", "all-reduce"), None),
-    ("y=2,data=4", ("all-gather", "reduce-scatter"), 0.997),
-    ("x=2,y=4", ("all-gather", "reduce-scatter"), 0.963),
+    ("y=2,data=4", ("all-gather", "reduce-scatter"), 1.002),
+    ("x=2,y=4", ("all-gather", "reduce-scatter", "all-reduce"), None),
+    ("x=2,y=2,z=2", ("all-gather", "reduce-scatter"), 1.001),
 ]
 
 
@@ -1206,6 +1213,13 @@ def test_a_resnet_with_batchnorm_is_priced_as_compiled(grid, exact, all_reduce):
     * a convolution's output all-reduced whole and sliced again by a BatchNorm over the
       same axis has its gradient all-reduced there (``MatMul.sliced_output``), unless the
       next convolution reads it whole (its input-gradient all-reduce is that gradient);
+      so have the statistics that BatchNorm computed from it while whole, one per channel
+      (its mean and variance where the running averages of y-split channels meet them,
+      the inverse deviation where the y-split scale does), and a value sliced as the rule
+      reads it: block 1's second convolution output, gathered over x for the residual add,
+      is sliced over y whole (``Sliced``: its rows, per token, or values per microbatch,
+      and the tensor axes still splitting them there). The y all-reduces are the compiled
+      step's to the byte on every grid;
     * a convolution after ``conv_init``, whose output channels are split over x·y,
       reduces over both (``MatMul.in_also``);
     * block 1's residual add meets x-split and y-split channels: a relayout on the
@@ -1213,9 +1227,13 @@ def test_a_resnet_with_batchnorm_is_priced_as_compiled(grid, exact, all_reduce):
       are priced on their own plans (``PerGridSpec.holds``).
 
     Before: y=2,data=4 0.552 of the compiled all-reduce bytes and 0.004 of its
-    all-gathers; x=2,y=4 0.52; x=4,data=2 0.993 and 0.015 of its all-gathers. Left: on
-    y=2,data=4 the gradients of BatchNorm parameters summed over y (a few hundred bytes);
-    on x=2,y=4 small y all-reduces of parameter-shaped values.
+    all-gathers; x=2,y=4 0.52; x=4,data=2 0.993 and 0.015 of its all-gathers; then
+    y=2,data=4 0.997, x=2,y=4 0.963 and x=2,y=2,z=2 0.969 before the statistics and the
+    gathered residual were sliced as above. Left: the batch axes' all-reduces (data on
+    y=2,data=4, z on x=2,y=2,z=2) move 40 values fewer than priced, 240 and 160 bytes:
+    ``BatchStatistics`` prices two statistics of every channel backward, where for a norm
+    of whole channels before y-split parameters the compiled step reduces a whole (C,) and
+    a y-split (1, 1, 1, C/y).
     """
     import idiom_cases
 
@@ -1230,12 +1248,22 @@ def test_a_resnet_with_batchnorm_is_priced_as_compiled(grid, exact, all_reduce):
     if g.y > 1:
         assert sum(p.count for p in spec.params if p.read_whole_grad) == 3  # both Conv_0s, conv_proj
         assert {p.name.split("/")[-2] for p in spec.params if p.read_whole_grad} == {"Conv_0", "conv_proj"}
-    by_kind = _compiled_step_collectives(model, args, g, loss=lambda out, *xs: squares_loss(out, xs[0]),
-                                         kwargs=kwargs)  # fmt: skip
+        sliced = [s for m in spec.matmuls for s in m.sliced_output]
+        assert sum(s.elements for s in sliced if not s.rows) == 3 * (16 + 32 + 32)  # three norms' mean, var, rsqrt
+        block_1 = next(m for m in spec.matmuls if "block_1/Conv_1" in m.name)
+        # block 1's residual: the x-split output, gathered over x, sliced over y whole
+        assert block_1.out_axis == X and block_1.sliced_output == (Sliced(Y, 8 * 4 * 4 * 32 / spec.tokens),)
+    loss = lambda out, *xs: squares_loss(out, xs[0])  # noqa: E731
+    text = compile_apply_step(model, args, g, loss, kwargs).as_text()
+    by_kind = _compiled_step_collectives(model, args, g, text=text)
     ours = {kind: sum(4 * c.elements for c in collectives(spec, g, recompute=False) if c.kind == kind)
             for kind in ("all-gather", "reduce-scatter", "all-reduce")}  # fmt: skip
     for kind in exact:
         assert ours[kind] == pytest.approx(sum(by_kind.get(kind, [0])), rel=1e-12), kind
+    over_y = sum(4 * c.elements for c in collectives(spec, g, recompute=False)
+                 if c.kind == "all-reduce" and _live(c.axes, g) == (Y,))  # fmt: skip
+    assert over_y == pytest.approx(sum(_compiled_step_collectives(model, args, g, text=text, axes=(Y,))
+                                       .get("all-reduce", [0])), rel=1e-12)  # fmt: skip
     if all_reduce is not None:
         assert ours["all-reduce"] / sum(by_kind["all-reduce"]) == pytest.approx(all_reduce, abs=0.001)
 

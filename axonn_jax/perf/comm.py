@@ -40,8 +40,10 @@ input gradient                      all-reduce   out axis     backward (default:
 input gradient (default)            reduce-scat  out axis     backward: the gathered
                                                               input's transpose (OAR)
 sliced output gradient              all-reduce   in axis      backward (a convolution's
-                                                              whole output sliced over its
-                                                              in axis: ``sliced_output``)
+                                                              whole output, or what was
+                                                              computed from it while whole,
+                                                              sliced over its in axis:
+                                                              ``sliced_output``)
 norm statistics                     all-reduce   its axis (y) forward (×2 recompute), bwd
 batch statistics                    all-reduce   the batch    forward (×2 recompute), bwd
                                                  axes         (BatchNorm: ``BatchStatistics``)
@@ -289,9 +291,11 @@ class _Step:
                 self.add("layer output", "all-reduce", m.in_axes, "forward",
                          _ring("all-reduce", g_in) * output * copies * again,
                          calls / m.fused * again, transfers=calls * again)  # fmt: skip
-                for axis, share in m.sliced_output:  # the whole output sliced over the axis again later
-                    self.add("sliced output gradient", "all-reduce", (axis,), "backward",
-                             _ring("all-reduce", grid.axis_size(axis)) * output * share * copies, calls)  # fmt: skip
+                for s in m.sliced_output:  # computed from the whole output, sliced over the axis again
+                    alike = sum(t.axis == s.axis for t in m.sliced_output)  # one all-reduce per axis
+                    self.add("sliced output gradient", "all-reduce", (s.axis,), "backward",
+                             _ring("all-reduce", grid.axis_size(s.axis)) * s.values(self.rows, self.mb, grid)
+                             * copies, calls / alike)  # fmt: skip
             layer_input = rows * m.input_per_row / g_in
             whole = copies
             if m.out_axis in self.scattered and m.scatters:  # the input, scattered by an earlier layer, gathered

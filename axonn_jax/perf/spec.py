@@ -146,6 +146,36 @@ class Param:
 
 
 @dataclasses.dataclass(frozen=True)
+class Sliced:
+    """A value whole over ``axis`` that an equation slices over it, meeting one split over
+    it: backward its gradient, as sliced (whole), is all-reduced over ``axis``.
+
+    ``elements``: per token where ``rows`` (it has the batch's rows, split like them), else
+    per microbatch (a BatchNorm's statistics, one per channel); the tensor axes in
+    ``split_over`` still split it (the channels a convolution's weight splits, unless they
+    were gathered whole to meet the value it is sliced for).
+
+    Example:
+        >>> Sliced("y", 32.0, rows=False).values(rows=64, microbatches=2, grid=Grid(y=4))
+        64.0
+    """
+
+    axis: str
+    elements: float
+    split_over: tuple[str, ...] = ()
+    rows: bool = True
+
+    def __post_init__(self) -> None:
+        _check_axes("sliced value", "axis", self.axis, optional=False)
+        _check_axes("sliced value", "split_over", *self.split_over, optional=False)
+
+    def values(self, rows: float, microbatches: int, grid: Grid) -> float:
+        """Its elements on one device over a step, ``rows``: the batch's rows on one device."""
+        whole = rows * self.elements if self.rows else microbatches * self.elements
+        return whole / math.prod(grid.axis_size(a) for a in self.split_over)
+
+
+@dataclasses.dataclass(frozen=True)
 class MatMul:
     """``O[m, n] = I[m, k] · W[k, n]`` with a parameter ``W`` (whole batch: m = all tokens).
 
@@ -184,9 +214,9 @@ class MatMul:
     input_width: float = 0.0
     input_grad: bool = True
     #: a convolution's output, all-reduced whole over :attr:`in_axes`, that a later equation
-    #: slices over one of them (a BatchNorm or a residual add of channels split over it):
-    #: per axis, the share of its elements sliced there, whose gradient is all-reduced over it
-    sliced_output: tuple[tuple[str, float], ...] = ()
+    #: slices over one of them (a BatchNorm or a residual add of channels split over it): the
+    #: values sliced there, computed from it while whole, whose gradients are all-reduced
+    sliced_output: tuple[Sliced, ...] = ()
     #: a second tensor axis splitting the input channels with ``in_axis`` (a convolution
     #: after one whose output channels are split over x·y): the partial sums are reduced
     #: over both

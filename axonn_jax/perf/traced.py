@@ -73,7 +73,7 @@ from axonn_jax.partitioner.flops import equation_flops
 from axonn_jax.partitioner.stages import crossing_bytes, param_like_producers, param_origins
 from axonn_jax.partitioner.trace import trace_model
 from axonn_jax.perf.spec import (VALUE_SPLITS, Activation, BatchStatistics, Join, MatMul, ModelSpec, NormGroup,
-                                 Param, PartialSums, Regather)
+                                 Param, PartialSums, Regather, Sliced)
 
 def spec_from_model(model, *example_args, name: str | None = None, grid: Grid | None = None,
                     **example_kwargs) -> ModelSpec:  # fmt: skip
@@ -176,9 +176,10 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
                                                                      unit or frozenset()))  # fmt: skip
     for eqn in jaxpr.eqns:
         name_ = eqn.primitive.name
+        step = _rule_step(eqn, layouts, ctx) if name_ not in CONTROL_FLOW else None
         flow.follow(eqn)
         norms.follow(eqn)
-        whole_uses.follow(eqn)
+        whole_uses.follow(eqn, step.targets if step else None)
         if all(var is None for var, _ in weight_of[-1:]) and not (eqn.outvars and eqn.outvars[0] in casts):
             weight_of += [(None, origin[v]) for v in eqn.invars if not R.is_literal(v) and v in origin]
         if name_ == "gather" and eqn.invars[0] in origin:
@@ -193,7 +194,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
                 else:  # indexed by position (a relative-position bias): the same for any batch
                     fixed_lookup_elements += math.prod(out.aval.shape)
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
-            kernel_use = _rule_step(eqn, layouts, ctx).targets[1]
+            kernel_use = step.targets[1]
             conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path, kernel_use,
                                 input_grad=eqn.invars[0] in trained)  # fmt: skip
             gathered = _kernel_read_whole(layouts[eqn.invars[1]], kernel_use, grid)
@@ -211,7 +212,6 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
             outputs.append((math.prod(R.shape_of(eqn.outvars[0])), conv.out_axis, None))  # all-reduced whole
             continue
         if name_ not in ("dot_general", "conv_general_dilated") and name_ not in CONTROL_FLOW:
-            step = _rule_step(eqn, layouts, ctx)
             sliced_sums.follow(eqn, step)
             for operand, *found in _whole_gathers(eqn, step, layouts, trained, flow.axis, unit, relayouts):
                 whole_uses.gathered(eqn, operand, len(regathers), found[2])
@@ -249,7 +249,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
         out_axis = _tensor_axis(tuple(a for d in range(len(w_shape)) if d not in w_c for a in w_lay[d]), grid)
         path = plan.params[p].path
         weight_of.append((act_var, p))
-        targets = _rule_step(eqn, layouts, ctx).targets  # where the partitioner's rule reads both
+        targets = step.targets  # where the partitioner's rule reads both
         whole = not (_gathered_over(layouts.get(act_var), targets[1 - w_side], out_axis) if planned_for_grid
                      else act_var in flow.axis)  # fmt: skip
         whole_uses.layer(whole)
@@ -269,10 +269,6 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
     whole_uses.layer(whole_input=False)  # the last equation's pending meetings
     readers = collections.Counter(var for var, _ in matmuls if var is not None)
     matmuls = [mm if var is None else dataclasses.replace(mm, fused=readers[var]) for var, mm in matmuls]
-    matmuls = [dataclasses.replace(mm, sliced_output=tuple(
-        (a, whole_uses.elements[("conv", j, a)] / (mm.m * mm.n)) for a in mm.in_axes
-        if ("conv", j, a) in whole_uses.elements and ("conv", j, a) not in whole_uses.covered))
-        for j, mm in enumerate(matmuls)]  # fmt: skip
 
     if not matmuls:
         raise ValueError(
@@ -280,6 +276,9 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
             "nothing for the 4D grid to split. Remedy: plan a model with Dense/Embed layers."
         )
     tokens = max(mm.m for mm in matmuls)
+    matmuls = [dataclasses.replace(mm, sliced_output=tuple(
+        s for a in mm.in_axes for s in whole_uses.sliced_values(("conv", j, a), tokens)))
+        for j, mm in enumerate(matmuls)]  # fmt: skip
     params = [
         Param(p.path, p.shape, tuple(_tensor_split(d, grid) for d in p.use),
               depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
@@ -459,7 +458,9 @@ class _WholeUses:
     equation like the other flows; ``elements[i]``: the elements sliced at regather ``i``'s
     meetings. A convolution's output, all-reduced whole over its input axes, is followed
     the same way (:meth:`all_reduced`, keyed ``("conv", matmul index, axis)``): a BatchNorm
-    of channels split over that axis slices it.
+    of channels split over that axis slices it, and the statistics it computed from it
+    while whole (:meth:`sliced_values`: each value as the rule slices it, with the tensor
+    axes still splitting it there).
     """
 
     def __init__(self, layouts, origin: dict):
@@ -473,7 +474,9 @@ class _WholeUses:
         #: regathers whose whole values were sliced together with a later one's: that
         #: one all-reduce (priced with the later regather) is their gradient too
         self.shared: set[int] = set()
-        self.pending: list[tuple[int, float]] = []  # met by the layer of the current equation
+        #: per key, each value sliced: (elements, the tensor axes still splitting it, has rows)
+        self.sliced: dict = collections.defaultdict(list)
+        self.pending: list[tuple] = []  # (key, value, its layout there, axis): met by the current layer
         self.order: dict = {}  # regather index or convolution key -> when it was made whole
 
     def _made_whole(self, key, var, axis: str) -> None:
@@ -484,17 +487,35 @@ class _WholeUses:
         """The current equation is a layer; ``whole_input``: its input gradient is all-
         reduced over its output axis (``MatMul.whole_inputs``), which is then the gradient
         of the regathers met there; else theirs is priced with them."""
-        for index, elements in self.pending:
+        for index, *sliced in self.pending:
             if whole_input:
                 self.covered.add(index)
             else:
-                self.elements[index] += elements
+                self._slice(index, *sliced)
         self.pending = []
+
+    def _slice(self, key, var, layout, axis: str) -> None:
+        """``var``, whole over ``axis`` (from ``key``), sliced over it; ``layout``: where."""
+        self.elements[key] += math.prod(R.shape_of(var))
+        split = tuple(a for axes in layout for a in axes if a in (X, Y) and a != axis)
+        rows = any(a in BATCH_AXES for axes in layout for a in axes)
+        self.sliced[key].append((math.prod(R.shape_of(var)), split, rows))
+
+    def sliced_values(self, key: tuple, tokens: int) -> tuple[Sliced, ...]:
+        """The values of convolution ``key`` sliced where no layer's input-gradient all-reduce
+        is their gradient, alike ones merged (per token of ``tokens`` where they have rows)."""
+        if key not in self.elements or key in self.covered:
+            return ()
+        merged: collections.Counter = collections.Counter()
+        for elements, split, rows in self.sliced[key]:
+            merged[(split, rows)] += elements
+        return tuple(Sliced(key[-1], n / tokens if rows else float(n), split, rows)
+                     for (split, rows), n in merged.items())  # fmt: skip
 
     def gathered(self, eqn, operand, index: int, axis: str) -> None:
         """Regather ``index`` gathers ``eqn``'s ``operand`` whole over ``axis``."""
         if any(self._split(v, axis) for v in eqn.outvars):
-            self.elements[index] += math.prod(R.shape_of(operand))  # sliced where gathered
+            self._slice(index, operand, self.layouts.get(operand, ()), axis)  # sliced where gathered
         else:  # (an operand gathered over several axes: the last one's)
             for v in eqn.outvars:
                 self._made_whole(index, v, axis)
@@ -504,7 +525,8 @@ class _WholeUses:
         self.order.setdefault(key, len(self.order))
         self.whole[var].add((key, axis))
 
-    def follow(self, eqn) -> None:
+    def follow(self, eqn, targets=None) -> None:
+        """``eqn``, with the layouts its rule reads its operands in (``targets``; None: as they are)."""
         self.layer(whole_input=False)  # met by an equation that was no layer: sliced there
         for var in {v for v in eqn.invars if not R.is_literal(v) and v in self.whole}:
             sliced: dict[str, int] = {}  # axis -> the latest regather ``var`` was computed from
@@ -516,12 +538,14 @@ class _WholeUses:
                         self.whole[v].add((index, axis))
             # ``var`` is sliced once, its gradient all-reduced once: charged to one regather
             # (the stream whole from two residual adds is one value where it meets a split one)
+            target = next(t for v, t in zip(eqn.invars, targets) if v is var) if targets else None
+            layout = target if target is not None else self.layouts.get(var, ())
             for axis, index in sliced.items():
                 self.shared |= {i for i, a in self.whole[var] if a == axis and i != index}
                 if self._layer_output_axis(eqn, axis):
-                    self.pending.append((index, math.prod(R.shape_of(var))))  # :meth:`layer` decides
+                    self.pending.append((index, var, layout, axis))  # :meth:`layer` decides
                 else:
-                    self.elements[index] += math.prod(R.shape_of(var))
+                    self._slice(index, var, layout, axis)
 
     def _layer_output_axis(self, eqn, axis: str) -> bool:
         """Whether ``eqn`` is a layer whose weight splits its output features over ``axis``
