@@ -543,12 +543,45 @@ def _eval_inlined(jaxpr, consts, args, outer=None):
             if eqn.primitive.name in CONTROL_FLOW:  # one equation, its bodies inlined
                 params = with_subjaxprs(eqn, inline_calls)
             with source_context(source):  # warnings then name the model's line, not this one
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
+                outs = _over_array_dims(eqn, invals)
+                if outs is None:
+                    outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             if not eqn.primitive.multiple_results:
                 outs = [outs]
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
+
+
+#: the reduction a collective is over array dims
+_ARRAY_REDUCTIONS = {"psum": jnp.sum, "pmax": jnp.max, "pmin": jnp.min}
+
+
+def _over_array_dims(eqn, invals: list):
+    """A ``psum``/``pmax``/``pmin`` that reduces array dims too, as a reduction over them
+    (then the collective over its named axes, if any), its results as ``bind`` returns
+    them; ``None`` for any other equation.
+
+    ``jax.vmap(..., axis_name='ens')`` (and ``nn.vmap``) turn a collective over the mapped
+    name into one over the mapped dim (``psum(x, 'ens')`` → ``psum[axes=(0,)]``): a real
+    sum of the members, which the rules plan as one (the model's named collectives are the
+    identity of the one-device model, :func:`bound_axis_names`).
+
+    >>> f = jax.vmap(lambda r: jax.lax.psum(r, "ens"), axis_name="ens")
+    >>> jax.make_jaxpr(lambda x: _eval_inlined(jax.make_jaxpr(f)(x).jaxpr, (), [x]))(jnp.ones((4, 3))).eqns[0].primitive
+    reduce_sum
+    """
+    reduce = _ARRAY_REDUCTIONS.get(eqn.primitive.name)
+    axes = eqn.params.get("axes", ()) if reduce is not None else ()
+    dims = tuple(a for a in axes if isinstance(a, int))
+    if not dims:
+        return None
+    reduced = [reduce(x, axis=dims) for x in invals]
+    named = tuple(a for a in axes if not isinstance(a, int))
+    if named:
+        reduced = eqn.primitive.bind(*reduced, **eqn.primitive.get_bind_params({**eqn.params, "axes": named}))
+        reduced = reduced if eqn.primitive.multiple_results else [reduced]
+    return reduced if eqn.primitive.multiple_results else reduced[0]
 
 
 def _user_source(eqn, outer):

@@ -256,6 +256,57 @@ def test_gpt_with_dropout_splits_its_masks(grid, gpt_dropout_reference, devices)
     assert_matches_reference(result, f"gpt+dropout {grid}")
 
 
+class _Member(nn.Module):
+    """One member of an ensemble whose members share statistics over ``'ens'``."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.BatchNorm(use_running_average=False, axis_name="ens")(nn.tanh(nn.Dense(16)(x)))
+        energy = jax.lax.psum(jnp.mean(h**2), "ens")  # summed over the members
+        peak = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(h, axis=1, keepdims=True)), "ens")  # JAX: no pmax jvp
+        return nn.Dense(4)(h * peak) / energy
+
+
+class _Ensemble(nn.Module):
+    """``nn.vmap`` of four members with ``axis_name``, then a ``jax.vmap`` over the rows with
+    one: JAX turns their collectives into ones over the mapped dims (``psum[axes=(0,)]``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        members = nn.vmap(_Member, variable_axes={"params": 0, "batch_stats": 0}, split_rngs={"params": True},
+                          in_axes=None, axis_size=4, axis_name="ens")  # fmt: skip
+        out = members(name="ens")(x).mean(0)
+        return jax.vmap(lambda row: row - jax.lax.pmean(row, "rows"), axis_name="rows")(out)
+
+
+@pytest.mark.parametrize("grid", ["x=2,y=2,z=2", "z=2,data=4"])
+def test_collectives_over_a_vmapped_axis_sum_its_members(grid, devices):
+    """A collective over an axis name that ``vmap`` maps is a sum (max) over the mapped dim,
+    not the identity of the model's own axis names: loss, every gradient and the batch
+    statistics equal the plain model's. Before, ``psum[axes=(0,)]`` was planned as the
+    identity: the members' energies unsummed (silently, for a scalar), or a shape error."""
+    x = np.random.default_rng(5).standard_normal((8, 12)).astype(np.float32)
+    model = _Ensemble()
+    variables = jax.tree.map(np.asarray, model.init(jax.random.key(0), x))
+
+    def loss(apply, v):
+        out, updates = apply(v, x, mutable=["batch_stats"])
+        return jnp.mean(out**2), updates
+
+    (want, want_stats), want_grads = jax.value_and_grad(loss, argnums=1, has_aux=True)(model.apply, variables)
+    pm = axonn_jax.partition(model, Grid.parse(grid), x, mutable=["batch_stats"])
+    assert pm.plan.fallbacks == ()
+    placed = pm.shard(variables)
+    (got, got_stats), got_grads = jax.jit(jax.value_and_grad(lambda v: loss(pm.apply, v), has_aux=True))(placed)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    for tree_got, tree_want in ((pm.gather(got_grads)["params"], want_grads["params"]),
+                                (pm.gather({**placed, **got_stats})["batch_stats"], want_stats["batch_stats"])):
+        scale = max(np.max(np.abs(w)) for w in _leaves(tree_want).values())
+        for path, w in _leaves(tree_want).items():  # (the last bias's gradient is 0: rows centred)
+            np.testing.assert_allclose(_leaves(tree_got)[path], w, rtol=0, err_msg=path,
+                                       atol=1e-5 * np.max(np.abs(w)) + 1e-6 * scale)  # fmt: skip
+
+
 def test_a_collective_without_a_one_device_meaning_is_refused():
     class Scatter(nn.Module):
         @nn.compact
