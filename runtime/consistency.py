@@ -17,6 +17,7 @@ Example (rank 1 was given ``Grid(x=2, z=2, pipeline=2)``)::
 
 from __future__ import annotations
 
+import cmath
 import hashlib
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -74,11 +75,25 @@ def step_fingerprint(optimizer, abstract_params, options: Mapping[str, Any]) -> 
     state = jax.eval_shape(optimizer.init, abstract_params)
     closed = jax.make_jaxpr(optimizer.update)(abstract_params, state, abstract_params)
     text = str(closed.jaxpr)
-    # NaN (schedule-free's) compares unequal to everything: sorted by text, a set of the same
-    # constants always lists them in the same order
-    constants = sorted({f"{float(c):.6g}" for c in _scalars(closed)}, key=lambda c: (c == "nan", float(c)))
+    # NaN (schedule-free's) compares unequal to everything: ordered after the numbers, by text,
+    # a set of the same constants always lists them in the same order (complex ones, of
+    # complex parameters, by their real then imaginary parts)
+    values = {_constant_text(c): complex(c) for c in _scalars(closed)}
+
+    def order(text: str) -> tuple:
+        v = values[text]
+        return (True, 0.0, 0.0, text) if cmath.isnan(v) else (False, v.real, v.imag, text)
+
+    constants = sorted(values, key=order)
     summary = f"update {hashlib.sha256(text.encode()).hexdigest()[:12]} with constants {constants}"
     return {"optimizer": summary, "step": repr(sorted(options.items()))}
+
+
+def _constant_text(c) -> str:
+    """A scalar constant as the fingerprint lists it: ``0.001``, or ``1+2j`` if complex."""
+    import numpy as np
+
+    return f"{complex(c):.6g}" if np.iscomplexobj(c) else f"{float(c):.6g}"
 
 
 def _scalars(closed):
