@@ -543,7 +543,7 @@ def _eval_inlined(jaxpr, consts, args, outer=None):
             if eqn.primitive.name in CONTROL_FLOW:  # one equation, its bodies inlined
                 params = with_subjaxprs(eqn, inline_calls)
             with source_context(source):  # warnings then name the model's line, not this one
-                outs = _over_array_dims(eqn, invals)
+                outs = invals[0] if eqn.primitive.name in _LAYOUT_HINTS else _over_array_dims(eqn, invals)
                 if outs is None:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             if not eqn.primitive.multiple_results:
@@ -552,6 +552,11 @@ def _eval_inlined(jaxpr, consts, args, outer=None):
             env[var] = val
     return [read(v) for v in jaxpr.outvars]
 
+
+#: a model's own layout requests (``jax.lax.with_sharding_constraint``, Flax's logical
+#: constraints under a mesh): dropped, the plan lays out every value (their meshes and
+#: specs name axes that are not the grid's)
+_LAYOUT_HINTS = frozenset(["sharding_constraint"])
 
 #: the reduction a collective is over array dims
 _ARRAY_REDUCTIONS = {"psum": jnp.sum, "pmax": jnp.max, "pmin": jnp.min}

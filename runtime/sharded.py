@@ -75,8 +75,25 @@ def on_mesh(body: Callable, mesh, grid: Grid, *, in_layouts: Sequence[LayoutGrou
         out_specs = _specs(out_layouts, grid)
     else:
         out_specs = tuple(_specs(g, grid) for g in out_layouts)
-    return jax.shard_map(body, mesh=mesh, in_specs=tuple(_specs(g, grid) for g in in_layouts),
-                         out_specs=out_specs)  # fmt: skip
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(_specs(g, grid) for g in in_layouts),
+                           out_specs=out_specs)  # fmt: skip
+    return functools.wraps(body)(lambda *args: _under(mesh, mapped, args))
+
+
+def _under(mesh, fn: Callable, args: tuple):
+    """``fn(*args)`` with ``mesh`` the context mesh where the caller set another one
+    (``jax.set_mesh``: ``shard_map`` refuses a mesh other than the context's)."""
+    context = jax.sharding.get_abstract_mesh()
+    own = getattr(mesh, "abstract_mesh", mesh)
+    if context.empty or context == own:
+        return fn(*args)
+    if context.size != own.size:
+        raise ValueError(
+            f"the model runs on its grid's mesh ({dict(own.shape)}), inside a jax.set_mesh context of "
+            f"another size ({dict(context.shape)}), which JAX does not let a jitted call leave. Remedy: "
+            "call pm.apply (and jit the step that calls it) outside `with jax.set_mesh(...)`.")  # fmt: skip
+    with jax.sharding.use_abstract_mesh(own):
+        return fn(*args)
 
 
 def apply_program(program: Program, mesh, params: Sequence[jax.Array], args: Sequence[jax.Array],

@@ -11,6 +11,8 @@ the parameters (and statistics) after AdamW steps equal the plain model's
 have different leading dims: nodes, edges, graphs).
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,3 +347,39 @@ def test_a_spectrally_normalised_discriminator_trains_as_the_plain_one(grid, dev
     for path, ref in want.items():
         np.testing.assert_allclose(got[path], ref, rtol=1e-5, atol=1e-6 * float(np.abs(ref).max()) + 1e-8,
                                    err_msg=path)
+
+
+class _Constrained(nn.Module):
+    """pjit-era code: activations constrained to the user's own mesh axes."""
+
+    spec: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        h = jax.lax.with_sharding_constraint(nn.relu(nn.Dense(32)(x)), self.spec)
+        return nn.Dense(4)(nn.relu(nn.Dense(32)(h)))
+
+
+def test_a_model_s_own_sharding_constraints_give_way_to_the_plan(devices):
+    """``with_sharding_constraint`` to the user's mesh (a NamedSharding, or a PartitionSpec under
+    ``jax.set_mesh``) is a layout request the plan replaces: dropped, the values the plain
+    model's. Under a ``set_mesh`` of the grid's size ``pm.apply`` runs on its own mesh; a
+    pipeline stage's smaller mesh cannot run inside it: refused with the remedy. (Before:
+    JAX's errors from inside the shard_map, a manual axis or another context mesh.)"""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "mp"))
+    x = np.random.default_rng(7).standard_normal((8, 6, 16)).astype(np.float32)
+    for model, context in ((_Constrained(NamedSharding(mesh, P("dp", None, "mp"))), contextlib.nullcontext()),
+                           (_Constrained(P("dp", None, "mp")), jax.set_mesh(mesh))):  # fmt: skip
+        with context:
+            params = model.init(jax.random.key(0), x)["params"]
+            want = jax.jit(lambda p: model.apply({"params": p}, x))(params)
+            pm = axonn_jax.partition(model, Grid(x=2, y=2, z=2), x)
+            got = jax.jit(pm.apply)(pm.shard(params), x)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+            if isinstance(model.spec, P):
+                piped = axonn_jax.partition(model, Grid(pipeline=2, x=2, z=2), x)
+                with pytest.raises(ValueError, match=r"inside a jax.set_mesh context.*Remedy: call pm.apply"):
+                    piped.apply(piped.shard(params), x)
