@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.core.scope import DenyList
 from jax.extend import core as jex_core
 
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW, call_body, subjaxprs, with_subjaxprs
@@ -109,12 +110,13 @@ def abstract_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def is_static(x) -> bool:
     """Python scalars, strings and functions in the call (flags such as ``deterministic=True``;
-    linen's ``method=Model.encode``, or ``method='encode'``, which ``model.apply`` takes).
+    linen's ``method=Model.encode``, or ``method='encode'``, which ``model.apply`` takes), and
+    linen's collection filters (``mutable=nn.DenyList('intermediates')``).
 
     They are baked into the traced program, like ``static_argnums`` of
     ``jax.jit``; arrays (NumPy or JAX, any rank) are the program's inputs.
     """
-    return isinstance(x, (bool, int, float, complex, str)) or inspect.isroutine(x)
+    return isinstance(x, (bool, int, float, complex, str, DenyList)) or inspect.isroutine(x)
 
 
 def call_leaves(args, kwargs) -> tuple[list, tuple]:
@@ -231,7 +233,11 @@ def _binding(fn: Callable, names) -> Callable:
 
 
 #: keyword arguments of ``model.apply`` (not of the model's ``__call__``)
-APPLY_KWARGS = ("rngs", "mutable")
+APPLY_KWARGS = ("rngs", "mutable", "capture_intermediates")
+
+#: collections a linen call only writes (``sow``, ``capture_intermediates``): no model state,
+#: a call starts without them (as nnx's ``nnx.Intermediate``), so ``model.init``'s are dropped
+OUTPUT_COLLECTIONS = ("intermediates",)
 
 
 def _split_apply_kwargs(kwargs: dict) -> tuple[dict, dict]:
@@ -269,7 +275,8 @@ def _trace_linen(model, abstract_args, init_args: tuple | None = None) -> Traced
             keys = dict(key)
         else:
             keys = dict(zip(["params", *streams], jax.random.split(key, 1 + len(streams))))
-        return model.init(keys, *args_like(init_args), **args_like(call_kwargs))
+        full = model.init(keys, *args_like(init_args), **args_like(call_kwargs))
+        return {k: v for k, v in full.items() if k not in OUTPUT_COLLECTIONS}
 
     with _linen_remedies():
         variables = jax.eval_shape(init_variables, jax.random.key(0))

@@ -420,6 +420,58 @@ def test_nnx_values_stored_with_sow_are_not_state_and_the_plan_says_so(norm, dev
     np.testing.assert_allclose(np.asarray(again), np.asarray(out), rtol=1e-5, atol=1e-6)
 
 
+class _LinenSowingNet(nn.Module):
+    """Stores its hidden layer with ``sow`` (linen's intermediates); BatchNorm optional."""
+
+    norm: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.tanh(nn.Dense(32, name="hidden")(x))
+        h = nn.BatchNorm(use_running_average=False)(h) if self.norm else h
+        self.sow("intermediates", "h", h)
+        return nn.Dense(4)(h)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["stateless", "batchnorm"])
+@pytest.mark.parametrize("capture", [False, True], ids=["sow", "capture_intermediates"])
+def test_linen_intermediates_are_returned_as_model_apply_returns_them(norm, capture, devices):
+    """``mutable=['intermediates']`` with ``sow`` or ``capture_intermediates=True``: ``pm.apply``
+    takes what ``model.apply`` takes (the params alone without other state) and returns the
+    plain call's intermediates, and a loss on one has the plain gradient. ``intermediates`` is
+    output only, as ``model.init`` leaves it; ``capture_intermediates`` is ``model.apply``'s
+    (it used to reach ``model.init``, whose captured values were then planned as state, fed
+    back and appended to: the first entry stale, its gradient 0). A collection filter
+    (``mutable=nn.DenyList(...)``) is a static argument, as a list is."""
+    x = np.random.default_rng(4).standard_normal((BATCH, 16)).astype(np.float32)
+    model = _LinenSowingNet(norm)
+    variables = model.init(jax.random.key(0), x)
+    given = variables if norm else variables["params"]
+    mutable = ["intermediates", "batch_stats"] if norm else ["intermediates"]
+
+    def run(apply, v):
+        return apply(v, x, capture_intermediates=capture, mutable=mutable)
+
+    def loss(apply, v):  # on the first value the call stored: the hidden layer
+        return jnp.mean(run(apply, v)[1]["intermediates"]["h"][0] ** 2)
+
+    plain = lambda v, *a, **k: model.apply(v if norm else {"params": v}, *a, **k)  # noqa: E731
+    (want, stored), want_grads = run(plain, given), jax.grad(lambda v: loss(plain, v))(given)
+    for grid in ("x=2,y=2,z=2", "z=2,data=4"):
+        pm = axonn_jax.partition(model, axonn_jax.Grid.parse(grid), x, capture_intermediates=capture,
+                                 mutable=mutable)  # fmt: skip
+        placed = pm.shard(given)
+        got, updates = jax.jit(lambda v: run(pm.apply, v))(placed)
+        assert jax.tree.structure(updates["intermediates"]) == jax.tree.structure(stored["intermediates"])
+        for a, b in zip(jax.tree.leaves((got, updates["intermediates"])), jax.tree.leaves((want, stored["intermediates"]))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+        grads = pm.gather(jax.jit(jax.grad(lambda v: loss(pm.apply, v)))(placed))
+        for path, g in _leaves(want_grads).items():
+            np.testing.assert_allclose(_leaves(grads)[path], g, rtol=1e-5, atol=1e-7, err_msg=path)
+    out, updates = pm.apply(placed, x, mutable=nn.DenyList("intermediates"))
+    assert "intermediates" not in updates
+
+
 def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devices):
     x = np.zeros((BATCH, 16), np.float32)
     model = BNNet()
