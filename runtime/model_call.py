@@ -17,12 +17,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.core.scope import in_filter
 
+from axonn_jax.partitioner.provenance import user_frame
 from axonn_jax.partitioner.trace import APPLY_KWARGS, TracedModel, check_rngs, is_static
 
 
@@ -46,6 +49,21 @@ class ModelCall:
         if stateful and traced.kind == "linen":
             mutable = tuple(sorted({p.split("/")[0] for p in traced.param_paths} - {"params"}))
         return cls(static, stateful, mutable, rng_state=bool(traced.rng_state), keywords=keywords)
+
+    @staticmethod
+    def warn_unseen_intermediates(traced: TracedModel) -> None:
+        """Warn that a training call does not return what the example call stored with ``sow``
+        (or captured): the loss gets the model's outputs, as ``loss_fn(outputs, batch)`` says."""
+        _, kwargs = traced.example_call()
+        if traced.kind == "linen" and (kwargs.get("capture_intermediates")
+                                       or in_filter(kwargs.get("mutable", False), "intermediates")):  # fmt: skip
+            warnings.warn(
+                "pm.value_and_grad and pm.train_step call the model without mutable=['intermediates']: "
+                "the values it stores with sow (or captures) are neither given to the loss nor returned; "
+                "the loss gets the model's outputs. Remedy: return what the loss needs from __call__ "
+                "(e.g. `return logits, aux_loss`, then `loss_fn((logits, aux), batch)`), or call "
+                "pm.apply(..., mutable=['intermediates']) in your own jitted step (one mesh).",
+                stacklevel=user_frame()[1])  # fmt: skip
 
     def check_microbatches(self, microbatches: int) -> None:
         """nnx RNG streams draw one key per call: microbatches would share their dropout masks."""

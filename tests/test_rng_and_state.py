@@ -7,6 +7,8 @@ plain one: the same loss, gradients and AdamW trajectory with the same keys
 global batch (train mode) and used as given (eval mode).
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -470,6 +472,24 @@ def test_linen_intermediates_are_returned_as_model_apply_returns_them(norm, capt
             np.testing.assert_allclose(_leaves(grads)[path], g, rtol=1e-5, atol=1e-7, err_msg=path)
     out, updates = pm.apply(placed, x, mutable=nn.DenyList("intermediates"))
     assert "intermediates" not in updates
+
+
+def test_training_calls_say_the_loss_does_not_see_stored_intermediates(devices):
+    """A model partitioned with ``mutable=['intermediates']`` (a sown auxiliary loss): its
+    training calls run without them, so ``pm.value_and_grad`` and ``pm.train_step`` warn, with
+    the remedy, instead of dropping them silently."""
+    x = np.random.default_rng(4).standard_normal((BATCH, 16)).astype(np.float32)
+    model = _LinenSowingNet()
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, data=4), x, mutable=["intermediates"])
+    loss_fn = lambda out, batch: jnp.mean(out**2)  # noqa: E731
+    with pytest.warns(UserWarning, match=r"without mutable=\['intermediates'\].*Remedy: return what the loss"):
+        pm.value_and_grad(loss_fn)
+    with pytest.warns(UserWarning, match="neither given to the loss nor returned"):
+        pm.train_step(loss_fn, optax.sgd(0.1))
+    quiet = axonn_jax.partition(model, axonn_jax.Grid(x=2, data=4), x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quiet.value_and_grad(loss_fn)
 
 
 def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devices):
