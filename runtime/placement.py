@@ -145,8 +145,11 @@ class PlacedModel:
         out: list = [None] * len(leaves)
         groups: dict = {}
         for i, leaf in enumerate(leaves):
-            if leaf is not None:
-                groups.setdefault(leaf.sharding.mesh, []).append(i)
+            mesh = getattr(getattr(leaf, "sharding", None), "mesh", None)
+            if mesh is not None:
+                groups.setdefault(mesh, []).append(i)
+            elif leaf is not None:  # on no mesh: host data, or a constant a jitted step returned whole
+                out[i] = np.asarray(leaf)
         for mesh, idx in groups.items():
             for i, a in zip(idx, replicate([leaves[i] for i in idx], mesh)):
                 out[i] = np.asarray(a.addressable_data(0))

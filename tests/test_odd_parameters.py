@@ -110,3 +110,19 @@ def test_a_complex_parameter_trains_as_plain_optax_does(devices):
             leaves = dict(jax.tree_util.tree_leaves_with_path(got))
             for path, w in jax.tree_util.tree_leaves_with_path(want):
                 np.testing.assert_allclose(leaves[path], w, rtol=1e-5, atol=1e-6, err_msg=str(path))
+
+
+def test_gradients_a_jitted_step_returns_as_constants_are_gathered(devices):
+    """A loss that does not depend on the parameters: the user's jitted step returns their
+    zero gradients as constants on one device (no mesh); ``pm.gather`` reads them as they are
+    (it raised ``AttributeError``: 'SingleDeviceSharding' has no mesh), NumPy leaves too."""
+    model = WithTemperature()
+    params = model.init(jax.random.key(0), X)["params"]
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, y=2, z=2), X)
+    grads = jax.jit(jax.grad(lambda p: jnp.mean(jax.lax.stop_gradient(pm.apply(p, X)[0]) ** 2)))(pm.shard(params))
+    assert not hasattr(jax.tree.leaves(grads)[0].sharding, "mesh")  # the case: constants on one device
+    gathered = pm.gather(grads)
+    assert all(not np.any(g) for g in jax.tree.leaves(gathered))
+    assert jax.tree.map(np.shape, gathered) == jax.tree.map(np.shape, params)
+    host = pm.gather(jax.tree.map(np.asarray, pm.gather(pm.shard(params))))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(params)))
