@@ -64,7 +64,7 @@ ELEMENTWISE = frozenset(
     reduce_precision real imag conj shift_left shift_right_logical shift_right_arithmetic
     population_count clz imag stop_gradient optimization_barrier""".split()
 )
-PASS_THROUGH = frozenset(["sharding_constraint", "mesh_cast", "pvary", "pcast"])
+PASS_THROUGH = frozenset(["sharding_constraint", "mesh_cast", "pvary", "pcast", "name"])
 #: calls the inliner keeps only when pointwise (partitioner.pointwise): elementwise as a whole
 POINTWISE_CALLS = frozenset(["custom_jvp_call"])
 #: ops whose output is a parameter's value in another shape (planning follows them)
@@ -86,6 +86,7 @@ NEEDS_WHOLE_AXIS = {
     "cumlogsumexp": "axis",
     "sort": "dimension",
     "rev": "dimensions",
+    "top_k": "axis",
 }
 
 
@@ -277,12 +278,25 @@ def reduction(eqn, layouts, ctx) -> Step:
 
 
 def whole_axis(eqn, layouts, ctx, key) -> Step:
-    """Ops that need a whole dim locally (sort, cumsum, argmax, ...): un-shard it."""
+    """Ops that need a whole dim locally (sort, cumsum, argmax, top_k, ...): un-shard it."""
+    ndim = len(shape_of(eqn.invars[0]))
+    value = eqn.params[key]
+    return _whole_dims(eqn, layouts, {d % ndim for d in (value if isinstance(value, (tuple, list)) else (value,))})
+
+
+def fft(eqn, layouts, ctx) -> Step:
+    """An FFT over the last ``len(fft_lengths)`` dims (a Fourier layer's spectrum): those dims
+    whole, the others (the batch's, the channels') keep their split."""
+    ndim = len(shape_of(eqn.invars[0]))
+    return _whole_dims(eqn, layouts, set(range(ndim - len(eqn.params["fft_lengths"]), ndim)))
+
+
+def _whole_dims(eqn, layouts, dims: set) -> Step:
+    """Operand 0 whole over ``dims``, other dims as laid out; outputs of its rank likewise
+    (those of a lower rank drop ``dims``)."""
     operand = eqn.invars[0]
     ndim = len(shape_of(operand))
     lay = layouts[0] if layouts[0] is not None else replicated(ndim)
-    value = eqn.params[key]
-    dims = {d % ndim for d in (value if isinstance(value, (tuple, list)) else (value,))}
     target = without(lay, dims)
     outs = []
     for v in eqn.outvars:
@@ -898,4 +912,5 @@ _RULES = {
     "tile": tile,
     "dot_general": dot_general,
     "conv_general_dilated": conv,
+    "fft": fft,
 }

@@ -383,3 +383,51 @@ def test_a_model_s_own_sharding_constraints_give_way_to_the_plan(devices):
                 piped = axonn_jax.partition(model, Grid(pipeline=2, x=2, z=2), x)
                 with pytest.raises(ValueError, match=r"inside a jax.set_mesh context.*Remedy: call pm.apply"):
                     piped.apply(piped.shard(params), x)
+
+
+class _SpectralConv(nn.Module):
+    """A Fourier neural operator's layer: the lowest modes of the sequence's spectrum mixed."""
+
+    width: int = 16
+    modes: int = 4
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (self.modes, self.width, self.width)
+        w = self.param("w_real", nn.initializers.normal(0.1), shape) + 1j * self.param(
+            "w_imag", nn.initializers.normal(0.1), shape)
+        spectrum = jnp.fft.rfft(x, axis=1)
+        mixed = jnp.einsum("bmi,mio->bmo", spectrum[:, : self.modes], w)
+        return jnp.fft.irfft(jnp.zeros_like(spectrum).at[:, : self.modes].set(mixed), n=x.shape[1], axis=1)
+
+
+class _RoutedFNO(nn.Module):
+    """Two Fourier layers, then a top-2 router over four experts (one-hot dispatch)."""
+
+    @nn.compact
+    def __call__(self, a):
+        h = nn.Dense(16)(a)
+        for _ in range(2):
+            h = nn.gelu(_SpectralConv()(h) + nn.Dense(16)(h))
+        gates, experts = jax.lax.top_k(jax.nn.softmax(nn.Dense(4)(h)), 2)
+        weights = jnp.sum(jax.nn.one_hot(experts, 4) * gates[..., None], axis=-2)
+        kernels = self.param("experts", nn.initializers.normal(0.1), (4, 16, 8))
+        return jnp.einsum("bse,bsd,edo->bso", weights, h, kernels)
+
+
+@pytest.mark.parametrize("grid", ["x=2,y=2,z=2", "z=2,data=4"])
+def test_fft_and_top_k_keep_their_other_dims_split(grid, devices):
+    """``fft`` (a Fourier neural operator) and ``top_k`` (an MoE router) need only their own
+    dims whole: the batch's and the channels' keep their split (both used to run replicated,
+    listed in ``plan.warnings``); the gradients are the plain model's."""
+    a = np.random.default_rng(8).standard_normal((8, 16, 3)).astype(np.float32)
+    model = _RoutedFNO()
+    params = model.init(jax.random.key(0), a)["params"]
+    loss = lambda apply, p: jnp.mean(apply(p, a) ** 2)  # noqa: E731
+    want = jax.grad(lambda p: loss(lambda q, x: model.apply({"params": q}, x), p))(params)
+    pm = axonn_jax.partition(model, Grid.parse(grid), a)
+    assert not [w for w in pm.plan.warnings if "fft" in w or "top_k" in w], pm.plan.warnings
+    got = _leaves(pm.gather(jax.jit(jax.grad(lambda p: loss(pm.apply, p)))(pm.shard(params))))
+    scale = max(np.max(np.abs(w)) for w in _leaves(want).values())
+    for path, w in _leaves(want).items():
+        np.testing.assert_allclose(got[path], w, rtol=0, atol=1e-5 * np.max(np.abs(w)) + 1e-6 * scale, err_msg=path)

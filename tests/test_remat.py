@@ -56,3 +56,39 @@ def test_unknown_policy_is_refused():
     assert apply_remat(len, "none") is len
     with pytest.raises(ValueError, match="unknown remat policy 'everything'.*save_dots"):
         remat_policy("everything")
+
+
+def test_a_model_s_own_checkpoint_names_are_planned_as_the_values_they_name(devices):
+    """``checkpoint_name`` with ``nn.remat(policy=save_only_these_names(...))`` (MaxText's remat
+    tags): the tagged value keeps its layout (the ``name`` primitive had no rule, so the
+    whole block after it ran replicated, with a warning); gradients the plain model's."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            a = checkpoint_name(nn.Dense(64)(h), "mlp_in")
+            return h + nn.Dense(32)(nn.silu(a))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(32)(x)
+            policy = jax.checkpoint_policies.save_only_these_names("mlp_in")
+            for i in range(2):
+                h = nn.remat(Block, policy=policy)(name=f"block{i}")(h)
+            return nn.Dense(8)(h)
+
+    x = np.random.default_rng(2).standard_normal((8, 6, 16)).astype(np.float32)
+    model = Net()
+    params = model.init(jax.random.key(0), x)["params"]
+    loss = lambda apply, p: jnp.mean(apply(p, x) ** 2)  # noqa: E731
+    want = jax.grad(lambda p: loss(lambda q, a: model.apply({"params": q}, a), p))(params)
+    pm = axonn_jax.partition(model, axonn_jax.Grid(x=2, y=2, z=2), x)
+    assert pm.plan.warnings == () and pm.plan.fallbacks == ()
+    assert pm.report().compute.redundancy <= 1.05
+    got = pm.gather(jax.jit(jax.grad(lambda p: loss(pm.apply, p)))(pm.shard(params)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
