@@ -146,3 +146,24 @@ def test_non_pointwise_rule_is_named_in_the_plan():
     notes = [w for w in pm.plan.warnings if "is inlined" in w]
     assert any("custom_jvp function 'normalise'" in n for n in notes), pm.plan.warnings
     assert any("custom_vjp function 'ste_round'" in n for n in notes), pm.plan.warnings
+
+
+def test_forward_mode_through_pm_apply_is_refused_with_the_remedy(devices):
+    """The split matmuls define their reverse-mode derivative (``jax.custom_vjp``): ``jax.jvp``
+    through ``pm.apply`` on a tensor-parallel grid names the grid and the remedy (it was JAX's
+    bare "can't apply forward-mode autodiff (jvp) to a custom_vjp function"); reverse mode
+    (``jax.jacrev``) and a data-parallel grid's ``jax.jvp`` give the plain model's."""
+    x = np.random.default_rng(1).standard_normal((8, 3)).astype(np.float32)
+    model = nn.Sequential([nn.Dense(16), jnp.tanh, nn.Dense(4)])
+    params = model.init(jax.random.key(0), x)["params"]
+    plain = lambda a: model.apply({"params": params}, a)  # noqa: E731
+    split = axonn_jax.partition(model, axonn_jax.Grid(x=2, data=4), x)
+    with pytest.raises(TypeError, match=r"forward-mode differentiation .* grid .*x=2.*Remedy: reverse mode"):
+        jax.jvp(lambda a: split.apply(split.shard(params), a), (x,), (np.ones_like(x),))
+    jac = jax.jacrev(lambda a: split.apply(split.shard(params), a).sum())(x)
+    np.testing.assert_allclose(np.asarray(jac), np.asarray(jax.jacrev(lambda a: plain(a).sum())(x)), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    data = axonn_jax.partition(model, axonn_jax.Grid(data=8), x)
+    _, tangent = jax.jvp(lambda a: data.apply(data.shard(params), a), (x,), (np.ones_like(x),))
+    np.testing.assert_allclose(np.asarray(tangent), np.asarray(jax.jvp(plain, (x,), (np.ones_like(x),))[1]),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip

@@ -48,7 +48,17 @@ class SingleMesh(Engine):
         params = as_planned(params, self.plan)  # a bf16 step's params: cast to the dtypes planned
         if program.signature not in self._functions:  # one jitted function per input signature
             self._functions[program.signature] = program_function(program, self.mesh, overlap=self.overlap)
-        outs = self._functions[program.signature](list(jax.tree.leaves(params)), list(arg_leaves))
+        try:
+            outs = self._functions[program.signature](list(jax.tree.leaves(params)), list(arg_leaves))
+        except TypeError as err:
+            if "forward-mode autodiff" not in str(err):
+                raise
+            raise TypeError(
+                f"forward-mode differentiation (jax.jvp, jax.jacfwd, jax.hessian) through pm.apply on "
+                f"grid {self.grid}: its split matmuls define their reverse-mode derivative only "
+                "(jax.custom_vjp: the gradient reductions they schedule). Remedy: reverse mode "
+                "(jax.grad, jax.vjp, jax.jacrev; a Hessian as jax.jacrev(jax.jacrev(f))), or a grid "
+                "with x = y = z = 1 (data parallel), where no matmul is split.") from err  # fmt: skip
         return jax.tree.unflatten(program.out_tree, outs)
 
     def forward(self, params, args, kwargs, *, microbatches=1, timeout=60.0):
