@@ -273,8 +273,8 @@ def _trace_linen(model, abstract_args, init_args: tuple | None = None) -> Traced
     def init_variables(key):
         if isinstance(key, Mapping):  # linen's {'params': key, 'dropout': key, ...}
             keys = dict(key)
-        else:
-            keys = dict(zip(["params", *streams], jax.random.split(key, 1 + len(streams))))
+        else:  # as model.init(key): the params stream's key, the others derived from it
+            keys = {"params": key, **dict(zip(streams, jax.random.split(key, len(streams))))}
         full = model.init(keys, *args_like(init_args), **args_like(call_kwargs))
         return {k: v for k, v in full.items() if k not in OUTPUT_COLLECTIONS}
 

@@ -502,6 +502,10 @@ def test_init_takes_linen_key_dicts_and_nnx_rng_state_refuses_microbatches(devic
     want = model.init(keys, x)
     for path, ref in _leaves(want).items():
         np.testing.assert_array_equal(_leaves(got)[path], np.asarray(ref), err_msg=path)
+    # one bare key, as model.init(key) takes it: the params stream's (it was a key split from it)
+    bare = _leaves(pm.gather(pm.init(jax.random.key(3))))
+    for path, ref in _leaves(model.init(jax.random.key(3), x)).items():
+        np.testing.assert_array_equal(bare[path], np.asarray(ref), err_msg=path)
     nnx_model = NNXNet(nnx.Rngs(0, dropout=1))
     piped = axonn_jax.partition(nnx_model, axonn_jax.Grid(pipeline=2, x=4), x)
     with pytest.raises(ValueError, match=r"its 2 microbatches would all use the same dropout masks"):
