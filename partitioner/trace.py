@@ -37,6 +37,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax.core import meta as flax_meta
 from flax.core.scope import DenyList
 from jax.extend import core as jex_core
 
@@ -246,6 +247,17 @@ def _split_apply_kwargs(kwargs: dict) -> tuple[dict, dict]:
     return call, {k: kwargs[k] for k in APPLY_KWARGS if k in kwargs}
 
 
+def unbox(tree):
+    """``tree`` with linen's metadata boxes (``nn.with_partitioning``, ``nn.with_logical_partitioning``:
+    ``nn.Partitioned``) replaced by their values, as ``model.apply`` reads them; the plan lays
+    out every parameter itself.
+
+    >>> unbox({"w": flax_meta.Partitioned(jnp.ones(2), names=("mlp",))})
+    {'w': Array([1., 1.], dtype=float32)}
+    """
+    return flax_meta.unbox(tree)
+
+
 def check_rngs(rngs) -> None:
     """Refuse ``rngs`` that are not a dict of named streams, naming the remedy.
 
@@ -275,7 +287,7 @@ def _trace_linen(model, abstract_args, init_args: tuple | None = None) -> Traced
             keys = dict(key)
         else:  # as model.init(key): the params stream's key, the others derived from it
             keys = {"params": key, **dict(zip(streams, jax.random.split(key, len(streams))))}
-        full = model.init(keys, *args_like(init_args), **args_like(call_kwargs))
+        full = unbox(model.init(keys, *args_like(init_args), **args_like(call_kwargs)))
         return {k: v for k, v in full.items() if k not in OUTPUT_COLLECTIONS}
 
     with _linen_remedies():

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax.core.scope import in_filter
 
 from axonn_jax.partitioner.provenance import user_frame
-from axonn_jax.partitioner.trace import APPLY_KWARGS, TracedModel, check_rngs, is_static
+from axonn_jax.partitioner.trace import APPLY_KWARGS, TracedModel, check_rngs, is_static, unbox
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,12 +151,14 @@ def unwrap_params(tree, param_tree) -> tuple[Any, bool]:
 
     A model with state is planned over its whole variables dict; a model
     without state over its params, which linen users also pass wrapped. Empty
-    collections beside ``params`` are dropped, as ``model.apply`` ignores them.
+    collections beside ``params`` are dropped, as ``model.apply`` ignores them, and
+    linen's metadata boxes (``nn.Partitioned``) unboxed.
 
     Example:
         >>> unwrap_params({"params": {"w": 1}, "batch_stats": {}}, jax.tree.structure({"w": 0}))
         ({'w': 1}, True)
     """
+    tree = unbox(tree)  # linen's metadata boxes (nn.with_partitioning): the values, as planned
     if not (isinstance(tree, Mapping) and "params" in tree):
         return tree, False
     kept = {k: v for k, v in tree.items() if k == "params" or jax.tree.leaves(v)}

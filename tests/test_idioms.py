@@ -431,3 +431,50 @@ def test_fft_and_top_k_keep_their_other_dims_split(grid, devices):
     scale = max(np.max(np.abs(w)) for w in _leaves(want).values())
     for path, w in _leaves(want).items():
         np.testing.assert_allclose(got[path], w, rtol=0, atol=1e-5 * np.max(np.abs(w)) + 1e-6 * scale, err_msg=path)
+
+
+class _Boxed(nn.Module):
+    """MaxText-style parameters: kernels boxed with their logical axis names."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        h = nn.relu(nn.Dense(32, kernel_init=nn.with_partitioning(init, ("embed", "mlp")))(x))
+        h = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(h)
+        return h @ self.param("head", nn.with_partitioning(init, (None, "vocab")), (32, 8))
+
+
+def test_boxed_parameters_are_planned_as_their_values(devices):
+    """Parameters boxed by ``nn.with_partitioning`` / ``nn.with_logical_partitioning`` (what
+    ``model.init`` returns) and the same unboxed (``nn.meta.unbox``, as training code keeps
+    them) are one params tree to ``pm.shard``, ``pm.apply`` and ``pm.train_step``; ``pm.init``
+    makes the unboxed values. (The plan used to hold the boxes: their leaves were
+    ``.../value``, and unboxed params were refused as not matching the plan.)"""
+    import optax
+
+    x = np.random.default_rng(9).standard_normal((8, 16)).astype(np.float32)
+    model = _Boxed()
+    boxed = model.init(jax.random.key(0), x)["params"]
+    assert isinstance(boxed["head"], nn.Partitioned)
+    params = nn.meta.unbox(boxed)
+    want = model.apply({"params": params}, x)
+    pm = axonn_jax.partition(model, Grid(x=2, y=2, z=2), x)
+    assert all(not p.path.endswith("/value") for p in pm.plan.params)
+    for given in (boxed, params, {"params": boxed}):
+        got = jax.jit(pm.apply)(pm.shard(given), x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    made = pm.gather(pm.init(jax.random.key(0)))
+    for path, w in _leaves(params).items():
+        np.testing.assert_array_equal(_leaves(made)[path], np.asarray(w), err_msg=path)
+    loss_fn = lambda out, batch: jnp.mean(out**2)  # noqa: E731
+    optimizer = optax.adamw(1e-2)
+    ref, state = params, optimizer.init(params)
+    step = pm.train_step(loss_fn, optimizer)
+    p, s = step.init(pm.shard(boxed))
+    for _ in range(2):
+        grads = jax.grad(lambda q: loss_fn(model.apply({"params": q}, x), x))(ref)
+        updates, state = optimizer.update(grads, state, ref)
+        ref = optax.apply_updates(ref, updates)
+        p, s, _ = step(p, s, x)
+    for path, w in _leaves(ref).items():
+        np.testing.assert_allclose(_leaves(pm.gather(p))[path], np.asarray(w), rtol=1e-5, atol=1e-6, err_msg=path)
