@@ -562,7 +562,7 @@ def _eval_inlined(jaxpr, consts, args, outer=None):
             if eqn.primitive.name in CONTROL_FLOW:  # one equation, its bodies inlined
                 params = with_subjaxprs(eqn, inline_calls)
             with source_context(source):  # warnings then name the model's line, not this one
-                outs = invals[0] if eqn.primitive.name in _LAYOUT_HINTS else _over_array_dims(eqn, invals)
+                outs = _rewritten(eqn, invals)
                 if outs is None:
                     outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
             if not eqn.primitive.multiple_results:
@@ -579,6 +579,15 @@ _LAYOUT_HINTS = frozenset(["sharding_constraint"])
 
 #: the reduction a collective is over array dims
 _ARRAY_REDUCTIONS = {"psum": jnp.sum, "pmax": jnp.max, "pmin": jnp.min}
+
+
+def _rewritten(eqn, invals: list):
+    """What the plan runs in place of ``eqn`` (its results as ``bind`` returns them), or
+    ``None`` to run it as it is: a model's own layout request dropped, a collective over
+    array dims as the reduction it is (:func:`_over_array_dims`)."""
+    if eqn.primitive.name in _LAYOUT_HINTS:
+        return invals[0]
+    return _over_array_dims(eqn, invals)
 
 
 def _over_array_dims(eqn, invals: list):
