@@ -1268,6 +1268,59 @@ def test_a_resnet_with_batchnorm_is_priced_as_compiled(grid, exact, all_reduce):
         assert ours["all-reduce"] / sum(by_kind["all-reduce"]) == pytest.approx(all_reduce, abs=0.001)
 
 
+@pytest.mark.parametrize("grid", ["y=2,data=4", "x=2,y=2,z=2", "y=2,z=2,data=2", "x=4,data=2"])
+def test_a_wav2vec2_with_its_weight_normed_positional_convolution_is_priced_as_compiled(grid):
+    """HF wav2vec2 (``benchmarks/hf_zoo.py``) against its compiled step: every kind, and the
+    collectives over each mesh axis, to the byte. Its positional convolution (grouped, with
+    ``weight_v``, ``weight_g`` weight-normed into its kernel) is priced as the program runs it:
+
+    * its input, the stream's rows reduce-scattered over y by the feature projection, meets
+      a rule that splits its channels over y instead: the runtime's relayout gathers the rows
+      over y and slices the channels (``runtime.executor.relayout``), so its gradient is
+      all-reduced over y, [B, 55, 64] each way (a ``Regather`` of the convolution's input);
+    * the norm of ``weight_v`` over its split output channels is a statistic of 16 rows, one
+      per kernel position, the same every microbatch (``NormGroup.fixed_rows``; it was priced
+      as 16 rows of the batch, divided by the batch axes);
+    * ``weight_g``, whole, scales the split channels: its gradient is all-reduced over their
+      axes (``Param.grad_summed_over``);
+    * on z grids both are depth-split as the partitioner stores them (weights computed from
+      parameters alone that a convolution reads): gathered over z, their gradients
+      reduce-scattered there, not all-reduced;
+    * ``masked_spec_embed`` is never read without a mask: no gradient of it is reduced.
+
+    Before: y=2,data=4 0.953 (all-gathers 0.925, all-reduces 0.954), x=2,y=2,z=2 0.967
+    (all-gathers 0.963, reduce-scatters 0.982, all-reduces 0.947), y=2,z=2,data=2 0.953,
+    x=4,data=2 1.0000 (all-reduces 1.0002).
+    """
+    from axonn_jax.partitioner.grid import STAGE_AXES
+    from axonn_jax.perf.spec import NormGroup
+    from axonn_jax.perf.traced import PerGridSpec
+
+    entry, g = _hf_entry("hf_wav2vec2"), Grid.parse(grid)
+    spec = PerGridSpec(entry.model, *entry.args, **entry.kwargs).for_grid(g)
+    params = {p.name.split(" ")[0].split("/")[-1]: p for p in spec.params}
+    split = tuple(a for a in (X, Y) if g.axis_size(a) > 1)  # weight_v's output channels: x·y
+    assert _live(params["weight_g"].grad_summed_over, g) == split[::-1]  # (in mesh order)
+    assert not params["masked_spec_embed"].trainable
+    assert params["weight_v"].depth == params["weight_g"].depth == (g.z > 1)
+    assert NormGroup(1, 1, split if len(split) > 1 else split[0], fixed_rows=16) in spec.norms
+    if g.y > 1:
+        assert [(round(r.per_token * spec.tokens), r.axis, r.scattered_rows) for r in spec.regathers
+                if r.name == "conv_general_dilated input"] == [(8 * 55 * 64, Y, True)]  # fmt: skip
+    text = compile_apply_step(entry.model, entry.args, g, entry.loss, entry.kwargs).as_text()
+    ours = collectives(spec, g, recompute=False)
+    compiled = _compiled_step_collectives(entry.model, entry.args, g, text=text)
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert sum(4 * c.elements for c in ours if c.kind == kind) == pytest.approx(sum(compiled[kind]),
+                                                                                    rel=1e-12), kind  # fmt: skip
+    live = [a for a in STAGE_AXES if g.axis_size(a) > 1]
+    for axes in (c for n in range(1, len(live) + 1) for c in itertools.combinations(live, n)):
+        by_axes = _compiled_step_collectives(entry.model, entry.args, g, text=text, axes=axes)
+        for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+            priced = sum(4 * c.elements for c in ours if c.kind == kind and set(_live(c.axes, g)) == set(axes))
+            assert priced == pytest.approx(sum(by_axes.get(kind, [0])), rel=1e-12), (kind, axes)
+
+
 @pytest.mark.parametrize("grid, repeats, all_reduce", [
     ("x=2,y=2,z=2", 36_864, 0.728), ("x=4,data=2", 49_152, 1.005), ("y=2,data=4", 61_440, 0.957)])
 def test_rows_of_an_activation_repeated_by_index_are_priced_as_summed(grid, repeats, all_reduce):

@@ -24,6 +24,9 @@ whole-read weight gradient          all-reduce   its axis     backward (a kernel
 whole-read weight gradient          reduce-scat  its axis     backward (a weight gathered to
                                                               meet rows split over its axis:
                                                               ``Param.read_whole_rows``)
+whole-parameter gradient            all-reduce   its axes     backward (a whole parameter
+                                                              meeting features split over
+                                                              them: ``Param.grad_summed_over``)
 weight-gradient scatter             reduce-scat  z            backward, per microbatch
 layer output (all-reduce form)      all-reduce   in axis      forward (×2 recompute)
 layer output (default)              reduce-scat  in axis      forward (×2 recompute;
@@ -45,6 +48,8 @@ sliced output gradient              all-reduce   in axis      backward (a convol
                                                               sliced over its in axis:
                                                               ``sliced_output``)
 norm statistics                     all-reduce   its axis (y) forward (×2 recompute), bwd
+                                                              (a weight norm's: the same rows
+                                                              every microbatch, ``fixed_rows``)
 batch statistics                    all-reduce   the batch    forward (×2 recompute), bwd
                                                  axes         (BatchNorm: ``BatchStatistics``)
 embedding lookup                    all-reduce   x            forward (vocabulary-parallel rows)
@@ -233,6 +238,10 @@ class _Step:
                     self.add("whole-read weight gradient", "reduce-scatter", (p.read_whole,), "backward",
                              _ring("reduce-scatter", g) * p.use_elements(grid) * g * copies * mb, calls,
                              repeats=True)  # fmt: skip
+            if p.grad_summed_over:  # met features split over them: partial sums, before any z scatter
+                self.add("whole-parameter gradient", "all-reduce", p.grad_summed_over, "backward",
+                         _ring("all-reduce", split_size(p.grad_summed_over, grid)) * p.use_elements(grid)
+                         * copies * mb, p.count * mb)  # fmt: skip
             if p.depth and grid.z > 1:
                 full = p.use_elements(grid)
                 wire = _ring("all-gather", grid.z) * full * copies * mb
@@ -387,7 +396,8 @@ class _Step:
         grid, axes = self.grid, split_axes(group.axis)  # one axis, or x and y
         norms = group.count * (self.share if group.rows_axis else 1)  # whole rows: the first stage
         scattered = group.rows_axis in self.scattered
-        rows = self.rows * group.rows_per_token / (grid.axis_size(group.rows_axis) if scattered else 1)
+        rows = (group.fixed_rows * self.mb if group.fixed_rows  # the same every microbatch
+                else self.rows * group.rows_per_token / (grid.axis_size(group.rows_axis) if scattered else 1))
         wire = _ring("all-reduce", split_size(axes, grid)) * group.stats * norms * rows
         calls, stats = norms * self.mb, norms * self.mb * group.stats
         again = 2 if self.recompute else 1

@@ -100,8 +100,15 @@ class Param:
     #: transpose, ``runtime.executor._partial_gathers``)
     read_whole_rows: bool = False
     #: False for model state (BatchNorm's running statistics): stored, never differentiated,
-    #: so no gradient of it is reduced
+    #: so no gradient of it is reduced; nor for a parameter the step never reads (wav2vec2's
+    #: ``masked_spec_embed`` without a mask): its gradient is zeros, reduced nowhere
     trainable: bool = True
+    #: the tensor axes splitting the features of a value this parameter, whole over them,
+    #: meets in an elementwise equation (wav2vec2's ``weight_g``, broadcast over the y-split
+    #: output channels of its weight-normed kernel): each device's gradient is a partial sum,
+    #: all-reduced over them backward (the gradient of rows scattered over an axis:
+    #: :attr:`scatter_axis`)
+    grad_summed_over: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.axes) != len(self.shape):
@@ -110,6 +117,7 @@ class Param:
         _check_axes(owner, "axis", *self.axes)
         _check_axes(owner, "scatter_axis", self.scatter_axis)
         _check_axes(owner, "read_whole", self.read_whole)
+        _check_axes(owner, "grad_summed_over", *self.grad_summed_over)
         object.__setattr__(self, "_size", math.prod(self.shape))
 
     @property
@@ -415,6 +423,9 @@ class NormGroup:
     ``rows_per_token``: the rows each normalises, per token of the spec (1; Whisper's and
     wav2vec2's stream has fewer rows than their inputs have frames). ``axis`` may be a
     tuple: a dim split over x·y (:class:`Param`), its statistics all-reduced over both.
+    ``fixed_rows``: rows that are not the batch's, the same every microbatch (a weight
+    norm over a kernel's split dim: wav2vec2's positional convolution, one row per kernel
+    position); 0: the batch's (``rows_per_token``).
     """
 
     count: int
@@ -422,6 +433,7 @@ class NormGroup:
     axis: str | tuple[str, ...] = Y
     rows_axis: str | None = None
     rows_per_token: float = 1.0
+    fixed_rows: int = 0
 
     def __post_init__(self) -> None:
         _check_axes("norm group", "axis", self.axis, optional=False)

@@ -41,13 +41,17 @@ grids where the one-device plan does not hold). From the plan and the jaxpr:
   value's layout scatters over an axis larger than 1;
 
 * norm statistics (:class:`_NormStatistics`): the reductions over a split dim
-  (a transformer's y-split hidden dim), one all-reduce per norm;
+  (a transformer's y-split hidden dim), one all-reduce per norm; a weight norm's
+  over a kernel's split dim has the same rows every microbatch (``fixed_rows``),
+  and a whole parameter meeting features split over an axis has its gradient
+  all-reduced there (``Param.grad_summed_over``: wav2vec2's ``weight_g``);
 * fallback moves of the partitioner: a kernel stored split but read whole
   (``Param.read_whole``; a layer weight too, stored as another use wants it and read
   with k whole: a tied output head, ``MatMul.weight_gathered``), an activation gathered whole for a reshape or split
   (``Regather``), its gradient all-reduced where it meets a split value
   (:class:`_WholeUses`), unless that is a layer whose input gradient is all-
-  reduced over the same axis anyway.
+  reduced over the same axis anyway; a convolution's input relaid out too
+  (rows scattered over the axis its rule splits the channels over).
 
 Example:
     >>> import jax, jax.numpy as jnp                           # doctest: +SKIP
@@ -61,7 +65,7 @@ import collections
 import dataclasses
 import math
 
-from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Grid
+from axonn_jax.partitioner.grid import BATCH_AXES, X, Y, Z, Grid
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.blocks import BUCKET_BLOCKS, NUMBERED, block_of, bucket_runs
@@ -156,6 +160,7 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
     read_whole, regathers, partial_sums = {}, [], []  # parameter index → axis; Regather; PartialSums
     read_whole_grad: set[int] = set()  # parameters gathered whole and sliced on another dim
     read_whole_rows: set[int] = set()  # parameters gathered whole to meet rows split over the axis
+    summed_over: dict = collections.defaultdict(tuple)  # parameter index → Param.grad_summed_over
     norms = _NormStatistics(layouts, grid)
     ctx = R.Context(plan.grid, scatter_batch=program.scatter_batch)
     whole_uses = _WholeUses(layouts, origin)
@@ -182,6 +187,11 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
         whole_uses.follow(eqn, step.targets if step else None)
         if all(var is None for var, _ in weight_of[-1:]) and not (eqn.outvars and eqn.outvars[0] in casts):
             weight_of += [(None, origin[v]) for v in eqn.invars if not R.is_literal(v) and v in origin]
+        if name_ in R.ELEMENTWISE:
+            for v, target in zip(eqn.invars, step.targets):
+                if not R.is_literal(v) and v in origin and target is not None:
+                    summed_over[origin[v]] += _feature_axes(target, layouts.get(eqn.outvars[0], ()),
+                                                            unit or frozenset())  # fmt: skip
         if name_ == "gather" and eqn.invars[0] in origin:
             looked_up.add(origin[eqn.invars[0]])
             dn = eqn.params["dimension_numbers"]
@@ -193,6 +203,11 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
                     lookup_elements += math.prod(out.aval.shape)
                 else:  # indexed by position (a relative-position bias): the same for any batch
                     fixed_lookup_elements += math.prod(out.aval.shape)
+        if name_ == "conv_general_dilated":  # its input relaid out as any operand (its kernel: below)
+            for operand, *found in _whole_gathers(eqn, _input_only(step), layouts, trained, flow.axis, unit,
+                                                  relayouts):  # fmt: skip
+                whole_uses.gathered(eqn, operand, len(regathers), found[2])
+                regathers.append(found)
         if name_ == "conv_general_dilated" and eqn.invars[1] in origin:
             kernel_use = step.targets[1]
             conv = _conv_matmul(eqn, layouts, grid, plan.params[origin[eqn.invars[1]]].path, kernel_use,
@@ -279,12 +294,14 @@ def _spec_of(traced, grid: Grid, name: str, relayouts: set | None = None) -> tup
     matmuls = [dataclasses.replace(mm, sliced_output=tuple(
         s for a in mm.in_axes for s in whole_uses.sliced_values(("conv", j, a), tokens)))
         for j, mm in enumerate(matmuls)]  # fmt: skip
+    read = _read(jaxpr)
     params = [
         Param(p.path, p.shape, tuple(_tensor_split(d, grid) for d in p.use),
-              depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up,
+              depth=p.role in (ParamRole.NORMAL, ParamRole.TRANSPOSED) or i in looked_up or _stored_over_z(p),
               per_block=_in_block(p.path), scatter_axis=flow.params.get(i), read_whole=read_whole.get(i),
               read_whole_grad=i in read_whole_grad, read_whole_rows=i in read_whole_rows,
-              trainable=p.trainable)  # fmt: skip
+              trainable=p.trainable and jaxpr.invars[i] in read,
+              grad_summed_over=tuple(dict.fromkeys(summed_over[i])))  # fmt: skip
         for i, p in enumerate(plan.params)
     ]
     params = _gathered_together(params, weight_of)
@@ -405,6 +422,7 @@ class _NormStatistics:
         self.stats: dict = {}  # root -> statistics reduced from it
         self.axis: dict = {}  # root -> the axis its statistics are reduced over
         self.rows: dict = {}  # root -> its rows (the elements of one statistic)
+        self.fixed: dict = {}  # root -> whether its rows are not the batch's (NormGroup.fixed_rows)
         #: root -> (the axes its batch statistics are reduced over, their elements, the
         #: tensor axes splitting them): a BatchNorm's
         self.batch_stats: dict = {}
@@ -427,14 +445,17 @@ class _NormStatistics:
                 self.stats[root] = self.stats.get(root, 0) + 1
                 self.axis[root] = axis
                 self.rows[root] = math.prod(R.shape_of(eqn.outvars[0]))
+                # rows of no batch (a weight norm's, computed from a kernel): the same every microbatch
+                self.fixed[root] = not any(a in BATCH_AXES for axes in self.layouts[ins[0]] for a in axes)
 
     def groups(self, scattered: dict, tokens: int) -> tuple[NormGroup, ...]:
         """The norms grouped by axis, statistics, the axis their rows are scattered over
         (``scattered``: :class:`_ScatterFlow`'s) and their rows per token."""
-        counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root), self.rows[root] / tokens)
+        counts = collections.Counter((self.axis[root], self.stats[root], scattered.get(root),
+                                      *((1.0, self.rows[root]) if self.fixed[root] else (self.rows[root] / tokens, 0)))
                                      for root in self.stats if root not in self.batch_stats)  # fmt: skip
-        return tuple(NormGroup(n, stats, axis, rows, rows_per_token=per_token)
-                     for (axis, stats, rows, per_token), n in counts.items())  # fmt: skip
+        return tuple(NormGroup(n, stats, axis, rows, rows_per_token=per_token, fixed_rows=fixed)
+                     for (axis, stats, rows, per_token, fixed), n in counts.items())  # fmt: skip
 
     def batch_groups(self, trained: set) -> tuple[BatchStatistics, ...]:
         """The normalisations over the batch, grouped alike; ``trained``: the values with a
@@ -676,6 +697,11 @@ def _split_outputs(jaxpr, layouts, grid: Grid, tokens: int) -> dict:
             "output_axis": split[0][1] if split else X}
 
 
+def _read(jaxpr) -> set:
+    """The variables some equation of ``jaxpr`` reads, or that it returns."""
+    return {v for eqn in jaxpr.eqns for v in eqn.invars if not R.is_literal(v)} | set(jaxpr.outvars)
+
+
 def _from_params(jaxpr, n_params: int) -> set:
     """The variables computed from some parameter: only their gradients are computed."""
     out = set(jaxpr.invars[:n_params])
@@ -713,6 +739,14 @@ def _conv_matmul(eqn, layouts, grid: Grid, path: str, kernel_use, input_grad: bo
     return MatMul(path, m, k, n, in_axis, _tensor_axis(used[out_ch_dim], grid), in_also=also,
                   recomputed=_in_block(path), whole_inputs=1, scatters=False,
                   input_width=math.prod(R.shape_of(lhs)) / m, input_grad=input_grad)  # fmt: skip
+
+
+def _input_only(step: R.Step) -> R.Step:
+    """A convolution's rule ``step`` with its input's target alone: the gathers of its input
+    (rows scattered over the axis the rule splits the channels over: wav2vec2's positional
+    convolution gathers the stream's rows over y and slices its channels there) are
+    regathers; its kernel's are :func:`_kernel_read_whole`'s."""
+    return dataclasses.replace(step, targets=[step.targets[0]] + [None] * (len(step.targets) - 1))
 
 
 def _kernel_read_whole(stored, used, grid: Grid) -> str | None:
@@ -917,6 +951,13 @@ def _tensor_split(axes: tuple[str, ...], grid: Grid) -> str | tuple[str, ...] | 
     return live if len(live) > 1 else _tensor_axis(axes, grid)
 
 
+def _stored_over_z(p) -> bool:
+    """Whether the plan stores parameter ``p`` (a ``ParamPlan``) split over z: on a grid's own
+    plan with z > 1, also a weight the partitioner depth-splits for what is computed from it
+    alone (wav2vec2's weight-normed positional kernel: ``weight_v``, ``weight_g``)."""
+    return any(Z in axes for axes in p.storage)
+
+
 def _in_block(path: str) -> bool:
     return any(NUMBERED.match(part) for part in path.split("/"))
 
@@ -935,18 +976,13 @@ def _blocks(paths) -> int:
 
 
 def _merge_params(params) -> tuple[Param, ...]:
-    groups: dict[tuple, list[Param]] = collections.defaultdict(list)
+    """Parameters alike but for their names, one entry each (``count``)."""
+    groups: dict[Param, list[Param]] = collections.defaultdict(list)
     for p in params:
-        groups[(p.shape, p.axes, p.depth, p.per_block, p.scatter_axis, p.fused, p.bucket, p.read_whole,
-                p.read_whole_grad, p.read_whole_rows, p.trainable)].append(p)
-    return tuple(
-        Param(ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
-              ps[0].shape, ps[0].axes, ps[0].depth, count=len(ps), per_block=ps[0].per_block,
-              scatter_axis=ps[0].scatter_axis, fused=ps[0].fused, bucket=ps[0].bucket,
-              read_whole=ps[0].read_whole, read_whole_grad=ps[0].read_whole_grad,
-              read_whole_rows=ps[0].read_whole_rows, trainable=ps[0].trainable)  # fmt: skip
-        for ps in groups.values()
-    )
+        groups[dataclasses.replace(p, name="", count=1)].append(p)
+    return tuple(dataclasses.replace(ps[0], name=ps[0].name + (f" (+{len(ps) - 1} alike)" if len(ps) > 1 else ""),
+                                     count=len(ps))
+                 for ps in groups.values())  # fmt: skip
 
 
 def _gathered_together(params: list[Param], weight_of: list[tuple]) -> list[Param]:
