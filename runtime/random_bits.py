@@ -28,6 +28,7 @@ from axonn_jax.partitioner.flops import RANDOM_BITS_CALL
 from axonn_jax.partitioner.grid import Grid
 from axonn_jax.partitioner.layout import Layout, factor, live, local_shape
 from axonn_jax.runtime.shard_index import shard_index
+from axonn_jax.runtime.varying import vary, vma
 
 _MASK16 = 0xFFFF
 
@@ -62,6 +63,11 @@ def block_bits(key: jax.Array, bit_width: int, shape: tuple[int, ...], offsets,
         hi, lo = linear_index(shape, offsets, local)
         k1, k2 = jax.random.key_data(key)
         bits1, bits2 = threefry2x32_p.bind(k1, k2, hi, lo)
+        # threefry2x32's abstract eval drops its operands' varying axes: typed invariant,
+        # the block would pass for one identical on every device, and a relayout
+        # regathering the dim (sort, cumsum, rev need it whole) tiles this block
+        varying = vma(k1) | vma(k2) | vma(hi) | vma(lo)
+        bits1, bits2 = vary(bits1, varying), vary(bits2, varying)
         if bit_width == 64:
             return lax.shift_left(bits1.astype(dtype), dtype.type(32)) | bits2.astype(dtype)
         return (bits1 ^ bits2).astype(dtype)

@@ -14,11 +14,16 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from jax.extend.random import threefry2x32_p
+from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner import Grid, plan_model
 from axonn_jax.partitioner.flops import count
 from axonn_jax.partitioner.flows import variable_layouts
-from axonn_jax.runtime.random_bits import block_bits, linear_index
+from axonn_jax.runtime.executor import relayout
+from axonn_jax.runtime.random_bits import block_bits, linear_index, local_bits
+from axonn_jax.runtime.varying import vma
+
+import axonn_jax
 
 #: (global shape, block start, block shape): blocks at and beyond 2**32 elements
 HUGE = [
@@ -128,3 +133,85 @@ def test_random_bits_count_alike_on_both_sides():
     assert plain.total == 8 * 64
     block = count(jax.make_jaxpr(lambda k: block_bits(k, 32, (8, 64), [0, 16], (8, 16)))(key))
     assert block.total == 8 * 16, block.by_line
+
+
+def test_a_block_of_bits_is_typed_varying_over_the_axes_that_split_it(devices):
+    """Inside ``shard_map`` a device's block is typed varying over its axes (threefry2x32 alone
+    types its bits invariant), so regathering the dim is an all-gather, never this block tiled."""
+    grid = Grid.parse("z=2,data=4")
+    key, layout = jax.random.key(5), (("data", "z"), ())
+    mesh = jax.make_mesh((1, 1, 2, 4), ("x", "y", "z", "data"))
+
+    def draw(k):
+        block = local_bits(k, 32, (8, 3), layout, grid)
+        assert vma(block) == {"data", "z"}, vma(block)
+        return relayout(block, layout, ((), ()), grid)
+
+    whole = jax.shard_map(draw, mesh=mesh, in_specs=P(), out_specs=P())(key)
+    np.testing.assert_array_equal(np.asarray(whole), np.asarray(jax.random.bits(key, (8, 3))))
+
+
+#: grids whose batch axes split a batch of 8: all of it, data with z, z beside x and y
+BATCH_GRIDS = ["data=8", "z=2,data=4", "x=2,y=2,z=2"]
+
+
+class _Mixup(nn.Module):
+    """Mixup: each example mixed with another of a random permutation of the batch."""
+
+    @nn.compact
+    def __call__(self, x):
+        perm_key, weight_key = jax.random.split(self.make_rng("mix"))
+        perm = jax.random.permutation(perm_key, x.shape[0])
+        lam = jax.random.uniform(weight_key, (x.shape[0], 1))
+        return nn.Dense(4)(lam * x + (1 - lam) * x[perm]), perm
+
+
+class _OrderOfBits(nn.Module):
+    """Operations needing the whole batch dim of uniform bits: sort, argsort, cumsum, flip."""
+
+    @nn.compact
+    def __call__(self, x):
+        u = jax.random.uniform(self.make_rng("mix"), (x.shape[0],))
+        mixed = nn.Dense(4)(x * jnp.cumsum(u)[:, None])
+        return mixed, (jnp.sort(u), jnp.argsort(u), jnp.cumsum(u), u[::-1], jnp.sort(jax.random.bits(
+            self.make_rng("mix"), (x.shape[0],))))  # fmt: skip
+
+
+@pytest.mark.parametrize("grid", BATCH_GRIDS)
+@pytest.mark.parametrize("model", [_Mixup(), _OrderOfBits()], ids=["mixup", "sort-cumsum-flip"])
+def test_whole_batch_operations_on_random_bits_match_plain(model, grid, devices):
+    """A permutation, sort or cumsum of bits split over the batch axes: the plain model's values
+    and gradients, the bits still drawn split (each device its block)."""
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    key = jax.random.key(3)
+    params = model.init({"params": jax.random.key(0), "mix": key}, x)["params"]
+
+    def loss(out):
+        return jnp.mean(jnp.square(out[0] - 1.0))
+
+    def plain(p, k):
+        return model.apply({"params": p}, x, rngs={"mix": k})
+
+    pm = axonn_jax.partition(model, Grid.parse(grid), x, rngs={"mix": key})
+    assert not pm.plan.warnings, pm.plan.warnings
+    _, program = plan_model(model, Grid.parse(grid), x, rngs={"mix": key})
+    layouts = variable_layouts(program.jaxpr, pm.plan.grid, program.param_storage, program.arg_layouts,
+                               scatter_batch=program.scatter_batch,
+                               random_layouts=program.random_layouts)  # fmt: skip
+    drawn = [layouts[e.outvars[0]] for e in program.jaxpr.eqns if e.primitive.name == "random_bits"]
+    assert drawn and all(any(pm.plan.grid.axis_size(a) > 1 for a in lay[0]) for lay in drawn), drawn
+
+    def part(p, k):
+        return pm.apply(p, x, rngs={"mix": k})
+
+    for k in (key, jax.random.key(11)):
+        ref, got = plain(params, k), jax.jit(part)(pm.shard(params), k)
+        for r, g in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+            if np.issubdtype(np.asarray(r).dtype, np.integer):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+            else:
+                np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+        ref_grads = jax.grad(lambda p: loss(plain(p, k)))(params)
+        got_grads = pm.gather(jax.jit(jax.grad(lambda p: loss(part(p, k))))(pm.shard(params)))
+        for r, g in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(got_grads)):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
