@@ -3,9 +3,9 @@
 :func:`plan_model` is the one function that turns (model, grid, example
 inputs, options) into the user-facing :class:`~axonn_jax.partitioner.plan.Plan`
 and the runtime's :class:`Program`; :func:`program_for` builds the Program of
-the same model for other input shapes, checking that the parameter layout
-does not change. Neither touches a device, so a 1,024-GPU model is planned
-on a laptop with ``import axonn_jax.partitioner`` alone.
+the same model for other input shapes, planned around the plan's parameter
+layouts (a new batch never moves a parameter). Neither touches a device, so a
+1,024-GPU model is planned on a laptop with ``import axonn_jax.partitioner`` alone.
 
 Example:
     >>> import flax.linen as nn, jax, jax.numpy as jnp
@@ -140,7 +140,11 @@ def program_for(model, plan: Plan, args: tuple, kwargs: dict, *, example: Traced
     nnx graph of then), else from ``model`` as it is now. A batch data·z does not divide
     is replicated with a warning, as ``partition()`` does (``ValueError`` when
     ``options.strict``); ``ValueError`` too when these shapes would give the parameters
-    another shape or layout than the plan's.
+    another shape than the plan's. The parameters keep the plan's layouts (they are
+    sharded so, and their optimizer state): the call's values are planned around them
+    (``plan_layouts(fixed=...)``), where planned afresh at these shapes the normal/
+    transposed alternation could fall the other way (an activation split over the batch
+    at one batch size and not at another decides a parameter's layout differently).
     """
     if example is None:
         traced = trace_model(model, *args, **kwargs)
@@ -153,17 +157,14 @@ def program_for(model, plan: Plan, args: tuple, kwargs: dict, *, example: Traced
     grid = plan.grid
     _check_param_shapes(traced, plan)
     closed = inline_calls(traced.jaxpr)
-    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())  # strict: raises
+    # the parameters keep the plan's layouts (they are sharded so already); the call's values are
+    # planned around them, and the runtime relayouts where a rule wants another (strict: raises)
+    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options(),
+                           fixed={p.path: p.storage for p in plan.params})  # fmt: skip
     problems = batch_problems([a.shape for j, a in enumerate(traced.arg_avals) if j not in traced.rng_args], grid)
     if problems:  # as partition() does: replicated, with a warning (a batch-1 generation step)
         more = f"; {len(problems) - 1} more inputs alike" if len(problems) > 1 else ""
         warnings.warn(f"{problems[0]} (grid {grid}{more})", stacklevel=user_frame()[1])
-    if layouts.storage != {p.path: p.storage for p in plan.params}:
-        raise ValueError(
-            f"inputs of shapes {[tuple(a.shape) for a in traced.arg_avals]} give a different "
-            "parameter layout than the example inputs given to partition(). Remedy: partition "
-            "with example inputs of these shapes."
-        )
     closed = with_cuts(closed, plan.scan_cuts)
     if len(plan.stages) > 1 and len(closed.jaxpr.eqns) != plan.stages[-1].stop:
         dtypes = ""
@@ -221,18 +222,16 @@ def composite_program(traced: TracedModel, plan: Plan, *, options: PlanOptions =
     :func:`~axonn_jax.partitioner.trace.trace_composite`: a loss of the model's outputs),
     planned with the same rules and laid out as ``plan``.
 
-    On a pipeline plan the function's equations after the model's join the last
+    The parameters keep the plan's layouts (as in :func:`program_for`). On a
+    pipeline plan the function's equations after the model's join the last
     stage; ``model`` (the model's Program for the same call) is then required.
-    Raises ``ValueError`` when the function would give the parameters another
-    layout than the plan's, or does not begin with the model's equations (the
-    caller then runs the model's own Program).
+    Raises ``ValueError`` when the function does not begin with the model's
+    equations (the caller then runs the model's own Program).
     """
     grid = plan.grid
     closed = inline_calls(traced.jaxpr)
-    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options())
-    changed = [p.path for p in plan.params if layouts.storage.get(p.path) != p.storage]
-    if changed:
-        raise ValueError(f"planned together, the parameters {changed[:3]} would take another layout")
+    layouts = plan_layouts(traced, grid, jaxpr=closed, **options.layout_options(),
+                           fixed={p.path: p.storage for p in plan.params})  # fmt: skip
     closed = with_cuts(closed, plan.scan_cuts)
     stages = loss_on_last_stage(plan.stages, closed.jaxpr, model) if len(plan.stages) > 1 else None
     return _program(traced, closed, grid, plan, layouts, stages=stages)

@@ -35,7 +35,7 @@ from axonn_jax.partitioner.grid import BATCH_AXES, Z, Grid
 from axonn_jax.partitioner import control_flow as CF
 from axonn_jax.partitioner import rules as R
 from axonn_jax.partitioner.jaxprs import CONTROL_FLOW
-from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, used_axes, without
+from axonn_jax.partitioner.layout import Layout, divides, factor, replicated, use_layout, used_axes, without
 from axonn_jax.partitioner.masks import MaskTracker
 from axonn_jax.partitioner.pointwise import replaced_rules
 from axonn_jax.partitioner.roles import DEPTH_SPLIT_PRIMITIVES, ParamRole
@@ -101,6 +101,7 @@ def plan_layouts(
     replicate: Sequence[str] = (),
     jaxpr=None,
     scatter_batch: bool = True,
+    fixed: Mapping[str, Layout] | None = None,
 ) -> PlannedLayouts:
     """Decide the layout of every parameter, argument and output of ``traced``.
 
@@ -112,14 +113,23 @@ def plan_layouts(
         jaxpr: the already inlined ClosedJaxpr of ``traced`` (computed if omitted).
         scatter_batch: reduce-scatter layer outputs onto the batch dim between layers
             (the rules' ``Context``); False keeps all-reduces.
+        fixed: ``{path: stored layout}`` of every parameter, already decided (a plan's,
+            for another call of the same model): each is read in its use layout
+            (:func:`~axonn_jax.partitioner.layout.use_layout`, as the runtime reads it)
+            and kept as stored; only the values are planned, around them. ``rules``
+            and ``replicate`` then decide nothing (the plan they made is given).
     """
     jaxpr = (jaxpr if jaxpr is not None else inline_calls(traced.jaxpr)).jaxpr
-    forced = _forced_layouts(traced, grid, rules or {}, replicate)
+    if fixed is None:
+        forced = _forced_layouts(traced, grid, rules or {}, replicate)
+    else:
+        forced = {i: use_layout(fixed[path]) for i, path in enumerate(traced.param_paths)}
     hints: dict[int, Layout] = {}
     random: dict = {}  # random_bits output -> the layout of the activation its mask meets
     stacked = stacking_dims(jaxpr)
     for _ in range(4):
-        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch, random, stacked)
+        walk = _Walk(traced, jaxpr, grid, strict, {**hints, **forced}, scatter_batch, random, stacked,
+                     stored=fixed)  # fmt: skip
         walk.run()
         new_hints = {p: h for p, h in walk.hints.items() if p not in forced and p not in hints}
         new_random = {k: v for k, v in walk.masks.found.items() if random.get(k) != v}
@@ -171,8 +181,9 @@ class _Walk:
     """One pass over the jaxpr with layouts only."""
 
     def __init__(self, traced, jaxpr, grid, strict, predecided, scatter_batch=True, random=None,
-                 stacked=None):  # fmt: skip
+                 stacked=None, stored=None):  # fmt: skip
         self.traced, self.jaxpr, self.grid, self.strict = traced, jaxpr, grid, strict
+        self.stored: Mapping[str, Layout] = stored or {}  # path -> stored layout (plan_layouts' fixed)
         self.ctx = R.Context(grid, scatter_batch=scatter_batch, random_layouts=random, stacked=stacked)
         self.masks = MaskTracker(_pass_map)
         self.decided: dict[int, Layout] = dict(predecided)
@@ -437,7 +448,10 @@ class _Walk:
         for i, (path, aval) in enumerate(zip(paths, avals)):
             use[path] = self.decided.get(i, replicated(len(aval.shape)))
             self._check_stacked(i, use[path])
-            storage[path] = self._depth_split(i, path, aval.shape, use[path])
+            if path in self.stored:  # given (plan_layouts' fixed)
+                storage[path] = self.stored[path]
+            else:
+                storage[path] = self._depth_split(i, path, aval.shape, use[path])
             if i not in self.decided:
                 unused.append(f"{path}: never used by the model; kept replicated")
         return PlannedLayouts(

@@ -34,8 +34,8 @@ def loss_program(model: Program, plan: Plan, options: PlanOptions, call: ModelCa
     (with the state updates of a model with state), laid out as ``plan``.
 
     Raises ``ValueError`` when it cannot be planned so: the loss closes over
-    values of an enclosing trace, planning it would move a parameter, or (on
-    a pipeline plan) the model's equations traced with the loss differ.
+    values of an enclosing trace, or (on a pipeline plan) the model's equations
+    traced with the loss differ. The parameters keep the plan's layouts.
     """
 
     def composite(variables, *a, **k):

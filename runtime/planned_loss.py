@@ -10,8 +10,8 @@ over the split (``pmax`` / ``psum``) and looks up the label's logit where it
 lives, instead of gathering the logits and repeating the loss on every
 device of the tensor-parallel group. ``pm.apply`` still returns whole outputs.
 
-A loss that cannot be planned so (its tracing fails, it closes over values
-of an enclosing trace, or planning it would move a parameter) runs as
+A loss that cannot be planned so (its tracing fails, or it closes over values
+of an enclosing trace; the parameters keep the plan's layouts) runs as
 before, outside the planned program on the model's gathered outputs;
 :attr:`PlannedLoss.notes` says why, per input signature.
 

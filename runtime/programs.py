@@ -3,8 +3,8 @@
 A :class:`~axonn_jax.partitioner.program.Program` is planned for the example
 inputs given to ``partition()``; a call with other shapes (a bigger batch,
 another sequence length) needs the Program of those inputs, with the same
-parameter layout (:func:`~axonn_jax.partitioner.program.program_for` refuses
-shapes that would change it). :class:`ProgramCache` traces each signature
+parameter layout (:func:`~axonn_jax.partitioner.program.program_for` plans its
+values around the plan's parameter layouts). :class:`ProgramCache` traces each signature
 once; both engines and the step reports read their Programs from it. It needs
 no devices.
 
