@@ -43,6 +43,7 @@ from axonn_jax.runtime.loss_program import ScalarLoss
 from axonn_jax.runtime.master_optimizer import (MasterOptimizer, MasterState, check_offloadable, check_optimizer,
                                                is_state_hole)
 from axonn_jax.runtime.model_call import wrap_params
+from axonn_jax.runtime.pipeline.agreement import agree_on_call, call_description
 from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.sharded import onto_mesh
@@ -439,6 +440,9 @@ class SingleMeshStep(TrainStep):
         return step
 
     def _step(self, params, opt_state: OptState, batch, rngs):
+        if self.placed.multiprocess:  # one SPMD program: every process, the same batch shapes
+            described = call_description(dict(batch=batch, rngs=rngs), microbatches=self.options.get("microbatches", 1))
+            agree_on_call(self.placed.host, "train step", described, self.options.get("timeout", 60.0))
         batch = onto_mesh(batch, self.engine.mesh, self.plan.grid)  # a batch put on other devices
         return self._program(0).run(params, opt_state, batch, rngs)
 

@@ -52,14 +52,15 @@ def test_other_shapes_are_named_with_the_remedy():
     mine = describe_call(batch=(np.zeros((16, 4), np.float32),))
     host = FakeHost(lambda r: _record("train step", describe_call(batch=(np.zeros((8, 4), np.float32),)), time.time()))
     with pytest.raises(CallMismatch, match=re.escape(
-            "other shapes, dtypes or static arguments to the pipelined train step: process 1 has batch[0]: "
-            "float32[8, 4] but process 0 has batch[0]: float32[16, 4]. Remedy: a pipelined train step")):
+            "other shapes, dtypes or static arguments to the train step: process 1 has batch[0]: "
+            "float32[8, 4] but process 0 has batch[0]: float32[16, 4]. Remedy: a train step over several "
+            "processes")):
         agree_on_call(host, "train step", lambda: mine, 60.0)
 
 
 def test_different_calls_at_once_are_named():
     host = FakeHost(lambda r: _record("train step", ["batch: x"], time.time()))
-    with pytest.raises(CallMismatch, match="different pipelined calls.*process 1 calls the pipelined train step"):
+    with pytest.raises(CallMismatch, match="different pipelined calls.*process 1 calls the train step"):
         agree_on_call(host, "pm.apply", lambda: ["args: x"], 60.0)
 
 
@@ -121,3 +122,31 @@ def test_train_step_with_other_batches_per_rank_fails_on_every_rank(mode, env):
         else:
             assert re.search(r"process 1 has batch\[0\] values: \w+ but process 0 has batch\[0\] values: ", message)
         assert "every process, with the same global batch" in message
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,env", [("sizes", {}), ("values", {"AXONN_JAX_CHECK_BATCH": "1"}),
+                                      ("step_rank0_only", {})])  # fmt: skip
+def test_a_flat_train_step_over_two_processes_fails_together(mode, env):
+    """``x=2,data=2``, one mesh over both processes: one SPMD program, each process keeping its
+    part of the batch it is given. Other batch sizes per process used to train silently on each
+    process's own reading (the losses differed, nothing said so); with AXONN_JAX_CHECK_BATCH=1,
+    other values (each process passing its own shard) are named too; a process that leaves the
+    loop left the other waiting in the step's collectives for minutes. Now both raise: at once
+    for a mismatch, within the timeout for a step one process does not make."""
+    result = run_mpi(2, "pipeline_call_agreement.py", mode, str(TIMEOUT), "x=2,data=2", devices_per_process=2,
+                     timeout=240, env=env)  # fmt: skip
+    output = result.stdout + result.stderr
+    raised = _raised(output)
+    assert set(raised) == {0, 1}, output[-4000:]
+    if mode == "step_rank0_only":
+        t0, m0 = raised[0]
+        assert TIMEOUT - 0.5 <= t0 <= TIMEOUT + 10 and m0.startswith("CallNotJoined: the train step at"), m0
+        assert "Remedy: a train step over several processes (pm.train_step" in m0
+        assert raised[1][1].startswith("CallNotJoined: the processes are out of step: process 0 entered the train step")
+        return
+    for rank in (0, 1):
+        seconds, message = raised[rank]
+        assert seconds < TIMEOUT and message.startswith("CallMismatch: the processes passed inputs of other"), message
+        assert ("process 1 has batch[0]: float32[8, 16] but process 0 has batch[0]: float32[16, 16]" in message
+                if mode == "sizes" else re.search(r"process 1 has batch\[0\] values: \w+ but process 0 has", message))

@@ -1,16 +1,21 @@
-"""Before a pipelined call compiles or dispatches anything: do the processes make the same call?
+"""Before a call over several processes compiles or runs anything: do they make the same call?
 
 A pipelined call (``pm.apply`` / ``pm.forward``, a pipelined train step or
 ``pm.value_and_grad``) is collective: every process runs its stages and they
-exchange messages, gather outputs and compile together. Two ways of breaking
-that used to hang a process forever instead of failing:
+exchange messages, gather outputs and compile together. So is a train step on a
+grid whose one mesh spans several processes (``pm.train_step``: one SPMD program,
+each process keeping its part of the global batch). Ways of breaking that used
+to hang a process or silently train on other data instead of failing:
 
 * only some processes make the call (``if rank == 0: pm.apply(...)``, a common
   "generate on the main rank" habit): the caller blocked in the gather of the
   outputs, with no timeout;
 * the processes pass inputs of other shapes (a per-process epoch remainder): the
   process that must compile the new shape waited for the others in a collective
-  that only a compiling process makes.
+  that only a compiling process makes (a pipeline), or each process trained on
+  its own reading of the batch without a word (one mesh);
+* a process leaves the training loop early: the others waited in the step's
+  collectives until JAX's coordination service gave up minutes later.
 
 :func:`agree_on_call` runs first in each such call: one bounded allgather
 (:meth:`~axonn_jax.runtime.collectives.HostComm.allgather_within`, 1 KiB per
@@ -60,23 +65,24 @@ REMEDIES = {
     "pm.apply": "pm.apply / pm.forward on a pipeline spread over several processes is collective: "
                 "call it on every process, with the same inputs (e.g. generate on every process "
                 "and print on process 0 only)",
-    "train step": "a pipelined train step (pm.train_step / pm.value_and_grad) is collective: call it "
-                  "on every process, with the same global batch (same shapes, dtypes and values: "
-                  "each process reads the whole batch, the first stage its inputs and the last its "
-                  "targets; e.g. drop or pad an epoch's remainder the same way on every process)",
+    "train step": "a train step over several processes (pm.train_step, a pipelined pm.value_and_grad) "
+                  "is collective: call it on every process, with the same global batch (same shapes, "
+                  "dtypes and values: each process reads the whole batch and keeps its part, on a "
+                  "pipeline the first stage its inputs and the last its targets; e.g. drop or pad an "
+                  "epoch's remainder the same way on every process)",
 }  # fmt: skip
 
 
 #: how the messages name each kind of call
-NAMES = {"pm.apply": "pm.apply / pm.forward", "train step": "the pipelined train step"}
+NAMES = {"pm.apply": "pm.apply / pm.forward", "train step": "the train step"}
 
 
 class CallNotJoined(RuntimeError):
-    """Not every process made this collective pipelined call within the timeout."""
+    """Not every process made this collective call within the timeout."""
 
 
 class CallMismatch(ValueError):
-    """The processes made different pipelined calls (kind, input shapes/dtypes, values)."""
+    """The processes made different collective calls (kind, input shapes/dtypes, values)."""
 
 
 def call_description(values: dict, **parts) -> Callable[[], list[str]]:

@@ -1,12 +1,15 @@
-"""Under mpiexec -n 2, pipeline=2,x=2,z=2: processes that make different pipelined calls fail
-together, within the timeout, naming the cause (runtime/pipeline/agreement.py).
+"""Under mpiexec -n 2, pipeline=2,x=2,z=2 (or GRID): processes that make different collective
+calls fail together, within the timeout, naming the cause (runtime/pipeline/agreement.py).
 
-Usage: mpiexec -n 2 python pipeline_call_agreement.py rank0_only|sizes|values TIMEOUT
+Usage: mpiexec -n 2 python pipeline_call_agreement.py rank0_only|sizes|values|step_rank0_only TIMEOUT [GRID]
 
 ``rank0_only``: only rank 0 calls ``pm.forward`` (``pm.apply`` with a timeout) ("generate on the main rank"); rank 1 sleeps
 past the timeout, then makes its next pipelined call. ``sizes``: at step 1 rank 1 passes a
 batch of 8 rows, rank 0 one of 16 (an epoch remainder read per rank). ``values``: the same
-shapes, other values on rank 1 (checked with ``AXONN_JAX_CHECK_BATCH=1``). Each rank prints
+shapes, other values on rank 1 (checked with ``AXONN_JAX_CHECK_BATCH=1``). ``step_rank0_only``:
+rank 1 leaves the training loop after step 1 (it sleeps past the timeout, then makes one more
+step, its next collective call). GRID (default pipeline=2,x=2,z=2) may be one mesh over both
+processes (x=2,data=2: a flat train step). Each rank prints
 ``RAISED <rank> <seconds>: <type>: <message>`` (or ``FINISHED <rank>``) and exits 3.
 """
 
@@ -23,6 +26,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 mode, timeout = sys.argv[1], float(sys.argv[2])
+grid = axonn_jax.Grid.parse(sys.argv[3] if len(sys.argv) > 3 else "pipeline=2,x=2,z=2")
 rank = info.process_index
 
 
@@ -43,7 +47,7 @@ def mse(out, b):
     return jnp.mean((out - b[1]) ** 2)
 
 
-pm = axonn_jax.partition(Net(), axonn_jax.Grid(pipeline=2, x=2, z=2), batch(8, 0)[0])
+pm = axonn_jax.partition(Net(), grid, batch(8, 0)[0])
 params = pm.init(jax.random.key(0))
 x = batch(8, 0)[0]
 pm.forward(params, x, timeout=timeout)  # collective: fine
@@ -59,7 +63,9 @@ try:
         step = pm.train_step(mse, optax.sgd(0.1), microbatches=2, inputs=lambda b: b[:1], timeout=timeout)
         params, state = step.init(params)
         params, state, _ = step(params, state, batch(16, 1))  # both ranks: fine
-        b = batch(8 if (mode == "sizes" and rank == 1) else 16, 99 if rank == 1 else 2)
+        if mode == "step_rank0_only" and rank == 1:
+            time.sleep(timeout + 5)  # left the loop; its next collective call comes too late
+        b = batch(8 if (mode == "sizes" and rank == 1) else 16, 99 if rank == 1 and mode == "values" else 2)
         params, state, _ = step(params, state, b)
     print(f"FINISHED {rank} {time.monotonic() - start:.1f}", flush=True)
 except Exception as err:  # noqa: BLE001 - printed for the test to read
