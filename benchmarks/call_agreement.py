@@ -1,7 +1,7 @@
 """The cost of the call agreement on a pipelined train step: with it ÷ without it.
 
 Every pipelined call first agrees on its inputs across processes
-(``runtime/pipeline/agreement.py``: one bounded 1 KiB allgather per call). This
+(``runtime/agreement.py``: one bounded 1 KiB allgather per call). This
 times a pipelined step with the agreement on and patched out, in blocks of
 ``--steps`` steps that alternate (the order flips every block), ``--blocks``
 blocks each; the figure is the median block's step time with it over the

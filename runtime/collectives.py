@@ -128,7 +128,7 @@ class HostComm:
         """A non-blocking ``Iallgather`` tested until it completes or ``timeout`` s pass: spins
         for :attr:`SPIN` s (yielding the CPU), then sleeps at most :attr:`NAP` s between tests.
         A call given up on stays posted (kept alive here) and completes with the others' next
-        call: its callers compare the records, so they notice (:mod:`~axonn_jax.runtime.pipeline.agreement`)."""
+        call: its callers compare the records, so they notice (:mod:`~axonn_jax.runtime.agreement`)."""
         if len(record) > RECORD_BYTES:
             raise ValueError(f"a bounded allgather record holds at most {RECORD_BYTES} bytes, got {len(record)}")
         if self._bounded is None:

@@ -43,7 +43,7 @@ from axonn_jax.runtime.loss_program import ScalarLoss
 from axonn_jax.runtime.master_optimizer import (MasterOptimizer, MasterState, check_offloadable, check_optimizer,
                                                is_state_hole)
 from axonn_jax.runtime.model_call import wrap_params
-from axonn_jax.runtime.pipeline.agreement import agree_on_call, call_description
+from axonn_jax.runtime.agreement import agree_on_call, call_description
 from axonn_jax.runtime.placement import PlacedModel, check_not_donated
 from axonn_jax.runtime.precision import LossScale, Precision, all_finite, as_planned
 from axonn_jax.runtime.sharded import onto_mesh

@@ -13,8 +13,8 @@ import pytest
 from mpi_util import run_mpi
 
 from axonn_jax.runtime.collectives import SingleProcess
-from axonn_jax.runtime.pipeline import agreement
-from axonn_jax.runtime.pipeline.agreement import CallMismatch, CallNotJoined, agree_on_call, describe_call
+from axonn_jax.runtime import agreement
+from axonn_jax.runtime.agreement import CallMismatch, CallNotJoined, agree_on_call, describe_call
 
 TIMEOUT = 10
 
@@ -86,14 +86,14 @@ def test_pm_apply_on_one_rank_only_fails_on_every_rank_within_the_timeout():
     """Rank 0 alone calls pm.forward (pm.apply with a timeout): it used to block forever in the
     outputs' broadcast. Rank 0 now raises after the timeout; rank 1, whose next pipelined call
     meets the call rank 0 gave up on, raises at once that the processes are out of step."""
-    result = run_mpi(2, "pipeline_call_agreement.py", "rank0_only", str(TIMEOUT), devices_per_process=4,
+    result = run_mpi(2, "call_agreement.py", "rank0_only", str(TIMEOUT), devices_per_process=4,
                      timeout=240)  # fmt: skip
     output = result.stdout + result.stderr
     raised = _raised(output)
     assert set(raised) == {0, 1}, output[-4000:]
     t0, m0 = raised[0]
     assert TIMEOUT - 0.5 <= t0 <= TIMEOUT + 10, output[-4000:]
-    assert m0.startswith("CallNotJoined: pm.apply / pm.forward at pipeline_call_agreement.py:")
+    assert m0.startswith("CallNotJoined: pm.apply / pm.forward at call_agreement.py:")
     assert f"not every process entered this call within timeout={TIMEOUT} s" in m0
     assert "Remedy: pm.apply / pm.forward on a pipeline spread over several processes is collective: " \
            "call it on every process" in m0  # fmt: skip
@@ -109,7 +109,7 @@ def test_train_step_with_other_batches_per_rank_fails_on_every_rank(mode, env):
     """At step 1 rank 1 passes 8 rows, rank 0 16: rank 1 (a new shape) used to block forever in
     the compile's collective and rank 0 to time out blaming a failed peer. Both now raise at once,
     naming the shapes (``values``: other values, checked with AXONN_JAX_CHECK_BATCH=1)."""
-    result = run_mpi(2, "pipeline_call_agreement.py", mode, str(TIMEOUT), devices_per_process=4, timeout=240, env=env)
+    result = run_mpi(2, "call_agreement.py", mode, str(TIMEOUT), devices_per_process=4, timeout=240, env=env)
     output = result.stdout + result.stderr
     raised = _raised(output)
     assert set(raised) == {0, 1}, output[-4000:]
@@ -134,7 +134,7 @@ def test_a_flat_train_step_over_two_processes_fails_together(mode, env):
     other values (each process passing its own shard) are named too; a process that leaves the
     loop left the other waiting in the step's collectives for minutes. Now both raise: at once
     for a mismatch, within the timeout for a step one process does not make."""
-    result = run_mpi(2, "pipeline_call_agreement.py", mode, str(TIMEOUT), "x=2,data=2", devices_per_process=2,
+    result = run_mpi(2, "call_agreement.py", mode, str(TIMEOUT), "x=2,data=2", devices_per_process=2,
                      timeout=240, env=env)  # fmt: skip
     output = result.stdout + result.stderr
     raised = _raised(output)
@@ -150,3 +150,21 @@ def test_a_flat_train_step_over_two_processes_fails_together(mode, env):
         assert seconds < TIMEOUT and message.startswith("CallMismatch: the processes passed inputs of other"), message
         assert ("process 1 has batch[0]: float32[8, 16] but process 0 has batch[0]: float32[16, 16]" in message
                 if mode == "sizes" else re.search(r"process 1 has batch\[0\] values: \w+ but process 0 has", message))
+
+
+@pytest.mark.mpi
+def test_a_checkpoint_on_one_rank_only_fails_on_every_rank_within_the_timeout(tmp_path):
+    """``if rank == 0:`` create a Checkpointer and save (the common habit): rank 0 used to block
+    forever in the Checkpointer's first collective (a blocking allgather), rank 1 in its next
+    step. Rank 0 now raises after the timeout, naming the remedy; rank 1, whose next collective
+    call meets the one rank 0 gave up on, raises that the processes are out of step."""
+    result = run_mpi(2, "call_agreement.py", "checkpoint_rank0_only", str(TIMEOUT), "data=2",
+                     str(tmp_path / "ckpt"), devices_per_process=1, timeout=240)  # fmt: skip
+    output = result.stdout + result.stderr
+    raised = _raised(output)
+    assert set(raised) == {0, 1}, output[-4000:]
+    t0, m0 = raised[0]
+    assert TIMEOUT - 0.5 <= t0 <= TIMEOUT + 10, output[-4000:]
+    assert m0.startswith("CallNotJoined: a Checkpointer call at call_agreement.py:"), m0
+    assert "Remedy: a Checkpointer and its save / restore are collective" in m0
+    assert raised[1][1].startswith("CallNotJoined: the processes are out of step: process 0 entered a Checkpointer call")

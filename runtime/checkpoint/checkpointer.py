@@ -30,6 +30,8 @@ import jax
 import optax
 import orbax.checkpoint as ocp
 
+from axonn_jax.runtime.agreement import agree_on_call
+from axonn_jax.runtime.collectives import host_comm
 from axonn_jax.runtime.checkpoint import lifetime, writer_lock
 from axonn_jax.runtime.checkpoint.handler import (StandardTreeHandler, StandardTreeRestore, allgather_json, plan_leaves,
                                                  prepare_shards)
@@ -128,6 +130,10 @@ class Checkpointer:
         takeover: replace another writer's lock on ``directory`` (a writer of a
             job that is no longer running on another host; see
             :mod:`~axonn_jax.runtime.checkpoint.writer_lock`).
+        timeout: seconds every process has to make the same call (creating it,
+            :meth:`save`, :meth:`restore`) under ``mpiexec``; else all raise
+            (:mod:`~axonn_jax.runtime.agreement`: ``if rank == 0: save(...)``
+            used to hang every process).
 
     One writer per directory: a second live writer is refused. Close the
     writer (``with Checkpointer(...) as ckpt:`` or :meth:`close`) to finish the
@@ -138,7 +144,7 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, *, max_to_keep: int | None = 3,
                  asynchronous: bool = True, read_only: bool = False,
-                 takeover: bool = False) -> None:  # fmt: skip
+                 takeover: bool = False, timeout: float = 60.0) -> None:  # fmt: skip
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int)
                                         or max_to_keep < 1):  # fmt: skip
             raise ValueError(
@@ -147,7 +153,8 @@ class Checkpointer:
                 "Remedy: max_to_keep=1 keeps only the latest step."
             )
         self.directory = Path(directory).absolute()
-        self._read_only = read_only
+        self._read_only, self._timeout = read_only, timeout
+        self._agree("Checkpointer")  # collective from here on: every process, or all raise
         if self.directory.exists() and not self.directory.is_dir():
             raise NotADirectoryError(f"the checkpoint directory {self.directory} is a file. Remedy: "
                                      "name a directory (it is created if missing).")
@@ -205,6 +212,7 @@ class Checkpointer:
         check_step(step, "save")
         if self._read_only:
             raise ValueError(f"this Checkpointer of {self.directory} is read-only")
+        self._agree(f"save step {int(step)}")
         record = {"format": _FORMAT, "step": int(step), "extra": dict(extra or {}),
                   "saved_by": dict(saved_by or {})}  # fmt: skip
         try:
@@ -277,6 +285,10 @@ class Checkpointer:
                 "with (the state of another optimizer of the same shape would be misread).", stacklevel=2)
         params, opt_state = train_step.from_checkpoint(restored.params, saved)
         return dataclasses.replace(restored, params=params, opt_state=opt_state)
+
+    def _agree(self, call: str) -> None:
+        """Every process makes ``call`` on this directory within the timeout, or all raise."""
+        agree_on_call(host_comm(), "checkpoint", lambda: [f"{call} of {self.directory}"], self._timeout)
 
     def _saved_under(self, step: int | None, prefix: str) -> list[str] | None:
         """The saved paths under ``prefix`` (without it) of ``step`` (default: the latest);
@@ -371,6 +383,7 @@ class Checkpointer:
         """
         if step is not None:
             check_step(step, "restore")
+        self._agree(f"restore step {step if step is not None else 'latest'}")
         self.wait()
         self._manager.reload()  # steps written by other Checkpointers since this one opened
         steps = self.all_steps()

@@ -28,7 +28,7 @@ import numpy as np
 from axonn_jax.partitioner.program import Program
 from axonn_jax.runtime.microbatches import call_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall
-from axonn_jax.runtime.pipeline.agreement import agree_on_call, call_description
+from axonn_jax.runtime.agreement import agree_on_call, call_description
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.setup import StagePrograms, compile_stages, stage_inputs
 from axonn_jax.runtime.pipeline.stage_program import StageProgram

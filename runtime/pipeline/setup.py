@@ -156,7 +156,7 @@ def compile_stages(stages: Sequence[StageProgram], placed: PlacedModel, compiled
     stages' inputs), raises on every process. Once compiled, ``error`` is raised here (the
     others' stages then time out waiting for this one). The collective runs only where a stage
     must compile: every process gets here with the same input shapes (the call's agreement,
-    :mod:`~axonn_jax.runtime.pipeline.agreement`, raised otherwise), so all compile or none."""
+    :mod:`~axonn_jax.runtime.agreement`, raised otherwise), so all compile or none."""
     local = placed.homes.local
     if all(compiled(stages[s]) for s in local):
         if error is not None:

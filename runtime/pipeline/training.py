@@ -36,7 +36,7 @@ from axonn_jax.runtime.loss_program import BATCH_KEYWORD, ScalarLoss, mean_aux, 
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.model_call import ModelCall, unwrap_params, wrap_params
 from axonn_jax.runtime.pipeline import timeline
-from axonn_jax.runtime.pipeline.agreement import agree_on_call, call_description
+from axonn_jax.runtime.agreement import agree_on_call, call_description
 from axonn_jax.runtime.pipeline.dispatch import DispatchQueue
 from axonn_jax.runtime.pipeline.layer_rows import owned_rows, whole_gradient
 from axonn_jax.runtime.pipeline.schedules import check_schedule, splits_weights
@@ -158,7 +158,7 @@ class PipelinedValueAndGrad:
     def _agree(self, batch, rngs, loss_scale) -> None:
         """Every process makes this step with the same batch shapes (and, with
         ``AXONN_JAX_CHECK_BATCH=1``, values), or all raise within the timeout
-        (:mod:`~axonn_jax.runtime.pipeline.agreement`): before anything compiles or runs."""
+        (:mod:`~axonn_jax.runtime.agreement`): before anything compiles or runs."""
         described = call_description(dict(batch=batch, rngs=rngs), microbatches=self.options.microbatches,
                                      loss_scale=None if loss_scale is None else np.shape(loss_scale))  # fmt: skip
         agree_on_call(self.placed.host, "train step", described, self.options.timeout)

@@ -1,14 +1,16 @@
 """Under mpiexec -n 2, pipeline=2,x=2,z=2 (or GRID): processes that make different collective
-calls fail together, within the timeout, naming the cause (runtime/pipeline/agreement.py).
+calls fail together, within the timeout, naming the cause (runtime/agreement.py).
 
-Usage: mpiexec -n 2 python pipeline_call_agreement.py rank0_only|sizes|values|step_rank0_only TIMEOUT [GRID]
+Usage: mpiexec -n 2 python call_agreement.py rank0_only|sizes|values|step_rank0_only|checkpoint_rank0_only TIMEOUT [GRID]
 
 ``rank0_only``: only rank 0 calls ``pm.forward`` (``pm.apply`` with a timeout) ("generate on the main rank"); rank 1 sleeps
 past the timeout, then makes its next pipelined call. ``sizes``: at step 1 rank 1 passes a
 batch of 8 rows, rank 0 one of 16 (an epoch remainder read per rank). ``values``: the same
 shapes, other values on rank 1 (checked with ``AXONN_JAX_CHECK_BATCH=1``). ``step_rank0_only``:
 rank 1 leaves the training loop after step 1 (it sleeps past the timeout, then makes one more
-step, its next collective call). GRID (default pipeline=2,x=2,z=2) may be one mesh over both
+step, its next collective call); ``checkpoint_rank0_only``: only rank 0 creates a Checkpointer
+(in DIRECTORY, the fourth argument) and saves; rank 1 sleeps past the timeout, then makes its
+next step. GRID (default pipeline=2,x=2,z=2) may be one mesh over both
 processes (x=2,data=2: a flat train step). Each rank prints
 ``RAISED <rank> <seconds>: <type>: <message>`` (or ``FINISHED <rank>``) and exits 3.
 """
@@ -53,7 +55,20 @@ x = batch(8, 0)[0]
 pm.forward(params, x, timeout=timeout)  # collective: fine
 start = time.monotonic()
 try:
-    if mode == "rank0_only":
+    if mode == "checkpoint_rank0_only":
+        step = pm.train_step(mse, optax.sgd(0.1), inputs=lambda b: b[:1], timeout=timeout)
+        params, state = step.init(params)
+        params, state, _ = step(params, state, batch(16, 1))
+        start = time.monotonic()
+        if rank == 0:  # "save on the main rank"
+            from axonn_jax.checkpoint import Checkpointer
+
+            with Checkpointer(sys.argv[4], timeout=timeout) as ckpt:
+                ckpt.save_train_state(1, step, params, state)
+        else:
+            time.sleep(timeout + 5)
+            params, state, _ = step(params, state, batch(16, 2))  # its next collective call
+    elif mode == "rank0_only":
         if rank == 0:
             pm.forward(params, x, timeout=timeout)
         else:

@@ -70,11 +70,14 @@ REMEDIES = {
                   "dtypes and values: each process reads the whole batch and keeps its part, on a "
                   "pipeline the first stage its inputs and the last its targets; e.g. drop or pad an "
                   "epoch's remainder the same way on every process)",
+    "checkpoint": "a Checkpointer and its save / restore are collective over the job's processes: create "
+                  "it and call them on every process (each writes and reads its own shards; e.g. save on "
+                  "every process, print on process 0 only)",
 }  # fmt: skip
 
 
 #: how the messages name each kind of call
-NAMES = {"pm.apply": "pm.apply / pm.forward", "train step": "the train step"}
+NAMES = {"pm.apply": "pm.apply / pm.forward", "train step": "the train step", "checkpoint": "a Checkpointer call"}
 
 
 class CallNotJoined(RuntimeError):
