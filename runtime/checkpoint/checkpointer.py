@@ -130,8 +130,8 @@ class Checkpointer:
         takeover: replace another writer's lock on ``directory`` (a writer of a
             job that is no longer running on another host; see
             :mod:`~axonn_jax.runtime.checkpoint.writer_lock`).
-        timeout: seconds every process has to make the same call (creating it,
-            :meth:`save`, :meth:`restore`) under ``mpiexec``; else all raise
+        timeout: seconds every process has to make the same call (creating a
+            writer, :meth:`save`, :meth:`restore`, :meth:`delete`) under ``mpiexec``; else all raise
             (:mod:`~axonn_jax.runtime.agreement`: ``if rank == 0: save(...)``
             used to hang every process).
 
@@ -154,7 +154,8 @@ class Checkpointer:
             )
         self.directory = Path(directory).absolute()
         self._read_only, self._timeout = read_only, timeout
-        self._agree("Checkpointer")  # collective from here on: every process, or all raise
+        if not read_only:  # a writer is collective from here on (a reader lists steps alone)
+            self._agree("Checkpointer")
         if self.directory.exists() and not self.directory.is_dir():
             raise NotADirectoryError(f"the checkpoint directory {self.directory} is a file. Remedy: "
                                      "name a directory (it is created if missing).")
@@ -354,6 +355,7 @@ class Checkpointer:
         if self._read_only:
             raise ValueError(f"this Checkpointer of {self.directory} is read-only. Remedy: open it "
                              "with read_only=False to delete steps.")
+        self._agree(f"delete step {int(step)}")
         self.wait()
         steps = self.all_steps()
         if int(step) not in steps:
