@@ -187,6 +187,7 @@ def _join(cpu_collectives: str, initialization_timeout: int, heartbeat_timeout: 
         _COLLECTIVES = None if _AUTO else cpu_collectives
         # "auto" starts as gloo (what any grid can run on) until a grid says otherwise
         _set_cpu_collectives("gloo" if _AUTO else cpu_collectives)
+        _keep_sigterm()
         jax.distributed.initialize(
             cluster_detection_method="mpi4py",
             initialization_timeout=initialization_timeout,
@@ -207,6 +208,17 @@ def _join(cpu_collectives: str, initialization_timeout: int, heartbeat_timeout: 
     from jax._src.distributed import global_state
 
     return ProcessInfo(global_state.process_id, global_state.num_processes, distributed)
+
+
+def _keep_sigterm() -> None:
+    """Leave SIGTERM ending the process, as the batch system means it (``scancel``, a job past
+    its time limit, ``timeout``): JAX's preemption service, which ``jax.distributed`` starts
+    by default, catches it for checkpoints at a sync point this framework does not take, so a
+    stuck job ran on until SIGKILL. Set ``JAX_ENABLE_PREEMPTION_SERVICE=1`` to keep JAX's."""
+    import jax
+
+    if "JAX_ENABLE_PREEMPTION_SERVICE" not in os.environ:
+        jax.config.update("jax_enable_preemption_service", False)
 
 
 _COLLECTIVES: str | None = None  # "gloo", "mpi" or "local" once chosen; None while "auto" waits

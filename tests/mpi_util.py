@@ -52,6 +52,26 @@ def mpiexec() -> str:
     return found
 
 
+def mpi_command(n: int, script: str, *args: str, devices_per_process: int = 1,
+                env: dict | None = None) -> tuple[list[str], dict]:
+    """``(command, environment)`` that runs ``mpi_scripts/<script>`` on ``n`` ranks (what
+    :func:`run_mpi` runs; for a test that must signal or watch the job itself)."""
+    full_env = dict(os.environ)
+    full_env.update(
+        XLA_FLAGS=xla_flags(devices_per_process),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(TESTS), full_env.get("PYTHONPATH", "")]),
+        PYTHONUNBUFFERED="1",
+    )
+    full_env.update(env or {})
+    command = [mpiexec(), "-n", str(n)]
+    version = subprocess.run([command[0], "--version"], capture_output=True, text=True)
+    if "Open MPI" in version.stdout + version.stderr:
+        command += ["--allow-run-as-root", "--oversubscribe"]
+    command += [sys.executable, str(SCRIPTS / script), *args]
+    return command, full_env
+
+
 def run_mpi(
     n: int,
     script: str,
@@ -67,19 +87,7 @@ def run_mpi(
     the test with its own message and the tail of what the ranks printed.
     """
     timeout = subprocess_timeout(timeout)
-    full_env = dict(os.environ)
-    full_env.update(
-        XLA_FLAGS=xla_flags(devices_per_process),
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join([str(TESTS), full_env.get("PYTHONPATH", "")]),
-        PYTHONUNBUFFERED="1",
-    )
-    full_env.update(env or {})
-    command = [mpiexec(), "-n", str(n)]
-    version = subprocess.run([command[0], "--version"], capture_output=True, text=True)
-    if "Open MPI" in version.stdout + version.stderr:
-        command += ["--allow-run-as-root", "--oversubscribe"]
-    command += [sys.executable, str(SCRIPTS / script), *args]
+    command, full_env = mpi_command(n, script, *args, devices_per_process=devices_per_process, env=env)
     try:
         return subprocess.run(
             command, env=full_env, capture_output=True, text=True, timeout=timeout, check=False

@@ -61,6 +61,39 @@ def test_killed_rank_ends_the_whole_job(n):
     assert "unexpectedly finished" not in result.stdout + result.stderr
 
 
+@pytest.mark.mpi
+def test_sigterm_ends_the_job_as_the_batch_system_means_it():
+    """``scancel``, a job past its time limit and ``timeout`` send SIGTERM first: after
+    ``axonn_jax.init()`` the job ends at once. JAX's preemption service (started by
+    ``jax.distributed``, for checkpoints at a sync point this framework does not take) used to
+    catch it, so a stuck job ran on until SIGKILL."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from mpi_util import mpi_command
+
+    command, env = mpi_command(2, "init_then_sleep.py", "120")
+    job = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)  # fmt: skip
+    try:
+        ready = 0
+        for line in job.stdout:  # both ranks joined the job and started their backends
+            ready += line.startswith("ready")
+            if ready == 2:
+                break
+        assert ready == 2
+        start = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        job.wait(timeout=30)
+        assert time.monotonic() - start < 30
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+
+
 @pytest.mark.timeout(960)  # the job's own 900 s timeout fires first
 def test_dropout_and_forward_only_pipelines_across_two_processes():
     """pipeline=2 under mpiexec -n 2, one launch: GPT-2 with dropout 0.1 gives the plain model's
