@@ -62,9 +62,9 @@ _HEADER = struct.Struct("<ddI16s")  # entered (time.time), timeout, description 
 
 #: what the error says of each kind of call
 REMEDIES = {
-    "pm.apply": "pm.apply / pm.forward on a pipeline spread over several processes is collective: "
-                "call it on every process, with the same inputs (e.g. generate on every process "
-                "and print on process 0 only)",
+    "pm.apply": "pm.apply / pm.forward over several processes is collective: call it on every "
+                "process, with the same inputs (e.g. generate on every process and print on "
+                "process 0 only)",
     "train step": "a train step over several processes (pm.train_step, a pipelined pm.value_and_grad) "
                   "is collective: call it on every process, with the same global batch (same shapes, "
                   "dtypes and values: each process reads the whole batch and keeps its part, on a "

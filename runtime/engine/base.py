@@ -208,3 +208,9 @@ class Engine(abc.ABC):
     def unpack_states(self, packed) -> dict[int, Any] | None:
         """:meth:`pack_states`'s form back as ``{stage: state}``; ``None`` if ``packed`` is
         not of that form (another optimizer's state, e.g. from ``pm.init_optimizer``)."""
+
+
+def is_traced(tree) -> bool:
+    """True inside ``jax.jit`` (or another transformation): some leaf is a tracer (every
+    process traces the call there; nothing runs from Python, nothing is agreed on the host)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))

@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from axonn_jax.runtime.engine.base import Engine
+from axonn_jax.runtime.engine.base import Engine, is_traced
 from axonn_jax.runtime.pipeline.forward import pipelined_forward
 from axonn_jax.runtime.pipeline.setup import StagePrograms
 from axonn_jax.runtime.pipeline.training import PipelinedValueAndGrad, PipelineOptions
@@ -45,7 +45,7 @@ class Pipelined(Engine):
         return self.forward(params, args, kwargs)
 
     def forward(self, params, args, kwargs, *, microbatches=1, timeout=60.0):
-        if _is_traced((params, args, kwargs)):
+        if is_traced((params, args, kwargs)):
             raise ValueError(
                 f"pm.apply on a pipeline grid ({self.grid}) runs the stages from Python, one "
                 "process per stage, so it cannot be traced by jax.jit/jax.grad. Remedy: call "
@@ -77,8 +77,3 @@ class Pipelined(Engine):
 
     def unpack_states(self, packed):
         return dict(packed) if isinstance(packed, dict) else None
-
-
-def _is_traced(tree) -> bool:
-    """True inside ``jax.jit`` (or another transformation): some leaf is a tracer."""
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(tree))

@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from axonn_jax.partitioner.trace import call_leaves
-from axonn_jax.runtime.engine.base import Engine
+from axonn_jax.runtime.agreement import agree_on_call, call_description
+from axonn_jax.runtime.engine.base import Engine, is_traced
 from axonn_jax.runtime.master_optimizer import check_optimizer, optimizer_state_shardings
 from axonn_jax.runtime.microbatches import batch_slices, check_microbatches
 from axonn_jax.runtime.loss_program import ScalarLoss, mean_aux, scaled
@@ -39,8 +40,10 @@ class SingleMesh(Engine):
         return self.placed.meshes[0]
 
     # --- execution ------------------------------------------------------------
-    def apply(self, params, args, kwargs):
+    def apply(self, params, args, kwargs, *, timeout: float = 60.0):
         params, _ = self.plan_tree(params)
+        if self.placed.multiprocess and not is_traced((params, args, kwargs)):  # eager: agree first
+            agree_on_call(self.placed.host, "pm.apply", call_description(dict(args=args, kwargs=kwargs)), timeout)
         arg_leaves = onto_mesh(call_leaves(args, kwargs)[0], self.mesh, self.grid)  # a batch put elsewhere
         program = self.program_for(args, kwargs)
         self.placed.check_params(params, dtypes=False)  # names, shapes, dtypes: a wrong tree never runs
@@ -62,8 +65,8 @@ class SingleMesh(Engine):
         return jax.tree.unflatten(program.out_tree, outs)
 
     def forward(self, params, args, kwargs, *, microbatches=1, timeout=60.0):
-        del microbatches, timeout  # one program: nothing to overlap
-        return self.apply(params, args, kwargs)
+        del microbatches  # one program: nothing to overlap
+        return self.apply(params, args, kwargs, timeout=timeout)
 
     def _value_and_grad(self, loss_fn, inputs, microbatches, remat, pipeline):
         del pipeline  # no dispatch queue
