@@ -101,19 +101,25 @@ def gspmd_section(r: dict) -> str:
 # ---------------------------------------------------------------- others
 
 
+def _checked(m: dict) -> str:
+    """Which grids the planner's check compiled: its top K, and the near ties it added."""
+    ties = len(m.get("checked", ())) - m.get("check", 3)
+    return f"analytical top {m.get('check', 3)}" + (f" and {ties} near tie{'s' * (ties > 1)}" if ties > 0 else "")
+
+
 def prediction_summary(r: dict) -> Rows:
     if "models" not in r:  # results from before the MLP and CNN
         return [(f"grid choice: Spearman ρ, predicted vs measured step time over {r['grids']} grids",
                  f"{r['spearman']:.2f} (predicted best is measured #{r['best_rank']})")]  # fmt: skip
     models = r["models"]
     if "pick" in next(iter(models.values())):
-        rows = [(f"grid choice, {name}: the planner's pick (analytical top {m.get('check', 3)} reordered by "
+        rows = [(f"grid choice, {name}: the planner's pick ({_checked(m)} reordered by "
                  f"compiled step time), its measured rank over {m['grids']} grids",
                  f"#{m['best_rank']} ({_slowdown(m):.2f}× the best's time, fastest in "
                  f"{m['predicted_best_share']:.0%} of resamples, tied: {len(m['tied'])} grids; Spearman ρ "
                  f"analytical {m['spearman']:.2f}, compiled {m['spearman_compiled']:.2f})")
                 for name, m in models.items()]  # fmt: skip
-        return rows + [(f"grid choice, {name}: the planner's timed pick (the same top {m['check']}, each run "
+        return rows + [(f"grid choice, {name}: the planner's timed pick (the same {len(m.get('checked', ())) or m['check']}, each run "
                         f"{m['trial_steps']} steps: plan --check --trial), its measured rank",
                         f"#{m['trial_pick_rank']} ({_slowdown(m, m['trial_pick']):.2f}× the best's time, "
                         f"fastest in {m['trial_pick_share']:.0%} of resamples)")
