@@ -385,5 +385,10 @@ def test_grid_prediction_summary_gives_the_timed_pick_beside_the_compiled_one():
          "measured_ms": {"(4,2,1,1)": 20.0, "(8,1,1,1)": 21.0, "(1,1,1,8)": 40.0}}  # fmt: skip
     (_, compiled), (label, timed) = FORMATTERS["grid_prediction"][0]({"models": {"mlp": m}})
     assert compiled.startswith("#2 (1.05× the best's time, fastest in 30% of resamples")
-    assert label.startswith("grid choice, mlp: the planner's timed pick (the same top 3, each run 10 steps")
+    assert label.startswith("grid choice, mlp: the planner's timed pick (the same 3, each run 10 steps")
     assert timed == "#1 (1.00× the best's time, fastest in 70% of resamples)"
+    # the check's near ties (plan --check --within): named in both labels
+    wider = {**m, "checked": ["(8,1,1,1)", "(4,2,1,1)", "(2,4,1,1)", "(1,1,1,8)"]}
+    (label, _), (timed_label, _) = FORMATTERS["grid_prediction"][0]({"models": {"mlp": wider}})
+    assert "the planner's pick (analytical top 3 and 1 near tie reordered by compiled step time)" in label
+    assert "timed pick (the same 4, each run 10 steps" in timed_label
