@@ -29,7 +29,7 @@ from axonn_jax.partitioner.plan import Plan
 from axonn_jax.partitioner.program import PlanOptions, Program, plan_model
 from axonn_jax.runtime import launch
 from axonn_jax.runtime.engine import Engine, build_engine
-from axonn_jax.runtime.model_call import ModelCall, wrap_params
+from axonn_jax.runtime.model_call import warn_unseen_intermediates, wrap_params
 from axonn_jax.runtime.overlap import Overlap
 from axonn_jax.runtime.placement import ParamHomes
 from axonn_jax.runtime.stage_report import PipelineReport
@@ -350,7 +350,7 @@ class Partitioned:
             ...                                             {"acc": accuracy(logits, t)}), has_aux=True)
             >>> (loss, metrics), grads = step(params, tokens)                           # doctest: +SKIP
         """
-        ModelCall.warn_unseen_intermediates(self.program.traced)
+        warn_unseen_intermediates(self.program.traced)
         return self.engine.value_and_grad(loss_fn, inputs=inputs, microbatches=microbatches,
                                           schedule=schedule, limit=limit, timeout=timeout, remat=remat,
                                           delay=delay, asynchronous=asynchronous, has_aux=has_aux)  # fmt: skip
@@ -374,7 +374,7 @@ class Partitioned:
             >>> params, opt_state = step.init(params)                              # doctest: +SKIP
             >>> params, opt_state, loss = step(params, opt_state, tokens)          # doctest: +SKIP
         """
-        ModelCall.warn_unseen_intermediates(self.program.traced)
+        warn_unseen_intermediates(self.program.traced)
         return self.engine.train_step(loss_fn, optimizer, precision=precision, offload=offload,
                                       update_on=update_on, bucket_bytes=bucket_bytes, prefetch=prefetch,
                                       **options)  # fmt: skip

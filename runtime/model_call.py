@@ -50,21 +50,6 @@ class ModelCall:
             mutable = tuple(sorted({p.split("/")[0] for p in traced.param_paths} - {"params"}))
         return cls(static, stateful, mutable, rng_state=bool(traced.rng_state), keywords=keywords)
 
-    @staticmethod
-    def warn_unseen_intermediates(traced: TracedModel) -> None:
-        """Warn that a training call does not return what the example call stored with ``sow``
-        (or captured): the loss gets the model's outputs, as ``loss_fn(outputs, batch)`` says."""
-        _, kwargs = traced.example_call()
-        if traced.kind == "linen" and (kwargs.get("capture_intermediates")
-                                       or in_filter(kwargs.get("mutable", False), "intermediates")):  # fmt: skip
-            warnings.warn(
-                "pm.value_and_grad and pm.train_step call the model without mutable=['intermediates']: "
-                "the values it stores with sow (or captures) are neither given to the loss nor returned; "
-                "the loss gets the model's outputs. Remedy: return what the loss needs from __call__ "
-                "(e.g. `return logits, aux_loss`, then `loss_fn((logits, aux), batch)`), or call "
-                "pm.apply(..., mutable=['intermediates']) in your own jitted step (one mesh).",
-                stacklevel=user_frame()[1])  # fmt: skip
-
     def check_microbatches(self, microbatches: int) -> None:
         """nnx RNG streams draw one key per call: microbatches would share their dropout masks."""
         if self.rng_state and microbatches > 1:
@@ -144,6 +129,21 @@ def call_kwargs(inputs: Mapping, fixed: Mapping) -> dict:
             "entries that inputs= returns, or drop the flag from partition()."
         )
     return {**fixed, **inputs}
+
+
+def warn_unseen_intermediates(traced: TracedModel) -> None:
+    """Warn that a training call does not return what the example call stored with ``sow``
+    (or captured): the loss gets the model's outputs, as ``loss_fn(outputs, batch)`` says."""
+    _, kwargs = traced.example_call()
+    if traced.kind == "linen" and (kwargs.get("capture_intermediates")
+                                   or in_filter(kwargs.get("mutable", False), "intermediates")):  # fmt: skip
+        warnings.warn(
+            "pm.value_and_grad and pm.train_step call the model without mutable=['intermediates']: "
+            "the values it stores with sow (or captures) are neither given to the loss nor returned; "
+            "the loss gets the model's outputs. Remedy: return what the loss needs from __call__ "
+            "(e.g. `return logits, aux_loss`, then `loss_fn((logits, aux), batch)`), or call "
+            "pm.apply(..., mutable=['intermediates']) in your own jitted step (one mesh).",
+            stacklevel=user_frame()[1])  # fmt: skip
 
 
 def unwrap_params(tree, param_tree) -> tuple[Any, bool]:
